@@ -1,0 +1,892 @@
+"""Shared plumbing for every algorithm script: tasks and rewards, rollouts, token log-probs,
+group advantages, loss aggregation, seeding, logging and checkpoints.
+
+Nothing in this file is an algorithm. Each `<algo>.py` script imports these helpers and keeps
+its own credit assignment and loss inline, so `diff grpo.py <algo>.py` shows only the method.
+
+Sections:
+  1. Tasks: the built-in `arith` task (with its first-wrong-step oracle), GSM8K, MATH
+  2. Models and prompts
+  3. Rollouts (Hugging Face `generate`)
+  4. Token log-probs, group advantages, loss aggregation
+  5. Evaluation, logging, checkpoints, seeding
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+REPO_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = str(REPO_DIR / "assets" / "tiny-arith")
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Tasks
+# ----------------------------------------------------------------------------------------------
+# --- 1a. The built-in task: multi-step arithmetic, one step per line ----------------------------
+# A problem is a start value and a list of (+|-, operand) operations, written "23+7-5+9".
+# Its solution is one line per operation, then the answer line:
+#     23+7=30
+#     30-5=25
+#     25+9=34
+#     #### 34
+# Running values stay in [0, max_value]: an operation that would leave the range flips its sign.
+
+ARITH_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*$")
+ANSWER_LINE_RE = re.compile(r"^\s*####\s*(.*?)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithProblem:
+    start: int
+    ops: tuple[tuple[str, int], ...]  # ((op, operand), ...), op in {"+", "-"}
+
+    @property
+    def text(self) -> str:
+        return str(self.start) + "".join(f"{op}{b}" for op, b in self.ops)
+
+    def values(self) -> list[int]:
+        """Running values after each operation (len == number of steps)."""
+        out, v = [], self.start
+        for op, b in self.ops:
+            v = v + b if op == "+" else v - b
+            out.append(v)
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values()[-1]
+
+    def solution(self) -> str:
+        """The reference step-by-step solution (no trailing newline)."""
+        lines, v = [], self.start
+        for (op, b), nv in zip(self.ops, self.values()):
+            lines.append(f"{v}{op}{b}={nv}")
+            v = nv
+        lines.append(f"#### {v}")
+        return "\n".join(lines)
+
+
+def make_arith_problem(rng: random.Random, steps: int = 4, max_value: int = 99, max_operand: int = 9) -> ArithProblem:
+    """Draw one problem: start in [0, max_value], `steps` operations with operands in [1, max_operand]."""
+    if steps < 1 or max_operand < 1 or max_value < max_operand:
+        raise ValueError(f"bad arith settings: steps={steps}, max_value={max_value}, max_operand={max_operand}")
+    v = rng.randint(0, max_value)
+    start, ops = v, []
+    for _ in range(steps):
+        b = rng.randint(1, max_operand)
+        op = rng.choice("+-")
+        if op == "+" and v + b > max_value:
+            op = "-"
+        elif op == "-" and v - b < 0:
+            op = "+"
+        v = v + b if op == "+" else v - b
+        ops.append((op, b))
+    return ArithProblem(start, tuple(ops))
+
+
+def parse_arith_problem(text: str) -> ArithProblem:
+    """Inverse of `ArithProblem.text`: "23+7-5+9" -> ArithProblem(23, (("+",7), ("-",5), ("+",9)))."""
+    m = re.fullmatch(r"\s*(\d+)((?:\s*[+-]\s*\d+)+)\s*", text)
+    if not m:
+        raise ValueError(f"not an arith problem: {text!r}")
+    ops = tuple((op, int(b)) for op, b in re.findall(r"([+-])\s*(\d+)", m.group(2)))
+    return ArithProblem(int(m.group(1)), ops)
+
+
+def arith_prompt(problem: ArithProblem) -> str:
+    """Plain-text prompt the bundled tiny model was trained with."""
+    return f"Solve: {problem.text}\n"
+
+
+def arith_reference_prompt(problem: ArithProblem, reference: str) -> str:
+    """Plain-text prompt with a verified reference solution placed before the problem
+    (what SC-GRPO's self-conditioned teacher sees; the tiny model was trained on it)."""
+    return f"Reference solution:\n{reference.strip()}\nSolve: {problem.text}\n"
+
+
+def arith_localization_prompt(problem: ArithProblem, thoughts: Sequence[str]) -> str:
+    """Plain-text prompt asking for the first wrong step of a failed solution, answered as
+    `\\boxed{N}` (what SRPO's self-localization asks; the tiny model was trained on it)."""
+    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
+    return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
+
+
+def arith_first_error(problem: ArithProblem | str, completion: str) -> int | None:
+    """Ground-truth first wrong step of a completion, 1-based over its non-empty lines.
+
+    Line i (i <= number of operations) must be the i-th step `a<op>b=c` with a the correct running
+    value, the problem's i-th operation and c = a<op>b; line steps+1 must be `#### <answer>`.
+    Returns the index of the first line that breaks this, or None when every line is right.
+    A completion that stops early (all its lines right, some missing) returns the index of the
+    first missing line (one past its last line): resetting there keeps every correct line.
+    Lines after the answer line are ignored (they do not change what was computed).
+    """
+    if isinstance(problem, str):
+        problem = parse_arith_problem(problem)
+    lines = [ln for ln in completion.split("\n") if ln.strip()]
+    v = problem.start
+    for i, ((op, b), nv) in enumerate(zip(problem.ops, problem.values()), 1):
+        if i > len(lines):
+            return i
+        m = ARITH_STEP_RE.match(lines[i - 1])
+        if not m or int(m.group(1)) != v or m.group(2) != op or int(m.group(3)) != b or int(m.group(4)) != nv:
+            return i
+        v = nv
+    i = len(problem.ops) + 1
+    if i > len(lines):
+        return i
+    m = ANSWER_LINE_RE.match(lines[i - 1])
+    if not m or _normalize_number(m.group(1)) != str(problem.answer):
+        return i
+    return None
+
+
+def arith_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's final answer (last `#### N`) equals the gold integer, else 0.0."""
+    pred = extract_hash_answer(completion)
+    return 1.0 if pred is not None and pred == _normalize_number(gold) else 0.0
+
+
+# --- 1b. GSM8K ---------------------------------------------------------------------------------
+_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
+
+
+def _normalize_number(s: str) -> str | None:
+    """'$1,234.00' -> '1234'; '-3.50' -> '-3.5'; '.5' -> '0.5'; None when not a number."""
+    s = s.strip().replace(",", "").replace("$", "").replace(" ", "")
+    s = s.rstrip(".")  # a sentence's full stop: "is 72."
+    if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
+        return None
+    neg = s.startswith("-")
+    s = s.lstrip("-")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    s = s.lstrip("0") or "0"
+    if s.startswith("."):
+        s = "0" + s
+    return ("-" + s) if neg and s != "0" else s
+
+
+def extract_hash_answer(text: str) -> str | None:
+    """The normalized number after the last `####` in `text`, or None."""
+    hits = re.findall(r"####\s*([^\n]*)", text)
+    for h in reversed(hits):
+        m = _NUMBER_RE.search(h)
+        if m:
+            return _normalize_number(m.group(0))
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (brace-balanced) or `\\boxed x`, or None."""
+    idx = text.rfind("\\boxed")
+    if idx < 0:
+        return None
+    i = idx + len("\\boxed")
+    if i < len(text) and text[i] == " ":
+        m = re.match(r" ([^\s$]+)", text[i:])
+        return m.group(1) if m else None
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth, j = 0, i
+    while j < len(text):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+        j += 1
+    return None  # unbalanced
+
+
+def gsm8k_gold(answer_field: str) -> str | None:
+    """The gold number of a GSM8K answer field (`... #### 72`) or of a bare number; None if none."""
+    if "####" in answer_field:
+        return extract_hash_answer(answer_field)
+    return _normalize_number(answer_field)
+
+
+def gsm8k_extract(completion: str) -> str | None:
+    """The completion's final answer: last `#### N`, else last `\\boxed{}`, else last number."""
+    ans = extract_hash_answer(completion)
+    if ans is not None:
+        return ans
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        boxed = re.sub(r"\\(?:text|mathrm)\{[^}]*\}|\\!|\\,|\\\$|\\%|%", "", boxed)
+        m = _NUMBER_RE.findall(boxed)
+        return _normalize_number(m[-1]) if m else None
+    nums = _NUMBER_RE.findall(completion)
+    return _normalize_number(nums[-1]) if nums else None
+
+
+def gsm8k_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's final answer equals the gold number, else 0.0.
+
+    `gold` is a whole GSM8K answer field (`... #### 72`) or the bare number. The completion's answer
+    is its last `#### N`, else its last `\\boxed{}`, else its last number; commas, `$` and trailing
+    `.0`/`.00` are normalized. A gold that is not a number raises ValueError (never rewarded).
+    """
+    g = gsm8k_gold(gold)
+    if g is None:
+        raise ValueError(f"GSM8K gold answer is not a number: {gold!r}")
+    pred = gsm8k_extract(completion)
+    if pred is None:
+        return 0.0
+    try:  # 3.50 == 3.5; 1e-9 tolerance for decimals written differently
+        return 1.0 if abs(float(pred) - float(g)) < 1e-9 else 0.0
+    except ValueError:
+        return 0.0
+
+
+# --- 1c. MATH (math-verify) ------------------------------------------------------------------
+GOLD_PARSE_FAILURES = {"math": 0}  # gold answers math-verify could not parse (never rewarded)
+
+
+def _run_with_timeout(fn: Callable, timeout: float):
+    """Run fn() in a daemon thread and give up after `timeout` seconds (works off the main thread,
+    unlike math-verify's signal.alarm)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - reported to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"math-verify took more than {timeout}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def parse_math_gold(gold: str, timeout: float = 5.0):
+    """math-verify parse of a LaTeX gold answer; [] when it cannot be parsed."""
+    from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # we enforce the timeout ourselves
+    text = gold if "\\boxed" in gold or "$" in gold else f"${gold}$"
+    try:
+        parsed = _run_with_timeout(
+            lambda: parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None),
+            timeout,
+        )
+    except Exception:  # noqa: BLE001 - an unparsable gold is counted by the caller
+        return []
+    # math-verify falls back to the raw string as its only candidate when nothing parses: accept
+    # that only for plain text answers (non-empty, balanced braces), never for broken LaTeX.
+    if parsed and all(isinstance(x, str) for x in parsed):
+        depth_ok = gold.count("{") == gold.count("}") and gold.strip() and not gold.rstrip().endswith(("\\", "^", "_"))
+        if not depth_ok or re.search(r"\\(frac|sqrt|dfrac)\b", gold):
+            return []
+    return parsed
+
+
+def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
+    """math-verify on the completion's last `\\boxed{}` against the LaTeX gold (gold first).
+
+    A gold that cannot be parsed never yields 1.0: it returns 0.0 and increments
+    `GOLD_PARSE_FAILURES["math"]`. The timeout is enforced by a thread, so it works outside the
+    main thread. A completion with no `\\boxed{}` scores 0.0.
+    """
+    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.parser import NormalizationConfig
+
+    gold_parsed = parse_math_gold(gold, timeout)
+    if not gold_parsed:
+        GOLD_PARSE_FAILURES["math"] += 1
+        return 0.0
+    boxed = last_boxed(completion)
+    if boxed is None:
+        return 0.0
+    cfg = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0)
+    try:
+        pred = _run_with_timeout(
+            lambda: parse(f"\\boxed{{{boxed}}}", extraction_config=[cfg], parsing_timeout=None), timeout
+        )
+        if not pred:
+            return 0.0
+        ok = _run_with_timeout(lambda: verify(gold_parsed, pred, timeout_seconds=None), timeout)
+    except Exception:  # noqa: BLE001 - a timeout or a parser crash is a wrong answer, not a crash
+        return 0.0
+    return 1.0 if ok else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Seeding and checkpoints (more of section 5 below)
+# ----------------------------------------------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def save_model_atomic(model, tokenizer, path: str | os.PathLike) -> Path:
+    """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
+    over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights."""
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"refusing to save a checkpoint with non-finite weights in {bad[:3]}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+# --- 1d. Loading a task --------------------------------------------------------------------------
+ARITH_INSTRUCTION = (
+    "Compute the expression step by step, one operation per line (for example 17+5=22), "
+    "then give the final answer on its own line as '#### <number>'.\n"
+)
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main", "train", "test"), "math": ("HuggingFaceH4/MATH-500", None, "test", None)}
+
+
+@dataclasses.dataclass
+class Example:
+    """One prompt of a task. `id` keys its group of completions (never its position in a batch)."""
+
+    id: int
+    question: str  # the raw problem text
+    gold: str  # the gold answer the reward compares with
+    prompt: str  # the rendered prompt (chat template applied when the tokenizer has one)
+    prompt_ids: list[int]
+
+
+@dataclasses.dataclass
+class Task:
+    name: str
+    train: list[Example]
+    eval: list[Example]
+    reward_fn: Callable[[str, Example], float]  # (completion text, example) -> reward in [0, 1]
+    skipped: dict  # why examples were dropped at load time -> count (never rewarded)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, user: str, plain: str, system: str | None = None) -> str:
+    """The chat template (system + user turn, generation prompt) when the tokenizer has one,
+    else the `plain` text (which the bundled tiny model was trained on)."""
+    if not has_chat_template(tokenizer):
+        return plain
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered prompt (a chat template already holds its special tokens)."""
+    return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer)).input_ids
+
+
+def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], str]:
+    """Rows of a local jsonl/json/parquet file (`data_path`) or of the task's hub dataset."""
+    from datasets import load_dataset
+
+    if data_path:
+        p = Path(data_path)
+        if not p.exists():
+            raise FileNotFoundError(f"--data-path {data_path}: no such file")
+        fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".gz": "json"}.get(p.suffix)
+        if fmt is None:
+            raise ValueError(f"--data-path {data_path}: expected a .jsonl, .json or .parquet file")
+        return list(load_dataset(fmt, data_files=str(p), split="train")), str(p)
+    name, config, train_split, eval_split = HUB_DATASETS[task]
+    split = train_split if split_kind == "train" else eval_split
+    return list(load_dataset(name, config, split=split)), f"{name}[{split}]"
+
+
+def _require(row: dict, fields: Sequence[str], source: str, task: str) -> None:
+    missing = [f for f in fields if f not in row]
+    if missing:
+        raise KeyError(f"{source}: {task} rows need the field(s) {missing}; this file has {sorted(row)}")
+
+
+def load_task(
+    name: str,
+    tokenizer,
+    seed: int = 0,
+    num_eval: int = 200,
+    data_path: str | None = None,
+    eval_data_path: str | None = None,
+    max_prompt_length: int = 1024,
+    arith_steps: int = 4,
+    arith_max_value: int = 99,
+    arith_max_operand: int = 9,
+    arith_num_train: int = 20000,
+) -> Task:
+    """Build a task's train and eval prompts and its reward function.
+
+    arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: `datasets.load_dataset`
+    from the hub, or a local jsonl/parquet via `data_path` (eval from `eval_data_path`, else the
+    first `num_eval` rows held out). Rows whose gold answer cannot be parsed, and prompts longer
+    than `max_prompt_length` tokens, are skipped and counted in `Task.skipped`.
+    """
+    skipped = {"unparsable_gold": 0, "prompt_too_long": 0}
+
+    def make(i: int, question: str, gold: str, user: str, plain: str) -> Example | None:
+        prompt = render_prompt(tokenizer, user, plain)
+        ids = encode_prompt(tokenizer, prompt)
+        if len(ids) > max_prompt_length:
+            skipped["prompt_too_long"] += 1
+            return None
+        return Example(i, question, gold, prompt, ids)
+
+    if name == "arith":
+        rng = random.Random(seed)
+        eval_rng = random.Random(10_000_019 + seed)
+        kw = dict(steps=arith_steps, max_value=arith_max_value, max_operand=arith_max_operand)
+        eval_problems = list({p.text: p for p in (make_arith_problem(eval_rng, **kw) for _ in range(num_eval))}.values())
+        held = {p.text for p in eval_problems}
+        train_problems = [p for p in (make_arith_problem(rng, **kw) for _ in range(arith_num_train)) if p.text not in held]
+
+        def build(problems, offset):
+            return [
+                make(offset + i, p.text, str(p.answer), ARITH_INSTRUCTION + p.text, arith_prompt(p))
+                for i, p in enumerate(problems)
+            ]
+
+        train, evals = build(train_problems, 0), build(eval_problems, 10**9)
+        reward_fn = lambda completion, ex: arith_reward(completion, ex.gold)  # noqa: E731
+    elif name in ("gsm8k", "math"):
+        fields = ("question", "answer") if name == "gsm8k" else ("problem",)
+
+        def convert(rows, source, offset):
+            out = []
+            for i, row in enumerate(rows):
+                _require(row, fields, source, name)
+                if name == "gsm8k":
+                    q, gold = row["question"], gsm8k_gold(str(row["answer"]))
+                    ok = gold is not None
+                else:
+                    if "answer" not in row and "solution" not in row:
+                        raise KeyError(f"{source}: math rows need an 'answer' (or 'solution' with \\boxed{{}}) field; this file has {sorted(row)}")
+                    q = row["problem"]
+                    gold = str(row["answer"]) if "answer" in row else last_boxed(str(row["solution"]))
+                    ok = gold is not None and bool(parse_math_gold(gold))
+                if not ok:
+                    skipped["unparsable_gold"] += 1
+                    continue
+                plain = f"Question: {q}\n{MATH_INSTRUCTION}\nAnswer:"
+                ex = make(offset + i, q, gold, f"{q}\n{MATH_INSTRUCTION}", plain)
+                if ex is not None:
+                    out.append(ex)
+            return out
+
+        rows, source = _load_rows(name, data_path, "train")
+        if eval_data_path or (not data_path and HUB_DATASETS[name][3]):
+            eval_rows, eval_source = _load_rows(name, eval_data_path, "eval")
+            train, evals = convert(rows, source, 0), convert(eval_rows, eval_source, 10**9)[:num_eval]
+        else:  # one file: hold out its first num_eval rows
+            evals, train = convert(rows[:num_eval], source, 10**9), convert(rows[num_eval:], source, 0)
+        if name == "gsm8k":
+            reward_fn = lambda completion, ex: gsm8k_reward(completion, ex.gold)  # noqa: E731
+        else:
+            reward_fn = lambda completion, ex: math_reward(completion, ex.gold)  # noqa: E731
+    else:
+        raise ValueError(f"unknown task {name!r}: choose one of arith, gsm8k, math")
+    train = [e for e in train if e is not None]
+    evals = [e for e in evals if e is not None]
+    if not train:
+        raise ValueError(f"task {name!r} has no usable training prompts (skipped: {skipped})")
+    if not evals:
+        raise ValueError(f"task {name!r} has no usable eval prompts (skipped: {skipped})")
+    return Task(name, train, evals, reward_fn, skipped)
+
+
+def prompt_batches(examples: Sequence[Example], n: int, seed: int):
+    """Endless stream of `n`-prompt batches, reshuffled every epoch (seeded)."""
+    if n < 1 or not examples:
+        raise ValueError(f"need at least one prompt per batch and a non-empty prompt set (n={n}, {len(examples)} prompts)")
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        batch = []
+        while len(batch) < n:
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            batch.append(examples[order.pop()])
+        yield batch
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Models
+# ----------------------------------------------------------------------------------------------
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto"):
+    """`from_pretrained` a causal LM and its tokenizer (left padding for generation).
+
+    dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an unreachable hub id
+    is a clear error that names it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
+    if looks_local and not Path(name_or_path).expanduser().exists():
+        raise SystemExit(f"--model {name_or_path}: no such directory")
+    torch_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+                   "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device)
+    except (OSError, ValueError) as e:
+        raise SystemExit(
+            f"--model {name_or_path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
+            "Pass a local Hugging Face directory, or a hub id on a machine with internet access."
+        ) from e
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion (generation config's EOS ids and the tokenizer's)."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Rollouts
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Rollouts:
+    """N = prompts x G completions. Prompts left-padded to P tokens, completions right-padded to T."""
+
+    prompt_ids: torch.Tensor  # [N, P]
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T]
+    completion_mask: torch.Tensor  # [N, T] 1 up to and including the stop token
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without a stop token
+    group_ids: torch.Tensor  # [N] long: the prompt's Example.id
+    texts: list[str]  # decoded completions, special tokens removed
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, P - len(s):] = torch.tensor(list(s))
+            mask[i, P - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def completion_mask_from_ids(completion_ids: torch.Tensor, stop_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask = 1 up to and including the first stop token; truncated = no stop token in the row."""
+    is_stop = torch.isin(completion_ids, torch.tensor(list(stop_ids), device=completion_ids.device))
+    after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0  # strictly after the first stop
+    mask = (~after_stop).long()
+    return mask, ~is_stop.any(1)
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    group_ids: Sequence[int],
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    do_sample: bool = True,
+    batch_size: int = 64,
+) -> Rollouts:
+    """Sample `num_generations` completions per prompt with batched `model.generate` (KV cache,
+    left padding, stop at EOS). Sampling is plain temperature sampling (top-p 1, top-k off) unless
+    asked, so it matches the distribution `token_logprobs(..., temperature)` scores.
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt (no tokens)")
+    device = next(model.parameters()).device
+    stops = stop_token_ids(model, tokenizer)
+    flat = [(list(p), g) for p, g in zip(prompts, group_ids) for _ in range(num_generations)]
+    was_training = model.training
+    model.eval()
+    completions: list[list[int]] = []
+    for s in range(0, len(flat), batch_size):
+        chunk = [p for p, _ in flat[s : s + batch_size]]
+        ids, mask = pad_left(chunk, tokenizer.pad_token_id, device)
+        kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=stops, **kw,
+        )
+        completions.extend(out[:, ids.shape[1]:].tolist())
+    model.train(was_training)
+    T = max(len(c) for c in completions)
+    comp = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)
+    for i, c in enumerate(completions):
+        comp[i, : len(c)] = torch.tensor(c)
+    comp = comp.to(device)
+    cmask, truncated = completion_mask_from_ids(comp, stops)
+    comp = comp.masked_fill(cmask == 0, tokenizer.pad_token_id)
+    p_ids, p_mask = pad_left([p for p, _ in flat], tokenizer.pad_token_id, device)
+    texts = tokenizer.batch_decode([c[m.bool()].tolist() for c, m in zip(comp, cmask)], skip_special_tokens=True)
+    return Rollouts(p_ids, p_mask, comp, cmask, truncated, torch.tensor([g for _, g in flat], device=device), texts)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Token log-probs, group advantages, loss aggregation
+# ----------------------------------------------------------------------------------------------
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float = 1.0,
+    chunk_size: int = 8,
+    with_entropy: bool = False,
+    entropy_chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
+
+    input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded).
+    Returns logp [B, T] and, when `with_entropy`, the per-token entropy [B, T] (nats, no gradient)
+    of the same distribution, else None. Values at padded completion positions are finite but
+    meaningless: multiply by the completion mask.
+
+    Memory: the model's lm_head produces logits only for completion positions (`logits_to_keep`),
+    rows are processed `chunk_size` at a time, and log p = z[y] - logsumexp(z) in fp32 (logits
+    divided by the sampling temperature), so no [B, T, V] log-softmax is ever materialized.
+    Position ids come from the attention mask, so left padding does not shift positions (the
+    same positions `generate` used).
+    """
+    T = num_completion_tokens
+    logps, ents = [], []
+    for s in range(0, input_ids.shape[0], chunk_size):
+        ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
+        logits = logits.float() / temperature  # [b, T, V] fp32
+        target = ids[:, -T:]
+        logps.append(logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+        if with_entropy:
+            with torch.no_grad():
+                ent = []
+                for t in range(0, T, entropy_chunk):
+                    z = logits[:, t : t + entropy_chunk].detach()
+                    p = torch.softmax(z, dim=-1)
+                    ent.append(torch.logsumexp(z, dim=-1) - (p * z).sum(-1))
+                ents.append(torch.cat(ent, dim=1))
+        del logits
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-4,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GRPO's outcome advantage per completion: reward minus its group's mean, scaled.
+
+    rewards: [N]. Groups are the completions sharing a `group_ids` value (the prompt id); without
+    `group_ids`, consecutive blocks of `group_size`. Every group must have `group_size` members.
+    scale: "group" divides by the group's std (original GRPO), "batch" by the std of all rewards
+    in the batch (Lite PPO), "none" does not divide (Dr. GRPO).
+    Std convention: unbiased (Bessel-corrected, as TRL and verl), then (r - mean) / (std + eps),
+    eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0 (never NaN), whatever
+    the scale. Returns [N] float32.
+    """
+    r = rewards.float()
+    N = r.shape[0]
+    if group_ids is None:
+        if N % group_size:
+            raise ValueError(f"{N} rewards are not a whole number of groups of {group_size}")
+        group_ids = torch.arange(N, device=r.device) // group_size
+    _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if (counts != group_size).any():
+        raise ValueError(f"every group must have {group_size} completions, got sizes {sorted(set(counts.tolist()))}")
+    G = inv.max().item() + 1
+    mean = torch.zeros(G, device=r.device).index_add_(0, inv, r) / group_size
+    centered = r - mean[inv]
+    sq = torch.zeros(G, device=r.device).index_add_(0, inv, centered**2)
+    std = (sq / max(group_size - 1, 1)).sqrt()
+    gmax = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, inv, r, "amax")
+    gmin = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, inv, r, "amin")
+    constant = (gmax == gmin)[inv]
+    if scale == "group":
+        adv = centered / (std[inv] + eps)
+    elif scale == "batch":
+        adv = centered / (r.std() + eps if N > 1 else 1.0)
+    elif scale == "none":
+        adv = centered
+    else:
+        raise ValueError(f"unknown scale {scale!r}: choose group, batch or none")
+    return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    max_completion_length: int | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (verl's names; TRL's in brackets).
+
+    token-mean               sum over all tokens / number of tokens           (DAPO, TRL "dapo"/"bnpo")
+    seq-mean-token-mean      mean over each sequence's tokens, mean over rows (original GRPO, TRL "grpo")
+    seq-mean-token-sum-norm  sum over all tokens / (rows x max_completion_length) (Dr. GRPO, "dr_grpo")
+    For micro-batches, pass the whole batch's `num_tokens` (active tokens) and `num_seqs` (rows):
+    the micro-batch losses then add up to the whole batch's loss, so gradient accumulation does
+    not change the effective learning rate. Rows without tokens contribute 0.
+    """
+    m = mask.to(per_token.dtype)
+    rows = num_seqs if num_seqs is not None else per_token.shape[0]
+    if mode == "token-mean":
+        denom = num_tokens if num_tokens is not None else m.sum()
+        return (per_token * m).sum() / max(float(denom), 1.0)
+    if mode == "seq-mean-token-mean":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / max(float(rows), 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        if not max_completion_length:
+            raise ValueError("seq-mean-token-sum-norm needs max_completion_length")
+        return (per_token * m).sum() / (max(float(rows), 1.0) * max_completion_length)
+    raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {LOSS_AGG_MODES}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Evaluation, logging, non-finite guard
+# ----------------------------------------------------------------------------------------------
+def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64, temperature: float = 0.0) -> dict:
+    """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
+    sample at that temperature. Returns {"eval/accuracy", "eval/mean_length"}."""
+    ex = task.eval
+    ro = generate_rollouts(
+        model, tokenizer, [e.prompt_ids for e in ex], [e.id for e in ex], 1, max_new_tokens,
+        temperature=max(temperature, 1e-5), do_sample=temperature > 0, batch_size=batch_size,
+    )
+    acc = sum(task.reward_fn(t, e) for t, e in zip(ro.texts, ex)) / len(ex)
+    return {"eval/accuracy": acc, "eval/mean_length": ro.completion_mask.sum(1).float().mean().item()}
+
+
+class Logger:
+    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`."""
+
+    def __init__(self, run_dir: str | os.PathLike, config: dict, track: bool = False, wandb_project: str = "credit-rlvr"):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.run_dir))
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+        (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.wandb = None
+        if track:
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, config=config, dir=str(self.run_dir))
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict) -> None:
+    """Stop the run (exit code 1) with the step and the last metrics when `value` is NaN/inf.
+    Called before the optimizer step, so no update and no checkpoint is made from NaN weights."""
+    v = float(value.detach()) if torch.is_tensor(value) else float(value)
+    if not math.isfinite(v):
+        shown = {k: round(x, 4) if isinstance(x, float) else x for k, x in last_metrics.items()}
+        raise SystemExit(f"non-finite {what} ({v}) at step {step}; stopping without an update or a checkpoint. "
+                         f"Last metrics: {json.dumps(shown)}")
+
+
+def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> dict:
+    """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths."""
+    lengths = ro.completion_mask.sum(1).float()
+    r = rewards.float()
+    _, inv = torch.unique(ro.group_ids, return_inverse=True)
+    G = int(inv.max()) + 1
+    gmax = torch.full((G,), -float("inf")).scatter_reduce(0, inv.cpu(), r.cpu(), "amax")
+    gmin = torch.full((G,), float("inf")).scatter_reduce(0, inv.cpu(), r.cpu(), "amin")
+    return {
+        "reward": r.mean().item(),
+        "reward_std": r.std().item() if len(r) > 1 else 0.0,
+        "frac_reward_zero_std": (gmax == gmin).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/clipped_ratio": ro.truncated.float().mean().item(),
+    }

@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
+TINY_MODEL = ROOT / "assets" / "tiny-arith"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs of the scripts (subprocess)")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The bundled tiny policy and its tokenizer (CPU, float32)."""
+    import torch
+
+    import common
+
+    torch.set_num_threads(2)
+    if not (TINY_MODEL / "config.json").exists():
+        pytest.fail(f"bundled model missing: {TINY_MODEL} (run tools/train_tiny_model.py)")
+    return common.load_policy(str(TINY_MODEL), torch.device("cpu"))

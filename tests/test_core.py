@@ -1,0 +1,200 @@
+"""token_logprobs, group_advantages, aggregate_loss and the rollout helpers against references."""
+import math
+
+import pytest
+import torch
+
+import common
+
+
+def _random_model(seed=0, vocab=61):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _padded_batch(prompts, completions, pad=0):
+    p_ids, p_mask = common.pad_left(prompts, pad)
+    T = max(len(c) for c in completions)
+    c_ids = torch.full((len(completions), T), pad)
+    c_mask = torch.zeros((len(completions), T), dtype=torch.long)
+    for i, c in enumerate(completions):
+        c_ids[i, : len(c)] = torch.tensor(c)
+        c_mask[i, : len(c)] = 1
+    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), c_mask, T
+
+
+def _reference(model64, prompt, completion, temperature):
+    """float64, one unpadded sequence at a time, full log_softmax."""
+    ids = torch.tensor([prompt + completion])
+    logits = model64(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    tok = logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return tok, ent
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 3, 16])
+def test_token_logprobs_matches_float64_reference(temperature, chunk_size):
+    g = torch.Generator().manual_seed(1)
+    model = _random_model()
+    model64 = _random_model().double()
+    prompts = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (5, 2, 7, 3, 1)]  # left padding
+    completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (4, 9, 1, 6, 9)]  # right padding
+    ids, attn, cmask, T = _padded_batch(prompts, completions)
+    with torch.no_grad():
+        logp, ent = common.token_logprobs(model, ids, attn, T, temperature, chunk_size=chunk_size, with_entropy=True)
+        logp_only, none = common.token_logprobs(model, ids, attn, T, temperature, chunk_size=chunk_size)
+    assert none is None and logp.shape == (5, T) and ent.shape == (5, T)
+    assert torch.equal(logp, logp_only)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ref_lp, ref_ent = _reference(model64, p, c, temperature)
+        assert torch.allclose(logp[i, : len(c)].double(), ref_lp, atol=1e-5), (i, logp[i], ref_lp)
+        assert torch.allclose(ent[i, : len(c)].double(), ref_ent, atol=1e-5)
+    assert torch.isfinite(logp).all()
+
+
+def test_token_logprobs_gradient_flows_and_entropy_chunks():
+    model = _random_model()
+    ids, attn, cmask, T = _padded_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
+    logp, ent = common.token_logprobs(model, ids, attn, T, with_entropy=True, entropy_chunk=1)
+    (logp * cmask).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert not ent.requires_grad
+    _, ent_big = common.token_logprobs(model, ids, attn, T, with_entropy=True, entropy_chunk=64)
+    assert torch.allclose(ent, ent_big, atol=1e-6)
+
+
+def test_token_logprobs_agree_with_generate_scores():
+    """The trainer scores sampled tokens exactly as generate() sampled them (positions under
+    left padding, temperature), so the on-policy ratio is 1."""
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 60
+
+    model = _random_model(3)
+    model.generation_config.eos_token_id = 60
+    prompts = [[5, 6, 7, 8], [9, 10], [11]]
+    torch.manual_seed(0)
+    ids, mask = common.pad_left(prompts, 0)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.7,
+                         top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=60, return_dict_in_generate=True,
+                         output_logits=True)
+    comp = out.sequences[:, ids.shape[1]:]
+    cmask, _ = common.completion_mask_from_ids(comp, [60])
+    gen_logp = torch.stack([torch.log_softmax(l.float() / 0.7, -1) for l in out.logits], 1)
+    gen_logp = gen_logp.gather(-1, comp[..., None]).squeeze(-1)
+    with torch.no_grad():
+        logp, _ = common.token_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 0.7)
+    m = cmask.bool()
+    assert torch.allclose(logp[m], gen_logp[m], atol=1e-4)
+
+
+def test_completion_mask_from_ids():
+    comp = torch.tensor([[3, 4, 9, 0, 0], [9, 0, 0, 0, 0], [1, 2, 3, 4, 5], [1, 9, 2, 9, 3]])
+    mask, trunc = common.completion_mask_from_ids(comp, [9])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert trunc.tolist() == [False, False, True, False]
+
+
+def test_group_advantages_hand_cases():
+    r = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1])
+    a = common.group_advantages(r, 4)
+    std = 0.5  # unbiased std of [1,0,0,0]: sqrt((0.75^2 + 3 * 0.25^2) / 3)
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-4)
+    assert torch.allclose(a[:4], expected, atol=1e-6)
+    assert torch.equal(a[4:], torch.zeros(4))  # all-equal group: exactly 0
+    assert torch.allclose(common.group_advantages(r, 4, "none"), torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+    batch_std = r.std().item()
+    assert torch.allclose(common.group_advantages(r, 4, "batch")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (batch_std + 1e-4))
+    assert torch.equal(common.group_advantages(r, 4, "batch")[4:], torch.zeros(4))
+
+
+def test_group_advantages_all_equal_never_nan():
+    for v in (0.1, 1 / 3, 0.0, 1.0, 7.7):
+        r = torch.full((6,), v)
+        for scale in ("group", "batch", "none"):
+            a = common.group_advantages(r, 3, scale)
+            assert torch.equal(a, torch.zeros(6)), (v, scale)
+    a = common.group_advantages(torch.tensor([1.0, 0.0]), 1)  # G = 1: every group is constant
+    assert torch.equal(a, torch.zeros(2))
+
+
+def test_group_advantages_keyed_by_id_not_position():
+    r = torch.tensor([1.0, 0, 0.5, 0, 1, 0.25])
+    contiguous = common.group_advantages(r, 3)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    ids = torch.tensor([7, 7, 7, 2, 2, 2])
+    shuffled = common.group_advantages(r[perm], 3, group_ids=ids[perm])
+    assert torch.allclose(shuffled, contiguous[perm])
+    with pytest.raises(ValueError, match="every group"):
+        common.group_advantages(r, 3, group_ids=torch.tensor([1, 1, 1, 1, 2, 2]))
+    with pytest.raises(ValueError, match="whole number"):
+        common.group_advantages(r, 4)
+    with pytest.raises(ValueError, match="unknown scale"):
+        common.group_advantages(r, 3, "rank")
+
+
+def test_aggregate_loss_hand_cases():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert common.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert common.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert common.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", 5).item() == pytest.approx(10 / (2 * 5))
+    with pytest.raises(ValueError):
+        common.aggregate_loss(loss, mask, "sum")
+    empty = torch.zeros((1, 3), dtype=torch.long)
+    for mode in common.LOSS_AGG_MODES:
+        assert common.aggregate_loss(loss[:1], empty, mode, 5).item() == 0.0  # no tokens: 0, not NaN
+
+
+@pytest.mark.parametrize("mode", common.LOSS_AGG_MODES)
+def test_aggregate_loss_micro_batches_add_up(mode):
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(10, 7, generator=g)
+    mask = (torch.rand(10, 7, generator=g) > 0.3).long()
+    whole = common.aggregate_loss(loss, mask, mode, 7)
+    parts = sum(
+        common.aggregate_loss(loss[s : s + 3], mask[s : s + 3], mode, 7, num_tokens=mask.sum().item(), num_seqs=10)
+        for s in range(0, 10, 3)
+    )
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_prompt_batches_cover_epoch_and_reject_empty():
+    items = list(range(10))
+    stream = common.prompt_batches(items, 5, seed=0)
+    first_epoch = next(stream) + next(stream)
+    assert sorted(first_epoch) == items
+    with pytest.raises(ValueError, match="non-empty"):
+        next(common.prompt_batches([], 4, 0))
+
+
+def test_stop_if_nonfinite():
+    common.stop_if_nonfinite(torch.tensor(1.0), "loss", 3, {})
+    with pytest.raises(SystemExit, match="non-finite loss .* at step 3"):
+        common.stop_if_nonfinite(torch.tensor(math.nan), "loss", 3, {"reward": 0.5})
+
+
+def test_save_model_atomic_refuses_nan_and_replaces(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    class Tok:
+        def save_pretrained(self, d):
+            (d / "tokenizer.json").write_text("{}")
+
+    model = _random_model()
+    out = common.save_model_atomic(model, Tok(), tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    common.save_model_atomic(model, Tok(), tmp_path / "ckpt")  # overwrite in place
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        common.save_model_atomic(model, Tok(), tmp_path / "ckpt2")
+    assert not (tmp_path / "ckpt2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind

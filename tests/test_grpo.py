@@ -1,0 +1,94 @@
+"""grpo.py through its real entry point on the bundled tiny model."""
+import json
+
+import pytest
+import torch
+
+import common
+from conftest import TINY_MODEL
+from helpers import read_metrics, run_dir, run_inprocess, run_script
+
+FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
+
+
+@pytest.mark.slow
+def test_grpo_two_steps_subprocess(tmp_path):
+    out = run_script("grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--save-model", *FAST)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "logs in" in out.stdout and "saved model to" in out.stdout
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
+                "completions/clipped_ratio", "entropy", "policy_loss", "grad_norm", "learning_rate", "tokens_per_second",
+                "time/generation", "time/logprobs", "time/update", "clip_ratio/region_mean"):
+        assert key in rows[1], key
+    assert "kl" not in rows[1]  # beta = 0: no reference model, no kl metric
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
+    # every trainable parameter changed, and the checkpoint loads back with from_pretrained
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(TINY_MODEL).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(run_dir(tmp_path) / "model").state_dict()
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, unchanged
+    assert list(run_dir(tmp_path).glob("events.out.tfevents*"))  # tensorboard
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--beta", "0.04", "--num-iterations", "2", "--loss-agg", "token-mean", "--epsilon-high", "0.28"],
+        ["--loss-agg", "seq-mean-token-sum-norm", "--scale-rewards", "none", "--micro-batch-size", "5"],
+        ["--scale-rewards", "batch", "--eval-temperature", "1.0"],
+    ],
+)
+def test_grpo_variants_run(tmp_path, flags):
+    run_inprocess("grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *flags)
+    rows = read_metrics(tmp_path)
+    assert all(all(isinstance(v, (int, float)) and v == v for v in r.values()) for r in rows)  # no NaN
+    if "--beta" in flags:
+        assert rows[1]["kl"] >= 0.0
+    cfg = json.loads((run_dir(tmp_path) / "config.json").read_text())
+    assert cfg["epsilon_high"] is not None
+
+
+@pytest.mark.slow
+def test_grpo_help_lists_every_flag():
+    out = run_script("grpo.py", "--help")
+    assert out.returncode == 0
+    for flag in ("--num-iterations", "--epsilon-high", "--beta", "--loss-agg", "--scale-rewards", "--save-model",
+                 "--track", "--model", "--task", "--data-path", "--eval-every", "--arith-steps"):
+        assert flag in out.stdout, flag
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--task", "chess"], "unknown task 'chess'"),
+        (["--model", "./no/such/model"], "no such directory"),
+        (["--task", "gsm8k", "--data-path", "missing.jsonl"], "no such file"),
+        (["--loss-agg", "sum"], "unknown loss aggregation"),
+        (["--prompts-per-step", "0"], "at least one prompt"),
+    ],
+)
+def test_grpo_bad_input_is_a_clear_error(tmp_path, args, message):
+    out = run_script("grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *args)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_grpo_nan_loss_stops_without_checkpoint(tmp_path, monkeypatch):
+    real = common.load_task
+
+    def nan_reward_task(*a, **k):
+        task = real(*a, **k)
+        task.reward_fn = lambda completion, ex: float("nan")
+        return task
+
+    monkeypatch.setattr(common, "load_task", nan_reward_task)
+    with pytest.raises(SystemExit, match="non-finite loss .* at step 1"):
+        run_inprocess("grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--save-model", *FAST)
+    assert not (run_dir(tmp_path) / "model").exists()

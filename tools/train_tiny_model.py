@@ -1,0 +1,257 @@
+"""Train the bundled tiny policy `assets/tiny-arith/` from scratch (seeded, CPU, < 1 hour on 2 cores).
+
+A character-level Qwen2 model (transformers' Qwen2ForCausalLM, tokenizer built with `tokenizers`)
+learns three formats of the built-in arith task (see common.py):
+  (a) solve:     "Solve: 23+7-5+9\n"                       -> "23+7=30\n30-5=25\n25+9=34\n#### 34"
+  (b) localize:  "Problem: ...\nYour incorrect solution:\nStep 1: ...\nFind the first wrong step.\n"
+                                                             -> "\\boxed{2}"       (srpo.py asks this)
+  (c) reference: "Reference solution:\n<solution>\nSolve: ...\n" -> the solution  (sc_grpo.py's teacher)
+The loss covers completion tokens only. Training stops at the first evaluation where pass@1 at
+temperature 1.0 on the default task (4 steps) reaches --target-pass-at-1, so that RL has room to
+improve (target band 20-60%), or at --max-steps. It prints what it reached and writes it to
+assets/tiny-arith/training_report.json.
+
+    python tools/train_tiny_model.py            # ~20-40 min on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import string
+import sys
+import time
+from pathlib import Path
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+
+
+@dataclasses.dataclass
+class Args:
+    out_dir: str = common.DEFAULT_MODEL
+    """where the Hugging Face model directory is written (atomically)"""
+    seed: int = 1
+    """seed for data, initialization and sampling"""
+    hidden_size: int = 128
+    """model width"""
+    num_layers: int = 4
+    """transformer blocks"""
+    num_heads: int = 4
+    """attention heads"""
+    intermediate_size: int = 384
+    """MLP width"""
+    batch_size: int = 32
+    """sequences per optimizer step"""
+    lr: float = 2e-3
+    """peak AdamW learning rate (linear warmup, cosine decay to 10% over --max-steps)"""
+    max_steps: int = 8000
+    """hard cap on optimizer steps"""
+    min_steps: int = 500
+    """no early stop before this many steps"""
+    eval_every: int = 500
+    """steps between evaluations"""
+    num_eval: int = 200
+    """problems per evaluation"""
+    target_pass_at_1: float = 0.40
+    """stop at the first evaluation whose pass@1 at T=1 reaches this (and localization > 2x chance)"""
+    min_steps_task: int = 2
+    """fewest operations in a training problem"""
+    max_steps_task: int = 6
+    """most operations in a training problem"""
+    mix: tuple[float, float, float] = (0.5, 0.25, 0.25)
+    """sampling weights of formats (a) solve, (b) localize, (c) solve with reference"""
+    threads: int = 2
+    """torch CPU threads"""
+
+
+def build_tokenizer():
+    """Character-level tokenizer: printable ASCII + newline, plus <pad>, <eos>, <unk>."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<pad>", "<eos>", "<unk>"] + list(string.printable[:95]) + ["\n"]
+    vocab = {c: i for i, c in enumerate(dict.fromkeys(chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def corrupt_solution(problem: common.ArithProblem, rng: random.Random) -> tuple[list[str], int]:
+    """A wrong solution and the 1-based index of its first wrong line. Errors are what a sampler
+    makes: a wrong result, a wrong operand or operator, or a wrong answer line; later steps then
+    continue correctly from the wrong value."""
+    n = len(problem.ops)
+    k = rng.randint(1, n + 1)
+    lines, v = [], problem.start
+    for i, (op, b) in enumerate(problem.ops, 1):
+        if i == k:
+            kind = rng.random()
+            if kind < 0.6:  # wrong result
+                nv = (v + b if op == "+" else v - b) + rng.choice([-1, 1]) * rng.randint(1, 10)
+            elif kind < 0.8:  # wrong operand
+                b = rng.choice([x for x in range(1, 10) if x != b])
+                nv = v + b if op == "+" else v - b
+            else:  # wrong operator
+                op = "-" if op == "+" else "+"
+                nv = v + b if op == "+" else v - b
+        else:
+            nv = v + b if op == "+" else v - b
+        lines.append(f"{v}{op}{b}={nv}")
+        v = nv
+    ans = v
+    if k == n + 1:
+        ans = v + rng.choice([-1, 1]) * rng.randint(1, 10)
+    lines.append(f"#### {ans}")
+    assert common.arith_first_error(problem, "\n".join(lines)) == k
+    return lines, k
+
+
+def sample_example(rng: random.Random, args: Args) -> tuple[str, str]:
+    problem = common.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
+    kind = rng.choices(range(3), weights=args.mix)[0]
+    if kind == 0:
+        return common.arith_prompt(problem), problem.solution()
+    if kind == 1:
+        lines, k = corrupt_solution(problem, rng)
+        return common.arith_localization_prompt(problem, lines), f"\\boxed{{{k}}}"
+    return common.arith_reference_prompt(problem, problem.solution()), problem.solution()
+
+
+def make_batch(examples, tok):
+    """Right-padded input ids, attention mask and labels (-100 on prompt and padding)."""
+    rows = []
+    for prompt, completion in examples:
+        p = tok(prompt, add_special_tokens=False).input_ids
+        c = tok(completion, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        rows.append((p + c, [-100] * len(p) + c))
+    T = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), T), tok.pad_token_id)
+    labels = torch.full((len(rows), T), -100)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return ids, mask, labels
+
+
+@torch.no_grad()
+def evaluate(model, tok, problems, rng_seed: int) -> dict:
+    """pass@1 at T=1 and greedy accuracy on `problems` (4 steps), localization accuracy (greedy)."""
+    model.eval()
+    out = {}
+    prompts = [common.arith_prompt(p) for p in problems]
+    for name, kw in (("pass@1_T1", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)), ("greedy", dict(do_sample=False))):
+        torch.manual_seed(rng_seed)
+        texts = generate(model, tok, prompts, max_new_tokens=64, **kw)
+        out[name] = sum(common.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
+    rng = random.Random(rng_seed)
+    loc_prompts, labels = [], []
+    for p in problems:
+        lines, k = corrupt_solution(p, rng)
+        loc_prompts.append(common.arith_localization_prompt(p, lines))
+        labels.append(k)
+    texts = generate(model, tok, loc_prompts, max_new_tokens=16, do_sample=False)
+    out["localization"] = sum(
+        (common.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
+    ) / len(labels)
+    out["localization_chance"] = sum(1 / (len(p.ops) + 1) for p in problems) / len(problems)
+    model.train()
+    return out
+
+
+def generate(model, tok, prompts, max_new_tokens, **kw):
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    gen = model.generate(
+        **enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw
+    )
+    return tok.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def main(args: Args) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.set_num_threads(args.threads)
+    common.seed_everything(args.seed)
+    tok = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        rope_theta=10000.0,
+    )
+    model = Qwen2ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"Qwen2ForCausalLM with {n_params / 1e6:.2f}M parameters, vocab {len(tok)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = 200
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup)
+        * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(min(s, args.max_steps) / args.max_steps * torch.pi)).item())),
+    )
+    rng = random.Random(args.seed)
+    eval_problems = [common.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
+    t0, history, report = time.time(), [], None
+    model.train()
+    for step in range(1, args.max_steps + 1):
+        # two length-sorted micro-batches: padding every row to the longest (localization) example
+        # would waste about half the compute; the loss is the mean over all completion tokens
+        examples = sorted((sample_example(rng, args) for _ in range(args.batch_size)), key=lambda e: len(e[0]) + len(e[1]))
+        half = args.batch_size // 2
+        opt.zero_grad(set_to_none=True)
+        n_tok = sum(len(tok(c, add_special_tokens=False).input_ids) + 1 for _, c in examples)
+        for part in (examples[:half], examples[half:]):
+            ids, mask, labels = make_batch(part, tok)
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+            ) / n_tok
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0:
+            print(f"step {step} loss(last half) {loss.item() * 2:.4f} lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)
+        if step % args.eval_every == 0 or step == args.max_steps:
+            ev = evaluate(model, tok, eval_problems, rng_seed=args.seed)
+            ev.update(step=step, seconds=round(time.time() - t0, 1), loss=round(loss.item(), 4))
+            history.append(ev)
+            print("eval", json.dumps(ev), flush=True)
+            report = ev
+            if (
+                step >= args.min_steps
+                and ev["pass@1_T1"] >= args.target_pass_at_1
+                and ev["localization"] >= 2 * ev["localization_chance"]
+            ):
+                break
+    model.eval()
+    report = dict(report, params=n_params, args=dataclasses.asdict(args), history=history)
+    out = Path(args.out_dir)
+    common.save_model_atomic(model, tok, out)
+    (out / "training_report.json").write_text(json.dumps(report, indent=1))
+    mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    print(
+        f"saved {out} ({mb:.1f} MB) after {report['step']} steps, {report['seconds']:.0f}s: "
+        f"pass@1 (T=1) {report['pass@1_T1']:.3f}, greedy {report['greedy']:.3f}, "
+        f"localization {report['localization']:.3f} (chance {report['localization_chance']:.3f})"
+    )
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

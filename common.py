@@ -738,35 +738,38 @@ def token_logprobs(
 
 def group_advantages(
     rewards: torch.Tensor,
-    group_size: int,
+    group_size: int | None,
     scale: str = "group",
     eps: float = 1e-4,
     group_ids: torch.Tensor | None = None,
+    unbiased: bool = True,
 ) -> torch.Tensor:
     """GRPO's outcome advantage per completion: reward minus its group's mean, scaled.
 
     rewards: [N]. Groups are the completions sharing a `group_ids` value (the prompt id); without
-    `group_ids`, consecutive blocks of `group_size`. Every group must have `group_size` members.
+    `group_ids`, consecutive blocks of `group_size`. Every group must have `group_size` members
+    (group_size=None with group_ids allows groups of different sizes).
     scale: "group" divides by the group's std (original GRPO), "batch" by the std of all rewards
     in the batch (Lite PPO), "none" does not divide (Dr. GRPO).
-    Std convention: unbiased (Bessel-corrected, as TRL and verl), then (r - mean) / (std + eps),
-    eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0 (never NaN), whatever
-    the scale. Returns [N] float32.
+    Std convention: unbiased (Bessel-corrected, as TRL and verl; `unbiased=False` for the
+    population std), then (r - mean) / (std + eps), eps = 1e-4 as TRL. A group whose rewards are
+    all equal gets exactly 0 (never NaN), whatever the scale. Returns [N] float32.
     """
     r = rewards.float()
     N = r.shape[0]
     if group_ids is None:
-        if N % group_size:
+        if not group_size or N % group_size:
             raise ValueError(f"{N} rewards are not a whole number of groups of {group_size}")
         group_ids = torch.arange(N, device=r.device) // group_size
-    _, inv, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    if (counts != group_size).any():
+    _, inv, counts = torch.unique(group_ids.to(r.device), return_inverse=True, return_counts=True)
+    if group_size is not None and (counts != group_size).any():
         raise ValueError(f"every group must have {group_size} completions, got sizes {sorted(set(counts.tolist()))}")
-    G = inv.max().item() + 1
-    mean = torch.zeros(G, device=r.device).index_add_(0, inv, r) / group_size
+    G = counts.shape[0]
+    n = counts.float()
+    mean = torch.zeros(G, device=r.device).index_add_(0, inv, r) / n
     centered = r - mean[inv]
     sq = torch.zeros(G, device=r.device).index_add_(0, inv, centered**2)
-    std = (sq / max(group_size - 1, 1)).sqrt()
+    std = (sq / ((n - 1).clamp(min=1) if unbiased else n)).sqrt()
     gmax = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, inv, r, "amax")
     gmin = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, inv, r, "amin")
     constant = (gmax == gmin)[inv]

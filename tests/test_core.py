@@ -198,3 +198,14 @@ def test_save_model_atomic_refuses_nan_and_replaces(tmp_path):
         common.save_model_atomic(model, Tok(), tmp_path / "ckpt2")
     assert not (tmp_path / "ckpt2").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
+
+
+def test_group_advantages_variable_sizes_and_population_std():
+    r = torch.tensor([1.0, 0, 0, 0, 1, 0, 1, 0, 1, 1])
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    a = common.group_advantages(r, None, eps=0.0, group_ids=ids, unbiased=False)
+    pop = torch.tensor([1.0, 0, 0, 0]).std(unbiased=False)
+    assert torch.allclose(a[:4], (torch.tensor([1.0, 0, 0, 0]) - 0.25) / pop)
+    g2 = r[4:]
+    assert torch.allclose(a[4:], (g2 - g2.mean()) / g2.std(unbiased=False))
+    assert torch.allclose(common.group_advantages(r[:4], 4, eps=0.0, unbiased=False), a[:4])

@@ -1,0 +1,487 @@
+"""SRPO / RRPO: reset a failed rollout at its first wrong step and learn from resampled suffixes.
+
+Of each prompt's 8 trajectories, 4 are fresh chains (the base group); the other 4 continue a failed
+"parent" chain from just before its first erroneous thought. SRPO asks the policy itself which
+thought was first wrong (`--reset self`), RRPO picks it uniformly (`--reset random`), and
+`--reset oracle` uses the task's exact first wrong step (the built-in arith task has one). Each group
+is z-scored on its own; the loss is REINFORCE on suffix tokens only (the shared prefix is masked).
+Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md.
+
+Project simplification: thought boundaries are found by splitting each fully generated response on
+`--thought-delimiter` (the same sampling distribution as one call per thought when no per-thought
+token cap binds; the paper's 256-token thought cap and 20-thought limit are not applied).
+
+    python srpo.py                        # SRPO on the bundled tiny model and the built-in task
+    python srpo.py --reset random         # RRPO
+"""
+
+import copy
+import dataclasses
+import random
+import re
+import time
+from pathlib import Path
+
+import torch
+import tyro
+from tqdm import trange
+
+import common
+
+
+@dataclasses.dataclass
+class Args:
+    exp_name: str = "srpo"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment (prompts, sampling, initialization)"""
+    track: bool = False
+    """log to Weights & Biases as well as TensorBoard"""
+    wandb_project: str = "credit-rlvr"
+    """wandb project name (with --track)"""
+    output_dir: str = "runs"
+    """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
+    save_model: bool = False
+    """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    device: str = "auto"
+    """cuda when available, else cpu"""
+    dtype: str = "auto"
+    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+
+    # model and task
+    model: str = common.DEFAULT_MODEL
+    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    task: str = "arith"
+    """arith (built in), gsm8k or math"""
+    data_path: str | None = None
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    eval_data_path: str | None = None
+    """local eval file; without it the first --num-eval training rows are held out"""
+    arith_steps: int = 4
+    """arith: operations per problem"""
+    arith_max_value: int = 99
+    """arith: running values stay in [0, this]"""
+    arith_max_operand: int = 9
+    """arith: operands are drawn from [1, this]"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (tokens) are skipped and counted"""
+
+    # rollouts
+    total_steps: int = 150
+    """optimizer steps of the run (each samples a new batch of prompts)"""
+    prompts_per_step: int = 8
+    """prompts per step; each gets --num-generations trained trajectories"""
+    num_generations: int = 8
+    """trained trajectories per prompt (the paper's budget of 8), split as --split says"""
+    max_new_tokens: int = 48
+    """response length cap (tokens), prefix included for continuations"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 = off; truncated sampling biases the ratio)"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    gen_batch_size: int = 64
+    """sequences per generate() call"""
+
+    # ALGO LOGIC: resets
+    reset: str = "self"
+    """where to reset a failed parent: self (SRPO, the policy localizes), random (RRPO), oracle (task's first error)"""
+    split: str = "1x4"
+    """1x4: 4 fresh + 4 suffixes of one parent; 2x4: 2 parents x 4 suffixes; 1x8: 1 parent x 8 suffixes"""
+    max_fresh_attempts: int = 12
+    """fresh chains sampled per prompt while looking for failed parents; none found: plain GRPO on fresh chains"""
+    thought_delimiter: str | None = None
+    """string that ends a thought (default: a newline for arith, a blank line for gsm8k/math)"""
+    localization_temperature: float = 0.3
+    """sampling temperature of the self-localization call (the paper's default)"""
+    localization_max_new_tokens: int | None = None
+    """token cap of the localization reply (default: 16 for arith, 1024 otherwise)"""
+    clip: bool = False
+    """ablation: PPO-clipped surrogate instead of plain REINFORCE (the paper's clip ablation used token-mean)"""
+    no_mask: bool = False
+    """ablation: train continuations on prefix tokens too (unmasked)"""
+
+    # optimization
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant). The default suits the tiny model; use ~1e-6 for 1B+ models"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_iterations: int = 1
+    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    epsilon: float = 0.2
+    """lower clip (with --clip): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """upper clip (with --clip); default: same as --epsilon"""
+    beta: float = 0.0
+    """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded; the paper uses 0)"""
+    loss_agg: str = "seq-mean-token-mean"
+    """token-mean (DAPO), seq-mean-token-mean (the paper's), seq-mean-token-sum-norm (Dr. GRPO)"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+
+    # evaluation
+    eval_every: int = 25
+    """steps between evaluations (0 = only at the start and end)"""
+    num_eval: int = 200
+    """held-out prompts per evaluation"""
+    eval_temperature: float = 0.0
+    """0 = greedy pass@1"""
+
+
+LOCALIZATION_PROMPT = (
+    "Your task is to localize the first erroneous step in your own previous solution to a problem.\n\n"
+    "Problem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
+    "The final answer of this chain is incorrect, so at least one step is wrong. Find the step where the error "
+    "originates, not the step where the failure becomes visible: misreadings, unjustified assumptions and logical "
+    "flaws can look fine for several steps. A step is erroneous if its claims cannot be justified from the problem "
+    "statement and the earlier steps alone.\nDo not re-solve the problem; your only task is the step number.\n"
+    "Requirements: commit to exactly one step number between 1 and {n}; stop at the first step you cannot justify; "
+    "end your response with \\boxed{{N}} on its own line, where N is the step number (not the problem's answer), "
+    "with nothing after it."
+)
+
+
+def split_thoughts(text: str, delimiter: str) -> list[str]:
+    """The thoughts of a response: pieces between delimiters, whitespace-stripped, empty ones dropped."""
+    if not delimiter:
+        raise ValueError("the thought delimiter must be a non-empty string")
+    return [piece.strip() for piece in text.split(delimiter) if piece.strip()]
+
+
+def thought_starts(text: str, delimiter: str) -> list[int]:
+    """Character offset where each thought of `split_thoughts(text, delimiter)` starts."""
+    starts, pos = [], 0
+    for piece in text.split(delimiter):
+        if piece.strip():
+            starts.append(pos + len(piece) - len(piece.lstrip()))
+        pos += len(piece) + len(delimiter)
+    return starts
+
+
+def parse_error_step(text: str, num_thoughts: int) -> int:
+    """The 1-based first wrong step named by a localization reply, always in [1, num_thoughts].
+
+    The last `\\boxed{N}` when N is in 1..num_thoughts; else the last "Step N" when N is in range;
+    else 1 (a reset to the start). A boxed 0 ("no error") also gives 1, as in the official code.
+    """
+    if num_thoughts < 1:
+        raise ValueError("a parent needs at least one thought")
+    text = text or ""
+    boxed = common.last_boxed(text)
+    if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed):
+        v = int(boxed)
+        if 1 <= v <= num_thoughts:
+            return v
+        if v == 0:
+            return 1
+    steps = re.findall(r"[Ss]tep\s+(\d+)", text)
+    if steps and 1 <= int(steps[-1]) <= num_thoughts:
+        return int(steps[-1])
+    return 1
+
+
+def localization_reply_kind(text: str, num_thoughts: int) -> str:
+    """For the logs: ok, empty, no_error (boxed 0), out_of_range or unparsable."""
+    if not (text or "").strip():
+        return "empty"
+    boxed = common.last_boxed(text)
+    if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed):
+        v = int(boxed)
+        return "ok" if 1 <= v <= num_thoughts else "no_error" if v == 0 else "out_of_range"
+    return "unparsable"
+
+
+def reset_index(mode: str, num_thoughts: int, rng: random.Random | None = None, reply: str | None = None,
+                oracle_step: int | None = None) -> int:
+    """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1).
+
+    self: parse_error_step(reply); random: uniform on 1..num_thoughts (RRPO); oracle: the task's first
+    wrong step (None, i.e. no wrong thought found, gives the last thought). Clamped to [1, num_thoughts].
+    """
+    if mode == "self":
+        return parse_error_step(reply or "", num_thoughts)
+    if mode == "random":
+        return (rng or random).randint(1, num_thoughts)
+    if mode == "oracle":
+        return min(max(oracle_step if oracle_step is not None else num_thoughts, 1), num_thoughts)
+    raise ValueError(f"unknown reset mode {mode!r}: choose self, random or oracle")
+
+
+def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> torch.Tensor:
+    """completion_mask [B, T] restricted to positions t >= suffix_start[b] (the trained suffix)."""
+    T = completion_mask.shape[1]
+    return completion_mask * (torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None])
+
+
+def prefix_token_count(tokenizer, ids: list[int], text: str, k: int, delimiter: str) -> int:
+    """Tokens of `ids` that lie before thought k (k >= 2): the longest token prefix whose decoded text
+    ends at or before thought k's first character (a token straddling the boundary is left out)."""
+    starts = thought_starts(text, delimiter)
+    if k < 2 or k > len(starts):
+        return 0
+    cut = starts[k - 1]
+    lo, hi = 0, len(ids)
+    while lo < hi:  # largest i with len(decode(ids[:i])) <= cut
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) <= cut:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
+    """Fresh chains, parent search, localization and suffix sampling for one step.
+
+    Returns (common.Rollouts of the trained trajectories with group_ids = normalization groups,
+    rewards [N], suffix_start [N] in response-token coordinates, info dict for the logs).
+    Parents are never among the returned trajectories.
+    """
+    n_parents = 2 if args.split == "2x4" else 1
+    K = args.num_generations if args.split == "1x8" else args.num_generations // 2  # suffixes per parent
+    n_base = args.num_generations - n_parents * K
+    delim = args.thought_delimiter
+    info = {k: 0 for k in ("loc_empty", "loc_no_error", "loc_out_of_range", "loc_unparsable", "parent_one_thought",
+                           "prefix_overflow", "generated_tokens", "fresh_chains")}
+
+    def sample(prompts, n, max_new, temperature=args.temperature):
+        ro = common.generate_rollouts(model, tokenizer, prompts, list(range(len(prompts))), n, max_new, temperature,
+                                      args.top_p, args.top_k, batch_size=args.gen_batch_size)
+        info["generated_tokens"] += int(ro.completion_mask.sum())
+        return [ro.completion_ids[i][ro.completion_mask[i].bool()].tolist() for i in range(len(ro))], ro
+
+    # 1. fresh chains, in rounds, until each prompt has its failed parents (or max_fresh_attempts)
+    chains = {e.id: [] for e in examples}  # per prompt, in sampling order: (ids, text, reward)
+    is_parent = lambda c: c[2] < 1.0 and bool(split_thoughts(c[1], delim))  # failed, with >= 1 thought  # noqa: E731
+    pending, size = list(examples), n_parents + n_base
+    while pending:
+        n = min(size, args.max_fresh_attempts - len(chains[pending[0].id]))
+        ids_list, ro = sample([e.prompt_ids for e in pending], n, args.max_new_tokens)
+        for i, e in enumerate(pending):
+            for j in range(n):
+                text = ro.texts[i * n + j]
+                chains[e.id].append((ids_list[i * n + j], text, task.reward_fn(text, e)))
+        info["fresh_chains"] += n * len(pending)
+        pending = [e for e in pending if sum(map(is_parent, chains[e.id])) < n_parents
+                   and len(chains[e.id]) < args.max_fresh_attempts]
+        size = max(1, args.num_generations // 2)
+
+    rows, parents = [], []  # rows: (example, response ids, suffix_start, group key, reward)
+    for e in examples:
+        found = [c for c in chains[e.id] if is_parent(c)][:n_parents]
+        if len(found) < n_parents:  # fallback: plain GRPO on fresh chains
+            rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in chains[e.id][: args.num_generations]]
+            continue
+        base = [c for c in chains[e.id] if not any(c is p for p in found)][:n_base]
+        rows += [(e, c[0], 0, (e.id, "base"), c[2]) for c in base]
+        parents += [(e, p, j) for j, p in enumerate(found)]
+    missing = [e for e in examples if sum(r[0] is e for r in rows) + K * sum(p[0] is e for p in parents) < args.num_generations]
+    for e in missing:  # max_fresh_attempts < num_generations: top the fallback group up
+        need = args.num_generations - sum(r[0] is e for r in rows)
+        ids_list, ro = sample([e.prompt_ids], need, args.max_new_tokens)
+        rows += [(e, ids, 0, (e.id, "fresh"), task.reward_fn(t, e)) for ids, t in zip(ids_list, ro.texts)]
+
+    # 2. reset index per parent: self-localization, random, or the oracle
+    t0 = time.time()
+    thoughts = [split_thoughts(p[1], delim) for _, p, _ in parents]
+    replies = [None] * len(parents)
+    if args.reset == "self" and parents:
+        loc_prompts = []
+        for (e, p, _), th in zip(parents, thoughts):
+            if task.name == "arith" and not common.has_chat_template(tokenizer):
+                plain = common.arith_localization_prompt(common.parse_arith_problem(e.question), th)
+            else:
+                steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(th, 1))
+                plain = LOCALIZATION_PROMPT.format(question=e.question, steps=steps, n=len(th))
+            loc_prompts.append(common.encode_prompt(tokenizer, common.render_prompt(tokenizer, plain, plain)))
+        max_new = args.localization_max_new_tokens or (16 if task.name == "arith" else 1024)
+        _, ro = sample(loc_prompts, 1, max_new, max(args.localization_temperature, 1e-5))
+        replies = ro.texts
+    info["time_localization"] = time.time() - t0
+    ks, oracle_ks, cont_prompts, prefixes = [], [], [], []
+    max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
+    for (e, p, _), th, reply in zip(parents, thoughts, replies):
+        oracle = None
+        if task.name == "arith":
+            oracle = common.arith_first_error(e.question, p[1])
+            oracle_ks.append(min(max(oracle or len(th), 1), len(th)))
+        elif args.reset == "oracle":
+            raise SystemExit(f"--reset oracle needs a task with a first-wrong-step oracle (arith), not {task.name!r}")
+        if reply is not None:
+            kind = localization_reply_kind(reply, len(th))
+            if kind != "ok":
+                info["loc_" + kind] += 1
+        k = reset_index(args.reset, len(th), rng, reply, oracle)
+        info["parent_one_thought"] += len(th) == 1
+        n_prefix = prefix_token_count(tokenizer, p[0], p[1], k, delim)
+        if len(e.prompt_ids) + n_prefix >= max_pos - 1:  # the prefix fills the context window: reset to the start
+            info["prefix_overflow"] += 1
+            k, n_prefix = 1, 0
+        ks.append((k, len(th)))
+        prefixes.append(p[0][:n_prefix])
+        cont_prompts.append(e.prompt_ids + p[0][:n_prefix])
+
+    # 3. K continuations per parent from prompt + prefix (same sampling settings), cut to the response budget
+    if parents:
+        ids_list, _ = sample(cont_prompts, K, args.max_new_tokens)
+        for i, ((e, p, j), prefix) in enumerate(zip(parents, prefixes)):
+            for s in ids_list[i * K : (i + 1) * K]:
+                response = prefix + s[: max(args.max_new_tokens - len(prefix), 1)]
+                text = tokenizer.decode(response, skip_special_tokens=True)
+                rows.append((e, response, len(prefix), (e.id, "reset", j), task.reward_fn(text, e)))
+
+    # 4. the trained batch: prompts left-padded, responses right-padded, one group id per normalization group
+    keys = {}
+    gids = torch.tensor([keys.setdefault(r[3], len(keys)) for r in rows])
+    stops = common.stop_token_ids(model, tokenizer)
+    p_ids, p_mask = common.pad_left([r[0].prompt_ids for r in rows], tokenizer.pad_token_id)
+    T = max(len(r[1]) for r in rows)
+    c_ids = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=torch.long)
+    c_mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        c_ids[i, : len(r[1])] = torch.tensor(r[1], dtype=torch.long)
+        c_mask[i, : len(r[1])] = 1
+    truncated = ~torch.isin(c_ids, torch.tensor(stops)).any(1)
+    texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in rows]
+    device = next(model.parameters()).device
+    ro = common.Rollouts(p_ids.to(device), p_mask.to(device), c_ids.to(device), c_mask.to(device), truncated.to(device),
+                         gids.to(device), texts)
+    rewards = torch.tensor([r[4] for r in rows], dtype=torch.float32)
+    suffix_start = torch.tensor([r[2] for r in rows], device=device)
+    reset_rewards = [r[4] for r in rows if r[3][1] == "reset"]
+    info.update(
+        normalized_position=sum((k - 1) / n for k, n in ks) / len(ks) if ks else 0.0,
+        correction_rate=sum(reset_rewards) / len(reset_rewards) if reset_rewards else 0.0,
+        suffix_pass_at_k=(sum(max(r[4] for r in rows if r[3] == key) >= 1.0 for key in keys if key[1] == "reset")
+                          / max(1, len(parents))),
+        fallback_share=sum(any(r[3] == (e.id, "fresh") for r in rows) for e in examples) / len(examples),
+        num_parents=len(parents),
+    )
+    if oracle_ks:
+        info["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
+        info["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)
+    return ro, rewards, suffix_start, info
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
+    if args.thought_delimiter is None:
+        args.thought_delimiter = "\n" if args.task == "arith" else "\n\n"
+    if args.split not in ("1x4", "2x4", "1x8") or args.reset not in ("self", "random", "oracle"):
+        raise SystemExit(f"--split must be 1x4, 2x4 or 1x8 and --reset self, random or oracle (got {args.split}, {args.reset})")
+    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # seeding, model, task
+    common.seed_everything(args.seed)
+    rng = random.Random(args.seed)
+    device = common.pick_device(args.device)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    task = common.load_task(
+        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
+        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project)
+    print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
+          f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
+    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    G = args.num_generations
+
+    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+    logger.log(eval_metrics, 0)
+    metrics = dict(eval_metrics)
+    bar = trange(1, args.total_steps + 1, desc=f"srpo[{args.reset}]", dynamic_ncols=True)
+    for step in bar:
+        # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
+        t0 = time.time()
+        examples = next(batches)
+        ro, rewards, suffix_start, reset_info = collect_rollouts(model, tokenizer, task, examples, args, rng)
+        t_gen = time.time() - t0
+        mask = ro.completion_mask
+        T = mask.shape[1]
+
+        # 3. ALGO LOGIC: credit assignment. Each normalization group (base, each reset group, or the fallback
+        #    group) is z-scored on its own with the population std; the shared prefix is masked out.
+        advantages = common.group_advantages(rewards, None, "group", eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False).to(device)
+        token_adv = advantages[:, None].expand(-1, T)  # [N, T]
+        loss_mask = mask if args.no_mask else suffix_mask(mask, suffix_start)
+
+        # 4. old and reference log-probs (no gradient). With mu = 1 the old log-probs are the current
+        #    ones detached, so no extra forward pass is needed.
+        t0 = time.time()
+        input_ids, attn = ro.input_ids, ro.attention_mask
+        with torch.no_grad():
+            old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0] if args.num_iterations > 1 else None
+            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+        t_logp = time.time() - t0
+
+        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        t0 = time.time()
+        num_tokens, N = loss_mask.sum().item(), len(ro)
+        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        for it in range(args.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            for s in range(0, N, args.micro_batch_size):
+                mb = slice(s, s + args.micro_batch_size)
+                m = loss_mask[mb].float()
+                logp, entropy = common.token_logprobs(model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                old = old_logp[mb] if old_logp is not None else logp.detach()
+                # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate
+                ratio = torch.exp(logp - old)
+                A = token_adv[mb]
+                if args.clip:
+                    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                else:
+                    surrogate = logp * A
+                per_token_loss = -surrogate
+                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
+                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    per_token_loss = per_token_loss + args.beta * kl
+                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
+                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, N)
+                common.stop_if_nonfinite(loss, "loss", step, metrics)
+                loss.backward()
+                # diagnostics
+                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
+                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
+                stats["policy_loss"] += loss.item() / args.num_iterations
+                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
+                if entropy is not None:
+                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+            optimizer.step()
+        t_update = time.time() - t0
+
+        # 6. logging and evaluation
+        step_time = t_gen + t_logp + t_update
+        metrics = {
+            **common.completion_metrics(ro, rewards, G), **stats,
+            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
+            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+            **{f"reset/{k}": v for k, v in reset_info.items() if k != "time_localization"},
+            "time/localization": reset_info["time_localization"],
+        }
+        if ref_model is None:
+            metrics.pop("kl")
+        if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
+            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+            metrics.update(eval_metrics)
+        logger.log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+
+    logger.close()
+    print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
+    if args.save_model:
+        print(f"saved model to {common.save_model_atomic(model, tokenizer, run_dir / 'model')}")

@@ -1,0 +1,224 @@
+"""srpo.py: thought splitting, localization parsing, reset indices, suffix masking through the real
+training step, the oracle, the fallback path, and subprocess runs of each reset mode."""
+import random
+
+import pytest
+import torch
+
+import common
+import srpo
+from helpers import read_metrics, run_inprocess, run_script
+
+FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
+
+
+@pytest.mark.parametrize(
+    "text,delim,expected",
+    [
+        ("23+7=30\n30-5=25\n#### 25", "\n", ["23+7=30", "30-5=25", "#### 25"]),
+        ("\n\n a \n\nb\n", "\n", ["a", "b"]),
+        ("", "\n", []),
+        ("one step only", "\n", ["one step only"]),
+        ("First.\n\nSecond line\nstill second.\n\n\\boxed{3}", "\n\n", ["First.", "Second line\nstill second.", "\\boxed{3}"]),
+        ("a</thought>b</thought>", "</thought>", ["a", "b"]),
+    ],
+)
+def test_split_thoughts(text, delim, expected):
+    assert srpo.split_thoughts(text, delim) == expected
+    starts = srpo.thought_starts(text, delim)
+    assert [text[s : s + len(t)] for s, t in zip(starts, expected)] == expected
+
+
+@pytest.mark.parametrize(
+    "reply,n,expected,kind",
+    [
+        ("\\boxed{2}", 4, 2, "ok"),
+        ("Step 1 looks fine. Step 3 is wrong.\n\\boxed{3}", 4, 3, "ok"),
+        ("\\boxed{1} no wait \\boxed{4}", 4, 4, "ok"),
+        ("\\boxed{0}", 4, 1, "no_error"),
+        ("\\boxed{9}", 4, 1, "out_of_range"),
+        ("\\boxed{9} but really Step 2", 4, 2, "out_of_range"),
+        ("the error is in Step 3, maybe step 2", 4, 2, "unparsable"),
+        ("Step 7", 4, 1, "unparsable"),
+        ("\\boxed{two}", 4, 1, "unparsable"),
+        ("\\boxed{2", 4, 1, "unparsable"),
+        ("", 4, 1, "empty"),
+        ("   ", 3, 1, "empty"),
+        ("\\boxed{1}", 1, 1, "ok"),
+    ],
+)
+def test_parse_error_step(reply, n, expected, kind):
+    assert srpo.parse_error_step(reply, n) == expected
+    assert srpo.localization_reply_kind(reply, n) == kind
+
+
+def test_parse_error_step_rejects_empty_parent():
+    with pytest.raises(ValueError):
+        srpo.parse_error_step("\\boxed{1}", 0)
+
+
+def test_reset_index_modes():
+    rng = random.Random(0)
+    draws = [srpo.reset_index("random", 5, rng) for _ in range(2000)]
+    assert set(draws) == {1, 2, 3, 4, 5} and abs(sum(draws) / len(draws) - 3) < 0.1
+    assert srpo.reset_index("oracle", 5, oracle_step=3) == 3
+    assert srpo.reset_index("oracle", 5, oracle_step=None) == 5  # no wrong thought found: the last one
+    assert srpo.reset_index("oracle", 5, oracle_step=6) == 5  # a missing thought: clamped
+    assert srpo.reset_index("self", 5, reply="\\boxed{4}") == 4
+    with pytest.raises(ValueError):
+        srpo.reset_index("best", 5)
+
+
+def test_oracle_picks_true_first_error_on_arith():
+    rng = random.Random(3)
+    for _ in range(200):
+        p = common.make_arith_problem(rng)
+        lines = p.solution().split("\n")
+        k = rng.randint(1, len(lines))
+        lines[k - 1] = lines[k - 1] + "1"  # corrupt line k
+        parent = "\n".join(lines)
+        th = srpo.split_thoughts(parent, "\n")
+        assert srpo.reset_index("oracle", len(th), oracle_step=common.arith_first_error(p, parent)) == k
+
+
+def test_suffix_mask():
+    cm = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    got = srpo.suffix_mask(cm, torch.tensor([2, 0, 4]))
+    assert got.tolist() == [[0, 0, 1, 1, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 1]]
+
+
+def test_prefix_token_count_cuts_before_thought_k(tiny):
+    _, tok = tiny
+    text = "23+7=30\n30-5=25\n25+9=34\n#### 34"
+    ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    for k, expected in ((1, ""), (2, "23+7=30\n"), (3, "23+7=30\n30-5=25\n"), (4, "23+7=30\n30-5=25\n25+9=34\n")):
+        n = srpo.prefix_token_count(tok, ids, text, k, "\n")
+        assert tok.decode(ids[:n]) == expected
+
+
+def _args(**kw):
+    return srpo.Args(**{"max_new_tokens": 48, "thought_delimiter": "\n", **kw})
+
+
+def _task(tok, n=3):
+    task = common.load_task("arith", tok, seed=5, num_eval=4, arith_num_train=200)
+    return task, task.train[:n]
+
+
+@pytest.mark.slow
+def test_collect_rollouts_oracle_batch(tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    task, examples = _task(tok, 4)
+    ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="oracle"), random.Random(0))
+    assert len(ro) == 8 * len(examples)  # the budget: 8 trained trajectories per prompt
+    for e in examples:
+        assert (torch.tensor([t for t in range(len(ro))]) >= 0).all()
+    if info["num_parents"]:
+        assert info["oracle_exact"] == 1.0
+        # the reset rows start with their parent's correct prefix: every prefix line checks out
+        for i in range(len(ro)):
+            s = int(suffix_start[i])
+            if s:
+                prefix = tok.decode(ro.completion_ids[i, :s].tolist())
+                e = next(x for x in examples if common.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1)
+                assert e is not None
+    groups = torch.unique(ro.group_ids, return_counts=True)[1]
+    assert set(groups.tolist()) <= {4, 8}
+
+
+@pytest.mark.slow
+def test_collect_rollouts_fallback_when_nothing_fails(tiny):
+    model, tok = tiny
+    task, examples = _task(tok, 2)
+    task.reward_fn = lambda completion, ex: 1.0
+    ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0))
+    assert info["num_parents"] == 0 and info["fallback_share"] == 1.0
+    assert info["fresh_chains"] == 6 * 2  # searched up to max_fresh_attempts, then topped up to 8 below
+    assert len(ro) == 16 and (suffix_start == 0).all()
+    assert torch.unique(ro.group_ids, return_counts=True)[1].tolist() == [8, 8]  # one GRPO group of 8 per prompt
+
+
+@pytest.mark.slow
+def test_parent_never_enters_the_batch(tiny):
+    """Only the first fresh chain of each prompt fails (by construction of the reward): it becomes
+    the parent, and no trajectory of the trained batch may carry its 0 reward."""
+    model, tok = tiny
+    task, examples = _task(tok, 2)
+    seen = {}
+
+    def reward(completion, ex):
+        seen[ex.id] = seen.get(ex.id, 0) + 1
+        return 0.0 if seen[ex.id] == 1 else 1.0
+
+    task.reward_fn = reward
+    ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="random"), random.Random(0))
+    assert info["num_parents"] == 2
+    assert len(ro) == 16 and (rewards == 1.0).all()
+
+
+@pytest.mark.slow
+def test_prefix_gets_zero_gradient_and_advantages_scale_it(tmp_path, monkeypatch):
+    """Through the real training step: capture the log-probs, advantages and loss mask srpo.py uses,
+    and check d loss / d logp = -A_i / (N |U_i|) on suffix tokens and exactly 0 on prefix tokens."""
+    captured = {}
+    real_lp, real_adv, real_agg = common.token_logprobs, common.group_advantages, common.aggregate_loss
+
+    def lp(*a, **k):
+        out = real_lp(*a, **k)
+        if k.get("with_entropy") and out[0].requires_grad:
+            out[0].retain_grad()
+            captured["logp"] = out[0]
+        return out
+
+    def adv(rewards, *a, **k):
+        out = real_adv(rewards, *a, **k)
+        captured["adv"], captured["rewards"], captured["gids"] = out, rewards, k["group_ids"]
+        return out
+
+    def agg(per_token, mask, *a, **k):
+        captured["mask"] = mask
+        return real_agg(per_token, mask, *a, **k)
+
+    monkeypatch.setattr(common, "token_logprobs", lp)
+    monkeypatch.setattr(common, "group_advantages", adv)
+    monkeypatch.setattr(common, "aggregate_loss", agg)
+    run_inprocess("srpo.py", "--reset", "oracle", "--total-steps", "1", "--output-dir", str(tmp_path), "--micro-batch-size", "64",
+                  "--prompts-per-step", "4", "--num-eval", "8", "--eval-every", "0", "--seed", "3")
+    grad, A, m = captured["logp"].grad, captured["adv"], captured["mask"]
+    N = m.shape[0]
+    # advantages are the per-group population z-scores of the rewards, not ones
+    r, g = captured["rewards"], captured["gids"]
+    for gid in g.unique():
+        rr = r[g == gid]
+        expected = torch.zeros_like(rr) if rr.max() == rr.min() else (rr - rr.mean()) / rr.std(unbiased=False)
+        assert torch.allclose(A[g == gid].cpu(), expected, atol=1e-5)
+    assert not torch.all(A == 1)
+    U = m.sum(1)
+    expected = torch.where(m > 0, -A[:, None] / (N * U.clamp(min=1)[:, None]), torch.zeros_like(grad))
+    assert torch.allclose(grad, expected, atol=1e-7)
+    assert (grad[m == 0] == 0).all()
+    rows = read_metrics(tmp_path)
+    # some trained rows are continuations whose prefix is masked (valid tokens with mask 0 before the suffix)
+    assert rows[1]["reset/num_parents"] > 0
+    assert ((m[:, 0] == 0) & (U > 0)).any(), "no continuation with a masked prefix was trained"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reset", ["self", "random", "oracle"])
+def test_srpo_runs_each_reset_mode(tmp_path, reset):
+    out = run_script("srpo.py", "--reset", reset, "--total-steps", "2", "--output-dir", str(tmp_path), *FAST)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reset/normalized_position", "reset/correction_rate", "reset/suffix_pass_at_k", "reset/fallback_share",
+                "reset/generated_tokens", "time/localization", "reset/oracle_exact", "reset/oracle_within_1"):
+        assert key in rows[1], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--split", "2x4", "--clip"], ["--split", "1x8", "--no-mask", "--loss-agg", "token-mean"]])
+def test_srpo_ablation_flags_run(tmp_path, flags):
+    run_inprocess("srpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *flags)
+    rows = read_metrics(tmp_path)
+    assert rows[1]["reward"] == rows[1]["reward"]  # not NaN

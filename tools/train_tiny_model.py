@@ -63,7 +63,7 @@ class Args:
     """fewest operations in a training problem"""
     max_steps_task: int = 6
     """most operations in a training problem"""
-    mix: tuple[float, float, float] = (0.5, 0.25, 0.25)
+    mix: tuple[float, float, float] = (0.35, 0.45, 0.2)
     """sampling weights of formats (a) solve, (b) localize, (c) solve with reference"""
     threads: int = 2
     """torch CPU threads"""
@@ -175,6 +175,15 @@ def generate(model, tok, prompts, max_new_tokens, **kw):
     return tok.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
 
+def save(model, tok, args: Args, report: dict, n_params: int, history: list) -> None:
+    """Write the model and its training report (atomically) to --out-dir."""
+    model.eval()
+    out = common.save_model_atomic(model, tok, args.out_dir)
+    report = dict(report, params=n_params, args=dataclasses.asdict(args), history=history)
+    (out / "training_report.json").write_text(json.dumps(report, indent=1))
+    model.train()
+
+
 def main(args: Args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -234,17 +243,14 @@ def main(args: Args) -> None:
             history.append(ev)
             print("eval", json.dumps(ev), flush=True)
             report = ev
+            save(model, tok, args, ev, n_params, history)  # every evaluation: stopping the run early keeps the last one
             if (
                 step >= args.min_steps
                 and ev["pass@1_T1"] >= args.target_pass_at_1
                 and ev["localization"] >= 2 * ev["localization_chance"]
             ):
                 break
-    model.eval()
-    report = dict(report, params=n_params, args=dataclasses.asdict(args), history=history)
     out = Path(args.out_dir)
-    common.save_model_atomic(model, tok, out)
-    (out / "training_report.json").write_text(json.dumps(report, indent=1))
     mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     print(
         f"saved {out} ({mb:.1f} MB) after {report['step']} steps, {report['seconds']:.0f}s: "

@@ -1,0 +1,468 @@
+"""EP-GRPO: entropy-progress aligned GRPO with implicit process guidance (a RECONSTRUCTION).
+
+1. Entropy gate: each token's weight grows with its rollout entropy (soft step at the batch's 80% quantile),
+   normalized so every response's mean weight is 1: high-entropy "decision pivots" get more of the advantage.
+2. Implicit process signal: delta = log pi_old - log pi_ref per token (the implicit-PRM log-ratio), summed per window.
+3. Progress windows: K windows holding equal shares of a response's cumulative entropy; the window sums are
+   z-scored across the group inside each window (P), so responses are compared at the same progress.
+4. A = gate * (GRPO advantage + lambda * P): groups whose rewards are all equal still get a gradient from P.
+5. PPO-clipped surrogate, token-mean, k3 KL to the frozen reference (always loaded: delta needs it).
+RECONSTRUCTION: the paper's full text and code were not public; this method is rebuilt from its abstract
+(docs/ep_grpo.md lists what is known). Every guessed choice is a flag below, with the spec's default.
+Paper: Yu, Li, Zhao, Yang 2026, EP-GRPO (arXiv 2605.04960). Docs: docs/ep_grpo.md.
+
+    python ep_grpo.py                                           # bundled tiny model, built-in task, CPU
+    python ep_grpo.py --gate-alpha 0 --process-coef 0           # the updates of grpo.py --beta 0.001 --loss-agg token-mean
+"""
+
+import copy
+import dataclasses
+import inspect
+import math
+import time
+from pathlib import Path
+import typing
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import trange
+
+import common
+
+
+@dataclasses.dataclass
+class Args:
+    """EP-GRPO (arXiv 2605.04960), RECONSTRUCTED from the paper's abstract: every method flag is a guess (docs/ep_grpo.md)."""
+
+    exp_name: str = "ep_grpo"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment (prompts, sampling, initialization)"""
+    track: bool = False
+    """log to Weights & Biases as well as TensorBoard"""
+    wandb_project: str = "credit-rlvr"
+    """wandb project name (with --track)"""
+    output_dir: str = "runs"
+    """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
+    save_model: bool = False
+    """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    device: str = "auto"
+    """cuda when available, else cpu"""
+    dtype: str = "auto"
+    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+
+    # model and task
+    model: str = common.DEFAULT_MODEL
+    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    task: str = "arith"
+    """arith (built in), gsm8k or math"""
+    data_path: str | None = None
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    eval_data_path: str | None = None
+    """local eval file; without it the first --num-eval training rows are held out"""
+    arith_steps: int = 4
+    """arith: operations per problem"""
+    arith_max_value: int = 99
+    """arith: running values stay in [0, this]"""
+    arith_max_operand: int = 9
+    """arith: operands are drawn from [1, this]"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (tokens) are skipped and counted"""
+
+    # rollouts
+    total_steps: int = 150
+    """optimizer steps of the run (each samples a new batch of prompts)"""
+    prompts_per_step: int = 8
+    """prompts per step; each gets --num-generations completions"""
+    num_generations: int = 8
+    """G: completions per prompt (the group)"""
+    max_new_tokens: int = 48
+    """completion length cap (tokens); completions that hit it count as clipped"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 = off; truncated sampling biases the ratio)"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    gen_batch_size: int = 64
+    """sequences per generate() call"""
+
+    # optimization
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant). The default suits the tiny model; use ~1e-6 for 1B+ models"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_iterations: int = 1
+    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    epsilon: float = 0.2
+    """lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """upper clip (DAPO's clip-higher uses 0.28); default: same as --epsilon"""
+    # ALGO LOGIC: EP-GRPO's loss defaults (guessed, verl's GRPO): k3 KL 1e-3, token-mean
+    beta: float = 1e-3
+    """k3 KL coefficient to the frozen initial policy (EP-GRPO loads the reference even at 0: the process signal needs it)"""
+    loss_agg: str = "token-mean"
+    """token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
+    scale_rewards: str = "group"
+    """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+
+    # evaluation
+    eval_every: int = 25
+    """steps between evaluations (0 = only at the start and end)"""
+    num_eval: int = 200
+    """held-out prompts per evaluation"""
+    eval_temperature: float = 0.0
+    """0 = greedy pass@1"""
+
+    # ALGO LOGIC: EP-GRPO. Every field below is a guess of this reconstruction (docs/ep_grpo.md), not the paper's.
+    gate: Literal["soft", "hard", "gtpo", "none"] = "soft"
+    """entropy gate: soft 1+alpha*sigmoid((H-tau)/gate-temp), hard 1[H>tau] (80/20 mask), gtpo H itself, none 1"""
+    pivot_quantile: float = 0.8
+    """rho: the pivot threshold tau is this quantile of the token entropies (0.8: the top 20% are pivots)"""
+    pivot_scope: Literal["batch", "group", "response"] = "batch"
+    """over which tokens the pivot quantile is taken"""
+    gate_alpha: float = 1.0
+    """alpha: extra weight of a pivot under the soft gate (0 turns the gate off)"""
+    gate_temp: float = 0.1
+    """T_g: softness of the soft gate (nats)"""
+    gate_norm: Literal["response", "none"] = "response"
+    """response: divide the gate by its mean over each response (each response keeps its advantage mass); none"""
+    process_anchor: Literal["ref", "ema", "lagged"] = "ref"
+    """delta = log pi_old - log pi_anchor against: ref (frozen initial policy), ema or lagged (copies that follow the policy)"""
+    anchor_ema_decay: float = 0.99
+    """--process-anchor ema: anchor <- decay * anchor + (1 - decay) * policy after every step"""
+    anchor_lag: int = 10
+    """--process-anchor lagged: the anchor is reset to the policy every this many steps"""
+    process_granularity: Literal["window", "token", "cumulative"] = "window"
+    """what is z-scored per (group, window): window sums of delta, single tokens' delta, or prefix sums up to the window"""
+    anchor_form: Literal["additive", "multiplicative"] = "additive"
+    """additive gate*(A_out + lambda*P); multiplicative gate*A_out*(1 + lambda*tanh(sign(A_out)*P)) (0 when A_out = 0)"""
+    process_coef: float = 0.5
+    """lambda: weight of the process signal P in groups with mixed rewards (0 turns it off)"""
+    process_coef_zero_var: float | None = None
+    """lambda_0: weight of P in groups whose rewards are all equal (default: --process-coef)"""
+    process_clip: float = 3.0
+    """c: P is clipped to [-c, c]"""
+    process_std_min: float = 1e-3
+    """sigma_min: a (group, window) whose std is below this gets P = 0 (e.g. step 1, when pi_old = pi_ref)"""
+    progress: Literal["entropy", "position"] = "entropy"
+    """progress coordinate: cumulative entropy share (position when a response's entropy is ~0) or token-index share"""
+    num_buckets: int = 10
+    """K: number of progress windows"""
+    advantage_form: Literal["A", "B"] = "A"
+    """A: the form above; B (ablation): gate * z-score over the group's tokens per window of r + implicit_beta*cumsum(delta)"""
+    implicit_beta: float = 0.05
+    """beta of the implicit reward in --advantage-form B (form A: no effect, the z-score cancels it)"""
+
+
+# ALGO LOGIC: EP-GRPO's credit assignment, as pure tensor functions (spec equations in brackets).
+CHOICES = {f.name: typing.get_args(f.type) for f in dataclasses.fields(Args) if typing.get_origin(f.type) is Literal}
+
+
+def row_quantile(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
+    """q-quantile (linear interpolation, as torch.quantile) of each row's valid entries; x, valid: [R, L] -> [R].
+    Rows without valid entries give 0. Sort-based, so it has no size limit."""
+    s = x.float().masked_fill(~valid, float("inf")).sort(dim=1).values
+    n = valid.sum(1)
+    pos = q * (n - 1).clamp(min=0).float()
+    lo, hi = pos.floor().long()[:, None], pos.ceil().long()[:, None]
+    val = s.gather(1, lo) + (pos[:, None] - lo) * (s.gather(1, hi) - s.gather(1, lo))
+    return torch.where(n > 0, val.squeeze(1), torch.zeros_like(pos))
+
+
+def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="response", eps=1e-6) -> torch.Tensor:
+    """Token weights g_hat [B, T] from the rollout entropy [(a) 3-4].
+
+    entropy: [B, T] nats; mask: [B, T] completion mask; tau: pivot threshold, a scalar or [B, 1] (nats).
+    soft: 1 + alpha*sigmoid((H - tau)/temp); hard: 1[H > tau]; gtpo: H; none: 1. With norm "response" the
+    weights are divided by their mean over the response's tokens, so each response's mean weight is 1
+    (a response whose weights are all ~0 keeps weight 1). Padded positions are 0.
+    """
+    m, H = mask.float(), entropy.float()
+    if gate == "soft":
+        if temp <= 0:
+            raise ValueError(f"gate temperature must be > 0, got {temp}")
+        g = 1 + alpha * torch.sigmoid((H - tau) / temp)
+    else:
+        g = {"hard": lambda: (H > tau).float(), "gtpo": lambda: H.clamp(min=0), "none": lambda: torch.ones_like(H)}[gate]()
+    g = g * m
+    if norm == "none":
+        return g
+    mean = g.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(mean > eps, g / mean.clamp(min=eps), m)
+
+
+def progress_windows(entropy, mask, num_buckets=10, progress="entropy", eps=1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Progress window b(i,t) in {0..K-1} of every token [(c) 1-3]; returns (b [B, T] long, zero_entropy [B] bool).
+
+    entropy: [B, T] nats; mask: [B, T]. Progress u = (C_t - H_t/2) / C_T with C the cumulative entropy, so each
+    window holds 1/K of the response's entropy; a response whose total entropy is <= eps (zero_entropy) and
+    --progress position use the token-index share (t - 1/2)/T instead. b = min(K-1, floor(K*u)); pads get 0.
+    """
+    m = mask.float()
+    H = entropy.float().clamp(min=0) * m
+    pos = (m.cumsum(1) - 0.5) / m.sum(1, keepdim=True).clamp(min=1)
+    C = H.cumsum(1)
+    total = C[:, -1:]
+    u = torch.where(total > eps, (C - 0.5 * H) / total.clamp(min=eps), pos) if progress == "entropy" else pos
+    b = (u * num_buckets).floor().long().clamp(0, num_buckets - 1) * mask.long()
+    return b, total.squeeze(1) <= eps
+
+
+def cell_zscore(x, valid, cell, num_cells, clip=3.0, std_min=1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """z-score of x within cells (population std), clipped to [-clip, clip] [(b) 3].
+
+    x, valid, cell: same shape (cell: long ids < num_cells). Entries that are not valid, or whose cell has fewer
+    than 2 members or a std below std_min, get 0. Returns (z like x, members per cell [num_cells], ok [num_cells]).
+    """
+    v = valid.float()
+    c, xv = cell.reshape(-1), (x.float() * v).reshape(-1)
+    zeros = torch.zeros(num_cells, device=x.device)
+    n = zeros.index_add(0, c, v.reshape(-1))
+    mean = zeros.index_add(0, c, xv) / n.clamp(min=1)
+    dev = (x.float() - mean[cell]) * v
+    std = (zeros.index_add(0, c, (dev**2).reshape(-1)) / n.clamp(min=1)).sqrt()
+    ok = (n >= 2) & (std > 0) & (std >= std_min)
+    z = (dev / torch.where(ok, std, torch.ones_like(std))[cell]).clamp(-clip, clip)
+    return torch.where(ok[cell] & valid, z, torch.zeros_like(z)), n, ok
+
+
+def ep_advantages(
+    entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, *, scale_rewards="group", gate="soft",
+    pivot_quantile=0.8, pivot_scope="batch", gate_alpha=1.0, gate_temp=0.1, gate_norm="response",
+    process_granularity="window", anchor_form="additive", process_coef=0.5, process_coef_zero_var=None,
+    process_clip=3.0, process_std_min=1e-3, progress="entropy", num_buckets=10, advantage_form="A",
+    implicit_beta=0.05, return_parts=False,
+):
+    """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * P) (0 at padded positions).
+
+    entropy: [B, T] rollout-policy entropy (nats); logp_old, logp_ref: [B, T] log-probs of the sampled tokens
+    under pi_old and the reference (nats); mask: [B, T]; rewards: [B]; groups: rows sharing group_ids (the
+    prompt id; default consecutive blocks of group_size). A_out is grpo.py's advantage (common.group_advantages,
+    0 in all-equal groups); lambda_g is process_coef_zero_var (default process_coef) in all-equal groups.
+    The keyword flags are the script's (see Args). Pure: no state, no gradient needed.
+    return_parts: also return a dict of the pieces (outcome [B], gate, process P, windows [B, T], ...) for ep_metrics.
+    """
+    choices = dict(gate=gate, pivot_scope=pivot_scope, gate_norm=gate_norm, process_granularity=process_granularity,
+                   anchor_form=anchor_form, progress=progress, advantage_form=advantage_form)
+    for name in [k for k, v in choices.items() if v not in CHOICES[k]]:
+        raise ValueError(f"{name}={choices[name]!r}: choose one of {CHOICES[name]}")
+    if num_buckets < 1 or not 0 <= pivot_quantile <= 1:
+        raise ValueError(f"need num_buckets >= 1 (got {num_buckets}) and pivot_quantile in [0, 1] (got {pivot_quantile})")
+    B, T = mask.shape
+    dev, valid, m = entropy.device, mask.bool(), mask.float()
+    gid = (torch.arange(B) // group_size if group_ids is None else group_ids.cpu())
+    _, inv = torch.unique(gid, return_inverse=True)
+    a_out = common.group_advantages(rewards.float().cpu(), group_size, scale_rewards, group_ids=gid).to(dev)
+    inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
+    gmax = torch.full((n_groups,), -math.inf, device=dev).scatter_reduce(0, inv, r, "amax")
+    zero_var = (gmax == torch.full((n_groups,), math.inf, device=dev).scatter_reduce(0, inv, r, "amin"))[inv]
+    # (a) entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
+    H = entropy.float()
+    rows = {"batch": lambda: torch.zeros_like(inv), "group": lambda: inv, "response": lambda: torch.arange(B, device=dev)}
+    owner = rows[pivot_scope]()  # which pool each row's threshold comes from
+    order = torch.argsort(owner, stable=True)
+    pools = int(owner.max()) + 1
+    tau = row_quantile(H[order].reshape(pools, -1), valid[order].reshape(pools, -1), pivot_quantile)[owner][:, None]
+    g_hat = entropy_gate(H, mask, tau, gate, gate_alpha, gate_temp, gate_norm)
+    # (c) cumulative-entropy progress windows; cells are (group, window) pairs
+    b, zero_entropy = progress_windows(H, mask, K, progress)
+    delta = (logp_old.float() - logp_ref.float()) * m  # (b) implicit-PRM log-ratio per token
+    if advantage_form == "B":  # SPRO-style: dense reward r + beta*cumulative delta, z-scored over tokens per cell
+        R = r[:, None] + implicit_beta * delta.cumsum(1)
+        P, n_cell, ok = cell_zscore(R, valid, inv[:, None] * K + b, n_groups * K, process_clip, process_std_min)
+        A = g_hat * P
+    else:
+        if process_granularity == "token":
+            P, n_cell, ok = cell_zscore(delta, valid, inv[:, None] * K + b, n_groups * K, process_clip, process_std_min)
+        else:  # (b) 2-3: S[i, k] = sum of delta over window k, z-scored across the group's responses in window k
+            S = torch.zeros(B, K, device=dev).scatter_add_(1, b, delta)
+            present = torch.zeros(B, K, device=dev).scatter_add_(1, b, m) > 0
+            if process_granularity == "cumulative":
+                S, present = S.cumsum(1), valid.any(1, keepdim=True).expand(-1, K)
+            cells = inv[:, None] * K + torch.arange(K, device=dev)
+            P_win, n_cell, ok = cell_zscore(S, present, cells, n_groups * K, process_clip, process_std_min)
+            P = P_win.gather(1, b) * m
+        lam0 = process_coef if process_coef_zero_var is None else process_coef_zero_var
+        lam = torch.where(zero_var, lam0, process_coef)[:, None]
+        if anchor_form == "additive":
+            A = g_hat * (a_out[:, None] + lam * P)
+        else:
+            A = g_hat * a_out[:, None] * (1 + lam * torch.tanh(torch.sign(a_out)[:, None] * P))
+    A = A * m
+    if not return_parts:
+        return A
+    parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv,
+                 zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok)
+    return A, parts
+
+
+def ep_metrics(adv, parts, entropy, mask) -> dict:
+    """Diagnostics of the three GRPO failures EP-GRPO targets, as floats (0.0 where a ratio has no denominator).
+
+    adv: [B, T] from ep_advantages; parts: its return_parts dict; entropy: [B, T] nats; mask: [B, T].
+    """
+    valid, m = mask.bool(), mask.float()
+
+    def ratio(a, b):
+        return float(a) / float(b) if float(b) > 0 else 0.0
+
+    H, inv, zv = entropy.float()[valid], parts["group_index"], parts["zero_var"]
+    top = H.topk(max(1, math.ceil(0.2 * H.numel()))).values.sum() if H.numel() else 0.0
+    n_groups = int(inv.max()) + 1
+    zv_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, zv.float(), "amax")
+    grad_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, ((adv.abs() * m).sum(1) > 0).float(), "amax")
+    a_out, P, n, ok = parts["outcome"][:, None], parts["process"].abs() * m, parts["cell_members"], parts["cell_ok"]
+    return {
+        "ep/frac_zero_var_groups": zv_g.mean().item(),  # waste: groups GRPO gives no gradient
+        "ep/zero_var_groups_with_grad": ratio((zv_g * grad_g).sum(), zv_g.sum()),  # ... that EP-GRPO still trains
+        "ep/entropy_top20_share": ratio(top, H.sum()),  # non-uniformity: entropy mass of the top-20% tokens
+        "ep/pivot_frac": ratio(((entropy.float() > parts["tau"]) & valid).sum(), valid.sum()),
+        "ep/pivot_threshold": parts["tau"].float().mean().item(),
+        "ep/polarity_flip_rate": ratio(((adv * a_out < 0) & valid).sum(), (valid & (a_out != 0)).sum()),
+        "ep/process_abs_mixed": ratio(P[~zv].sum(), m[~zv].sum()),
+        "ep/process_abs_zero_var": ratio(P[zv].sum(), m[zv].sum()),
+        "ep/adv_abs_mean": ratio((adv.abs() * m).sum(), m.sum()),
+        "ep/gate_max": (parts["gate"] * m).max().item() if valid.any() else 0.0,
+        "ep/frac_zero_entropy_responses": parts["zero_entropy"].float().mean().item(),  # positional fallback
+        "ep/frac_singleton_windows": ratio((n == 1).sum(), (n > 0).sum()),  # (group, window) cells with one member
+        "ep/frac_flat_windows": ratio(((n >= 2) & ~ok).sum(), (n > 0).sum()),  # std < sigma_min (identical responses)
+    }
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
+    if args.anchor_lag < 1 or not 0 <= args.anchor_ema_decay <= 1:  # ALGO LOGIC
+        raise SystemExit(f"need --anchor-lag >= 1 (got {args.anchor_lag}) and --anchor-ema-decay in [0, 1] (got {args.anchor_ema_decay})")
+    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # seeding, model, task
+    common.seed_everything(args.seed)
+    device = common.pick_device(args.device)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    # ALGO LOGIC: the frozen reference is loaded even at --beta 0: delta = log pi_old - log pi_ref needs it. A moving
+    # anchor (--process-anchor ema / lagged) is its own copy; then the reference is needed only for the KL term.
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.process_anchor == "ref" or args.beta > 0 else None
+    anchor = ref_model if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
+    task = common.load_task(
+        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
+        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project)
+    print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
+          f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
+    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    G = args.num_generations
+    # ALGO LOGIC: every EP-GRPO flag goes to ep_advantages under its own name (--gate -> gate=..., and so on)
+    ep_flags = {k: getattr(args, k) for k in inspect.signature(ep_advantages).parameters if hasattr(args, k)}
+    ep_flags["return_parts"] = True
+
+    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+    logger.log(eval_metrics, 0)
+    metrics = dict(eval_metrics)
+    bar = trange(1, args.total_steps + 1, desc="ep_grpo", dynamic_ncols=True)
+    for step in bar:
+        # 1. rollouts: G completions per prompt
+        t0 = time.time()
+        examples = next(batches)
+        ro = common.generate_rollouts(
+            model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
+            args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
+        )
+        t_gen = time.time() - t0
+
+        # 2. rewards, one per completion (the verifier sees the decoded text)
+        rewards = torch.tensor([task.reward_fn(text, ex) for text, ex in zip(ro.texts, [e for e in examples for _ in range(G)])])
+        mask = ro.completion_mask
+        T = mask.shape[1]
+
+        # 3. ALGO LOGIC: old log-probs and the rollout entropy (one no-grad pass: both from the same logits), and the
+        #    reference's (and the anchor's) log-probs. Credit assignment needs them, so this pass runs even at mu = 1.
+        t0 = time.time()
+        input_ids, attn = ro.input_ids, ro.attention_mask
+        with torch.no_grad():
+            old_logp, old_entropy = common.token_logprobs(model, input_ids, attn, T, args.temperature, with_entropy=True)
+            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+            anchor_logp = ref_logp if anchor is ref_model else common.token_logprobs(anchor, input_ids, attn, T, args.temperature)[0]
+        t_logp = time.time() - t0
+
+        # 4. ALGO LOGIC: credit assignment. A = gate * (GRPO advantage + lambda * P), per token.
+        t0 = time.time()
+        token_adv, parts = ep_advantages(old_entropy, old_logp, anchor_logp, mask, rewards, G, ro.group_ids, **ep_flags)
+        ep_stats = ep_metrics(token_adv, parts, old_entropy, mask)
+        t_adv = time.time() - t0
+
+        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        t0 = time.time()
+        num_tokens, N = mask.sum().item(), len(ro)
+        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        for it in range(args.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            for s in range(0, N, args.micro_batch_size):
+                mb = slice(s, s + args.micro_batch_size)
+                m = mask[mb].float()
+                logp, entropy = common.token_logprobs(model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                old = old_logp[mb] if old_logp is not None else logp.detach()
+                # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
+                ratio = torch.exp(logp - old)
+                A = token_adv[mb]
+                surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                per_token_loss = -surrogate
+                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
+                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    per_token_loss = per_token_loss + args.beta * kl
+                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
+                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, N)
+                common.stop_if_nonfinite(loss, "loss", step, metrics)
+                loss.backward()
+                # diagnostics
+                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
+                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
+                stats["policy_loss"] += loss.item() / args.num_iterations
+                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
+                if entropy is not None:
+                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+            optimizer.step()
+        t_update = time.time() - t0
+        # ALGO LOGIC: a moving process anchor follows the policy (--process-anchor ema / lagged)
+        if args.process_anchor == "ema":
+            with torch.no_grad():
+                for p_anchor, p in zip(anchor.parameters(), model.parameters()):
+                    p_anchor.lerp_(p, 1 - args.anchor_ema_decay)
+        elif args.process_anchor == "lagged" and step % args.anchor_lag == 0:
+            anchor.load_state_dict(model.state_dict())
+
+        # 6. logging and evaluation
+        step_time = t_gen + t_logp + t_adv + t_update  # ALGO LOGIC: + credit assignment time and EP-GRPO's logs
+        metrics = {
+            **common.completion_metrics(ro, rewards, G), **stats, **ep_stats, "time/advantages": t_adv,
+            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
+            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+        }
+        if ref_model is None:
+            metrics.pop("kl")
+        if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
+            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+            metrics.update(eval_metrics)
+        logger.log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+
+    logger.close()
+    print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
+    if args.save_model:
+        print(f"saved model to {common.save_model_atomic(model, tokenizer, run_dir / 'model')}")

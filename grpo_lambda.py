@@ -1,0 +1,359 @@
+"""GRPO-λ: λ-return credit assignment for GRPO, through eligibility traces over token log-probs.
+
+GRPO gives every token of a completion the same group-normalized advantage. GRPO-λ reads that advantage
+as a critic-free TD error and gives each token t a *traced* importance ratio exp(Σ_{k≤t} w(t,k)·log-ratio_k),
+w = (γλ)^(t−k) ("recent") or max((γλ)^(t−k), (γλ)^k) ("both"), inside GRPO's clipped surrogate. On-policy
+this is GRPO with token k's advantage times c_k = Σ_{t≥k} w(t,k): early tokens get up to 1/(1−γλ) (= 100)
+times the credit, so the gradient is tens of times GRPO's. Negative advantages are clamped at −0.1.
+Paper: Parthasarathi et al. 2025, GRPO-λ: Credit Assignment improves LLM Reasoning (arXiv 2510.00194).
+Docs: docs/grpo_lambda.md. Where the paper is silent (ε-weight's g, the ±20 log-ratio clamp, token-mean)
+the defaults are this project's choices, marked "(spec default)" below.
+
+    python grpo_lambda.py                                       # bundled tiny model, built-in task, CPU
+    python grpo_lambda.py --trace-style recent --lam 0.95       # the classic accumulating trace
+"""
+
+import copy
+import dataclasses
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from tqdm import trange
+
+import common
+
+
+@dataclasses.dataclass
+class Args:
+    exp_name: str = "grpo_lambda"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment (prompts, sampling, initialization)"""
+    track: bool = False
+    """log to Weights & Biases as well as TensorBoard"""
+    wandb_project: str = "credit-rlvr"
+    """wandb project name (with --track)"""
+    output_dir: str = "runs"
+    """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
+    save_model: bool = False
+    """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    device: str = "auto"
+    """cuda when available, else cpu"""
+    dtype: str = "auto"
+    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+
+    # model and task
+    model: str = common.DEFAULT_MODEL
+    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    task: str = "arith"
+    """arith (built in), gsm8k or math"""
+    data_path: str | None = None
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    eval_data_path: str | None = None
+    """local eval file; without it the first --num-eval training rows are held out"""
+    arith_steps: int = 4
+    """arith: operations per problem"""
+    arith_max_value: int = 99
+    """arith: running values stay in [0, this]"""
+    arith_max_operand: int = 9
+    """arith: operands are drawn from [1, this]"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (tokens) are skipped and counted"""
+
+    # rollouts
+    total_steps: int = 150
+    """optimizer steps of the run (each samples a new batch of prompts)"""
+    prompts_per_step: int = 8
+    """prompts per step; each gets --num-generations completions"""
+    num_generations: int = 8
+    """G: completions per prompt (the group)"""
+    max_new_tokens: int = 48
+    """completion length cap (tokens); completions that hit it count as clipped"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 = off; truncated sampling biases the ratio)"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    gen_batch_size: int = 64
+    """sequences per generate() call"""
+
+    # optimization
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant). The default suits the tiny model; use ~1e-6 for 1B+ models"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_iterations: int = 1
+    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    epsilon: float = 0.2
+    """lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """upper clip (DAPO's clip-higher uses 0.28); default: same as --epsilon"""
+    beta: float = 0.0
+    """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded)"""
+    loss_agg: str = "token-mean"
+    """token-mean (DAPO; default here, spec default), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
+    scale_rewards: str = "group"
+    """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+
+    # evaluation
+    eval_every: int = 25
+    """steps between evaluations (0 = only at the start and end)"""
+    num_eval: int = 200
+    """held-out prompts per evaluation"""
+    eval_temperature: float = 0.0
+    """0 = greedy pass@1"""
+
+    # ALGO LOGIC: GRPO-λ
+    lam: float = 0.99
+    """λ of the λ-return: the trace decays by γλ per token (paper: 0.99; 0 with --trace-style recent is GRPO)"""
+    gamma: float = 1.0
+    """γ: per-token discount (1, as the co-author's code)"""
+    trace_style: Literal["recent", "both"] = "both"
+    """recent: w(t,k) = (γλ)^(t−k); both: max((γλ)^(t−k), (γλ)^k), first tokens keep weight ~1 (reviewers: best)"""
+    trace_apply: Literal["trace", "weight"] = "trace"
+    """trace: ϵ-trace, the traced log-ratio inside the clipped ratio (main); weight: ϵ-weight (g: spec default)"""
+    adv_clamp: str = "-0.1"
+    """floor on negative advantages (paper: -0.1); `none` disables the clamp"""
+    max_log_ratio: float = 20.0
+    """the traced log-ratio is clamped to ±this before exp, against overflow (spec default)"""
+
+
+# ALGO LOGIC: GRPO-λ's own functions (pure tensor functions)
+TRACE_STYLES = ("recent", "both")
+
+
+def _decay(lam: float, gamma: float, style: str) -> float:
+    """a = γλ, the trace's decay per token; checks a ∈ [0, 1] and the style."""
+    if style not in TRACE_STYLES:
+        raise ValueError(f"unknown trace style {style!r}: choose one of {TRACE_STYLES}")
+    if not 0.0 <= gamma * lam <= 1.0:
+        raise ValueError(f"gamma * lam must be in [0, 1], got {gamma * lam}")
+    return gamma * lam
+
+
+def _recent_trace(x: torch.Tensor, a: float, chunk: int = 64) -> torch.Tensor:
+    """z_t = x_t + a·z_{t−1} (z_{−1} = 0) along dim 1 of x [B, T], the accumulating eligibility trace.
+    Unrolled `chunk` steps at a time: inside a chunk, x times a fixed [chunk, chunk] matrix of a^(t−k); then
+    each chunk adds a^(i+1)·(the trace at the end of the chunk before), the same recurrence over chunk ends
+    with decay a^chunk. Time O(B·T·chunk), memory O(B·T), no Python loop over T, no overflowing a^(−k)."""
+    B, T = x.shape
+    C = max(1, min(chunk, T))
+    n = -(-T // C)
+    i = torch.arange(C, device=x.device)
+    lag = (i[:, None] - i[None, :]).double()  # [C, C]: t − k
+    W = torch.where(lag >= 0, a ** lag.clamp(min=0), 0.0).to(x.dtype)
+    z = F.pad(x, (0, n * C - T)).view(B, n, C) @ W.T  # [B, n, C]: the trace within each chunk
+    if n > 1:
+        ends = _recent_trace(z[:, :, -1], a**C, chunk)  # [B, n]: the whole trace at each chunk's last token
+        carry = F.pad(ends[:, :-1], (1, 0))  # the trace just before each chunk
+        z = z + carry[:, :, None] * (a ** (i + 1).double()).to(x.dtype)
+    return z.reshape(B, n * C)[:, :T]
+
+
+def trace_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, lam: float, gamma: float = 1.0,
+                    style: str = "both", chunk: int = 64) -> torch.Tensor:
+    """Traced log-ratio z_t = Σ_{k≤t} w(t,k)·x_k of each row, the exponent of GRPO-λ's ratio (paper §3.2, Eq. 2).
+
+    log_ratio x: [B, T] log π_θ − log π_old per token (nats; any per-token quantity can be traced).
+    mask: [B, T] completion mask, right-padded. Masked positions contribute nothing and get z = 0 (all-padding
+    rows: all 0); t, k count from the row's first token, so a row's trace never depends on the batch's T.
+    w(t,k) = a^(t−k) ("recent") or max(a^(t−k), a^k) ("both") for k ≤ t, a = γλ ∈ [0, 1]; w(t,t) = 1.
+    Returns z [B, T] in float32 (float64 for float64 input), differentiable, unclamped (clamp before exp).
+    O(B·T) time and memory, never the [T, T] weights: "recent" is the recurrence z_t = x_t + a·z_{t−1}; "both"
+    splits at m = ceil(t/2) (a^k ≥ a^(t−k) iff k ≤ t/2): z_t = z^rec_t − a^(t−m+1)·z^rec_(m−1) + Σ_{k<m} a^k·x_k.
+    """
+    a = _decay(lam, gamma, style)
+    valid = mask.bool()
+    x = torch.where(valid, log_ratio.to(torch.promote_types(log_ratio.dtype, torch.float32)), 0.0)
+    z = _recent_trace(x, a, chunk)
+    if style == "both":
+        t = torch.arange(x.shape[1], device=x.device)
+        m = (t + 1) // 2  # ceil(t/2): k < m takes the early weight a^k, k ≥ m the recent a^(t−k)
+        early = F.pad(torch.cumsum(x * (a ** t.double()).to(x.dtype), 1), (1, 0))  # [:, m] = Σ_{k<m} a^k x_k
+        z_before = F.pad(z, (1, 0))[:, m]  # z^rec_(m−1), 0 at m = 0
+        z = z - (a ** (t - m + 1).double()).to(x.dtype) * z_before + early[:, m]
+    return torch.where(valid, z, 0.0)
+
+
+def trace_multipliers(lengths: torch.Tensor, lam: float, gamma: float = 1.0, style: str = "both",
+                      T: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """On-policy per-token advantage multipliers c_k = Σ_{t=k}^{L−1} w(t,k) (spec §1.3, §6): at θ = θ_old the
+    GRPO-λ gradient is exactly GRPO's with token k's advantage times c_k. lengths: [B] tokens per row (L).
+    Returns c [B, T] (T: longest row by default), 0 past each row's end. With S(n) = Σ_{j<n} a^j:
+      recent: c_k = S(L − k)                                   (last token 1, early ones → 1/(1 − a))
+      both:   c_k = S(min(k, L−1−k) + 1) + a^k·max(0, L−1−2k)  (c_0 = L: the first token is in every row)"""
+    a = _decay(lam, gamma, style)
+    L = lengths.to(torch.float64)[:, None]
+    T = int(lengths.max()) if T is None and len(lengths) else (T or 0)
+    k = torch.arange(T, dtype=torch.float64, device=lengths.device)[None, :]
+    S = (lambda n: n) if a == 1.0 else (lambda n: (1 - a**n) / (1 - a))
+    c = S(L - k) if style == "recent" else S(torch.minimum(k, L - 1 - k) + 1) + a**k * (L - 1 - 2 * k).clamp(min=0)
+    return torch.where(k < L, c, 0.0).to(dtype)
+
+
+def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.Tensor:
+    """Â^c = max(Â, floor), floor ≤ 0 (paper: −0.1), any shape: negative advantages times the large c_k
+    destabilize training; positive ones are untouched (spec §1.5). floor None: no clamp (a copy)."""
+    if floor is not None and floor > 0:
+        raise ValueError(f"adv_clamp must be <= 0 (it only limits negative advantages), got {floor}")
+    return adv.clone() if floor is None else adv.clamp(min=floor)
+
+
+def grpo_lambda_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                           lam: float, gamma: float = 1.0, style: str = "both", apply: str = "trace",
+                           epsilon: float = 0.2, epsilon_high: float = 0.2, max_log_ratio: float = 20.0):
+    """GRPO-λ's per-token policy loss [B, T] before aggregation and KL (spec §1.3-1.4). logp, old_logp: [B, T]
+    log-probs of the completion tokens (nats); adv: [B, T] clamped advantage (the critic-free TD error).
+    "trace" (ϵ-trace): ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
+      loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A).
+    "weight" (ϵ-weight): GRPO's clipped loss of the plain ratio times E_t = Σ_{k≤t} w(t,k)·g(logp_k),
+      g(x) = 1 + sigmoid(x − 1), not detached (the co-author's code; the paper's g is unknown).
+    Returns (loss [B, T], the ratio the clip acts on [B, T], the traced log-ratio z [B, T] (no grad for "weight"))."""
+    if apply not in ("trace", "weight"):
+        raise ValueError(f"unknown trace application {apply!r}: choose trace or weight")
+    x = logp - old_logp
+    z = trace_log_ratio(x if apply == "trace" else x.detach(), mask, lam, gamma, style)  # Eq. 2
+    ratio = torch.exp(z.clamp(-max_log_ratio, max_log_ratio)) if apply == "trace" else torch.exp(x)
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+    if apply == "weight":
+        loss = loss * trace_log_ratio(1 + torch.sigmoid(logp - 1), mask, lam, gamma, style)
+    return loss, ratio, z
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
+    adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
+    if not 0.0 <= args.gamma * args.lam <= 1.0 or (adv_floor is not None and adv_floor > 0):
+        raise ValueError(f"need 0 <= gamma*lam <= 1 and --adv-clamp <= 0 or none; got {args.gamma * args.lam}, {adv_floor}")
+    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # seeding, model, task
+    common.seed_everything(args.seed)
+    device = common.pick_device(args.device)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    task = common.load_task(
+        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
+        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project)
+    print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
+          f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
+    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    G = args.num_generations
+
+    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+    logger.log(eval_metrics, 0)
+    metrics = dict(eval_metrics)
+    bar = trange(1, args.total_steps + 1, desc="grpo_lambda", dynamic_ncols=True)
+    for step in bar:
+        # 1. rollouts: G completions per prompt
+        t0 = time.time()
+        examples = next(batches)
+        ro = common.generate_rollouts(
+            model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
+            args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
+        )
+        t_gen = time.time() - t0
+
+        # 2. rewards, one per completion (the verifier sees the decoded text)
+        rewards = torch.tensor([task.reward_fn(text, ex) for text, ex in zip(ro.texts, [e for e in examples for _ in range(G)])])
+        mask = ro.completion_mask
+        T = mask.shape[1]
+
+        # 3. ALGO LOGIC: credit assignment. GRPO's group advantage is the critic-free TD error, its negative
+        #    values clamped; the trace inside the ratio (step 5) carries it back to earlier tokens.
+        advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu()).to(device)
+        advantages = clamp_negative_advantages(advantages, adv_floor)
+        token_adv = advantages[:, None].expand(-1, T)  # [N, T]
+        c = trace_multipliers(mask.sum(1), args.lam, args.gamma, args.trace_style, T)  # on-policy credit per token
+        multiplier_mean = ((c * mask).sum() / mask.sum().clamp(min=1)).item()
+
+        # 4. old and reference log-probs (no gradient). With mu = 1 the old log-probs are the current
+        #    ones detached, so no extra forward pass is needed.
+        t0 = time.time()
+        input_ids, attn = ro.input_ids, ro.attention_mask
+        with torch.no_grad():
+            old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0] if args.num_iterations > 1 else None
+            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+        t_logp = time.time() - t0
+
+        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        t0 = time.time()
+        num_tokens, N = mask.sum().item(), len(ro)
+        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        stats.update({"trace/log_ratio_mean": 0.0, "trace/log_ratio_max": 0.0, "trace/clamped_frac": 0.0})  # ALGO LOGIC
+        for it in range(args.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            for s in range(0, N, args.micro_batch_size):
+                mb = slice(s, s + args.micro_batch_size)
+                m = mask[mb].float()
+                logp, entropy = common.token_logprobs(model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                old = old_logp[mb] if old_logp is not None else logp.detach()
+                # ALGO LOGIC: PPO-clipped surrogate of the traced ratio (ϵ-trace) or eligibility-weighted (ϵ-weight)
+                A = token_adv[mb]
+                per_token_loss, ratio, z = grpo_lambda_token_loss(
+                    logp, old, A, m, args.lam, args.gamma, args.trace_style, args.trace_apply, args.epsilon,
+                    args.epsilon_high, args.max_log_ratio,
+                )
+                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
+                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    per_token_loss = per_token_loss + args.beta * kl
+                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
+                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, N)
+                common.stop_if_nonfinite(loss, "loss", step, metrics)
+                loss.backward()
+                # diagnostics
+                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
+                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
+                stats["policy_loss"] += loss.item() / args.num_iterations
+                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
+                z = z.detach()  # ALGO LOGIC: traced log-ratio diagnostics (max = largest |z|)
+                clamped = (z.abs() > args.max_log_ratio) * m
+                stats["trace/log_ratio_mean"] += ((z * m).sum() / num_tokens).item() / args.num_iterations
+                stats["trace/log_ratio_max"] = max(stats["trace/log_ratio_max"], (z.abs() * m).max().item())
+                stats["trace/clamped_frac"] += (clamped.sum() / num_tokens).item() / args.num_iterations
+                if entropy is not None:
+                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+            optimizer.step()
+        t_update = time.time() - t0
+
+        # 6. logging and evaluation
+        step_time = t_gen + t_logp + t_update
+        metrics = {
+            **common.completion_metrics(ro, rewards, G), **stats,
+            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
+            "trace/multiplier_mean": multiplier_mean,  # ALGO LOGIC: mean c_k, the on-policy gradient scale vs GRPO
+            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
+            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+        }
+        if ref_model is None:
+            metrics.pop("kl")
+        if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
+            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+            metrics.update(eval_metrics)
+        logger.log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+
+    logger.close()
+    print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
+    if args.save_model:
+        print(f"saved model to {common.save_model_atomic(model, tokenizer, run_dir / 'model')}")

@@ -557,13 +557,25 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def _load_tokenizer(name_or_path: str):
+    """AutoTokenizer, except for a tokenizer saved with the generic class (the bundled character
+    tokenizer): AutoTokenizer would rebuild it from config.json's model type (Qwen2Tokenizer) and
+    silently drop its spaces and newlines, so it is loaded as exactly what was saved."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg = Path(name_or_path).expanduser() / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(name_or_path)
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
 def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto"):
     """`from_pretrained` a causal LM and its tokenizer (left padding for generation).
 
     dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an unreachable hub id
     is a clear error that names it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
     if looks_local and not Path(name_or_path).expanduser().exists():
@@ -571,7 +583,7 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto"):
     torch_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
                    "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = _load_tokenizer(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device)
     except (OSError, ValueError) as e:
         raise SystemExit(

@@ -209,3 +209,13 @@ def test_group_advantages_variable_sizes_and_population_std():
     g2 = r[4:]
     assert torch.allclose(a[4:], (g2 - g2.mean()) / g2.std(unbiased=False))
     assert torch.allclose(common.group_advantages(r[:4], 4, eps=0.0, unbiased=False), a[:4])
+
+
+def test_bundled_tokenizer_round_trips_spaces_and_newlines(tiny):
+    """AutoTokenizer would load the bundled character tokenizer as Qwen2Tokenizer (from config.json)
+    and drop every space and newline; load_policy must load it as saved."""
+    _, tok = tiny
+    for text in ("Solve: 23+7-5+9\n", "23+7=30\n30-5=25\n#### 25", "Step 1: 2+2=4\n\\boxed{1}"):
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert len(ids) == len(text) and tok.decode(ids) == text
+    assert tok.padding_side == "left" and tok.pad_token_id is not None and tok.eos_token_id is not None

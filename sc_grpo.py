@@ -1,0 +1,465 @@
+"""SC-GRPO: Self-Conditioned GRPO. The model, shown one of its own verified solutions, says which tokens matter.
+
+1. Route each group by n_c, its number of correct rollouts: partial-solve (2 <= n_c < G) scores every rollout
+   against a reference tau, a correct sibling other than itself; n_c in {1, G} stays plain GRPO.
+2. Teacher = the current policy (no gradient) re-scoring the same response with tau placed before the problem.
+3. D = KL(teacher || student) per token over the full vocabulary; f = D / (D + c), c = max(P75 of D, 1e-4).
+4. f (detached) multiplies each token's clipped surrogate: the reward sets the direction, f the magnitude.
+5. Solve-none groups (n_c = 0): one rollout is everyone's reference; the rest get alpha * zscore(mean f) as advantage.
+Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no official code). Docs: docs/sc_grpo.md.
+
+    python sc_grpo.py                                           # bundled tiny model, built-in task, CPU
+    python sc_grpo.py --weight-mode none                        # exactly grpo.py
+    python sc_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --learning-rate 1e-6 --max-new-tokens 512
+"""
+
+import copy
+import dataclasses
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import trange
+
+import common
+
+
+@dataclasses.dataclass
+class Args:
+    exp_name: str = "sc_grpo"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment (prompts, sampling, initialization)"""
+    track: bool = False
+    """log to Weights & Biases as well as TensorBoard"""
+    wandb_project: str = "credit-rlvr"
+    """wandb project name (with --track)"""
+    output_dir: str = "runs"
+    """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
+    save_model: bool = False
+    """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    device: str = "auto"
+    """cuda when available, else cpu"""
+    dtype: str = "auto"
+    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+
+    # model and task
+    model: str = common.DEFAULT_MODEL
+    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    task: str = "arith"
+    """arith (built in), gsm8k or math"""
+    data_path: str | None = None
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    eval_data_path: str | None = None
+    """local eval file; without it the first --num-eval training rows are held out"""
+    arith_steps: int = 4
+    """arith: operations per problem"""
+    arith_max_value: int = 99
+    """arith: running values stay in [0, this]"""
+    arith_max_operand: int = 9
+    """arith: operands are drawn from [1, this]"""
+    max_prompt_length: int = 1024
+    """prompts longer than this (tokens) are skipped and counted"""
+
+    # rollouts
+    total_steps: int = 150
+    """optimizer steps of the run (each samples a new batch of prompts)"""
+    prompts_per_step: int = 8
+    """prompts per step; each gets --num-generations completions"""
+    num_generations: int = 8
+    """G: completions per prompt (the group)"""
+    max_new_tokens: int = 48
+    """completion length cap (tokens); completions that hit it count as clipped"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs use the same temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 = off; truncated sampling biases the ratio)"""
+    top_k: int = 0
+    """top-k sampling (0 = off)"""
+    gen_batch_size: int = 64
+    """sequences per generate() call"""
+
+    # optimization
+    learning_rate: float = 1e-4
+    """AdamW learning rate (constant). The default suits the tiny model; use ~1e-6 for 1B+ models"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    num_iterations: int = 1
+    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    epsilon: float = 0.2
+    """lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """upper clip (DAPO's clip-higher uses 0.28); default: same as --epsilon"""
+    beta: float = 0.0
+    """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded)"""
+    loss_agg: str = "seq-mean-token-mean"
+    """token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
+    scale_rewards: str = "group"
+    """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+
+    # evaluation
+    eval_every: int = 25
+    """steps between evaluations (0 = only at the start and end)"""
+    num_eval: int = 200
+    """held-out prompts per evaluation"""
+    eval_temperature: float = 0.0
+    """0 = greedy pass@1"""
+
+    # SC-GRPO (paper defaults)
+    weight_mode: Literal["multiply", "none"] = "multiply"
+    """multiply: each token's clipped surrogate times f(D); none: weight 1 and no teacher (exactly grpo.py)"""
+    weighted_groups: tuple[Literal["partial", "none", "single", "all"], ...] = ("partial", "none")
+    """groups scored against a teacher, by n_c correct of G: partial (2 <= n_c < G), none (n_c = 0), single (1), all (G)"""
+    percentile: float = 75.0
+    """c = max(this percentile of D over the micro-batch's weighted tokens, --c-min)"""
+    c_min: float = 1e-4
+    """floor of the scale c in f = D / (D + c)"""
+    alpha: float = 0.1
+    """scale of the solve-none diversity pseudo-advantage alpha * zscore(s_i)"""
+    kl_loss_coef: float = 0.0
+    """> 0: add this times D (gradient through the student) to the loss: the additive distillation baseline"""
+    max_reference_tokens: int = 8192
+    """a reference longer than this (or than the context window allows) is resampled, else its middle is cut"""
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO LOGIC: SC-GRPO's own functions (pure; the equations are in docs/sc_grpo.md, the paper's section 5)
+# ----------------------------------------------------------------------------------------------
+GUIDE = ("Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
+         "the problem.\n\nReference solution:\n")  # chat models: the teacher's system message, then tau (spec §6.1)
+
+
+def group_rows(group_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices of each group (the rows sharing a group id), groups in order of first appearance."""
+    ids = group_ids.tolist()
+    return [torch.tensor([i for i, g in enumerate(ids) if g == u]) for u in dict.fromkeys(ids)]
+
+
+def route_groups(correct: torch.Tensor, group_size: int, generator: torch.Generator, group_ids: torch.Tensor | None = None,
+                 weighted: tuple[str, ...] = ("partial", "none")) -> tuple[list[str], torch.Tensor]:
+    """Each group's mode, by n_c = its number of correct rollouts, and each rollout's reference (paper §5.1).
+
+    correct: [N] bool; groups share a `group_ids` value (default: consecutive blocks of `group_size`).
+    Returns modes (one per group, first-appearance order) and ref [N] long: the row whose text conditions the
+    rollout's teacher, -1 for none. partial (2 <= n_c < G): every rollout, correct or not, draws a correct rollout
+    other than itself uniformly. none (n_c = 0): one rollout o_r, drawn uniformly, is every other one's reference
+    (ref[o_r] = -1; it gets no loss). single (n_c = 1) and all (n_c = G), ablations, follow the partial rule. A kind
+    not in `weighted`, or a group of one, is "plain" (GRPO, f = 1). Random draws come from `generator` only.
+    """
+    correct, modes = correct.bool().cpu(), []
+    gids = torch.arange(len(correct)) // group_size if group_ids is None else group_ids.cpu()
+    ref = torch.full((len(correct),), -1, dtype=torch.long)
+    for rows in group_rows(gids):
+        if len(rows) != group_size:
+            raise ValueError(f"every group must have {group_size} completions, got {len(rows)}")
+        nc = int(correct[rows].sum())
+        kind = "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
+        modes.append(kind if kind in weighted and len(rows) > 1 else "plain")
+        if modes[-1] == "none":
+            r = rows[torch.randint(len(rows), (1,), generator=generator)]
+            ref[rows], ref[r] = r, -1
+        elif modes[-1] != "plain":
+            good = rows[correct[rows]]
+            for i in rows.tolist():
+                if len(others := good[good != i]):
+                    ref[i] = others[torch.randint(len(others), (1,), generator=generator)]
+    return modes, ref
+
+
+def teacher_prompt(tokenizer, task: str, example: common.Example, tau: str) -> list[int]:
+    """Token ids of the teacher's prompt: the reference tau, then the unchanged problem. Chat models: GUIDE + tau is
+    the system message and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the
+    student's prompt (for arith, common.arith_reference_prompt: the block the tiny model was trained on)."""
+    tau = tau.strip()
+    if common.has_chat_template(tokenizer):
+        user = common.ARITH_INSTRUCTION + example.question if task == "arith" else f"{example.question}\n{common.MATH_INSTRUCTION}"
+        text = common.render_prompt(tokenizer, user, example.prompt, system=GUIDE + tau)
+    elif task == "arith":
+        text = common.arith_reference_prompt(common.parse_arith_problem(example.question), tau)
+    else:
+        text = f"Reference solution:\n{tau}\n{example.prompt}"
+    return common.encode_prompt(tokenizer, text)
+
+
+def build_teachers(tokenizer, task: str, ro: common.Rollouts, row_examples, correct, ref, limit: int, max_ref_tokens: int,
+                   generator: torch.Generator):
+    """Each row's teacher prompt ids (None: no teacher), role, weighted length, and the bad-input counts.
+
+    A reference whose teacher prompt exceeds `limit` tokens (the context window minus the completions) or that has
+    more than `max_ref_tokens` tokens is replaced by another correct sibling that fits (never the row itself), drawn
+    uniformly; failing that, its middle is cut; a row that still does not fit gets no teacher (plain GRPO).
+    role [N]: 0 plain (f = 1), 1 weighted, 2 weighted + diversity advantage (solve-none), 3 no loss (o_r).
+    wlen [N]: how many tokens get a weight, |o_i|, or min(|o_i|, |o_r|) in solve-none groups (later tokens get 0).
+    """
+    n_tok = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
+    counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
+    prompts, role, wlen = [None] * len(ro), torch.zeros(len(ro), dtype=torch.long), lengths.clone()
+    role[(ref < 0) & ~correct & torch.isin(torch.arange(len(ro)), ref)] = 3  # the solve-none reference o_r
+    for i in (ref >= 0).nonzero().flatten().tolist():
+        j = int(ref[i])
+        sibs = [k for k in (gids == gids[i]).nonzero().flatten().tolist() if correct[j] and correct[k] and k not in (i, j)]
+        for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]:
+            ids = teacher_prompt(tokenizer, task, row_examples[i], ro.texts[k])
+            if len(ids) <= limit and n_tok(ro.texts[k]) <= max_ref_tokens:
+                prompts[i] = ids
+                counts["sc/tau_resampled"] += k != j
+                break
+        else:  # nothing fits: keep the head and tail of the drawn reference (8 tokens spare for the "..." marker)
+            tau = tokenizer(ro.texts[j], add_special_tokens=False).input_ids
+            over = len(teacher_prompt(tokenizer, task, row_examples[i], ro.texts[j])) - limit
+            keep = min(max_ref_tokens, len(tau) - max(over, 0)) - 8
+            cut = tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2):])
+            ids = teacher_prompt(tokenizer, task, row_examples[i], cut) if keep > 0 else None
+            prompts[i] = ids if ids is not None and len(ids) <= limit else None
+            counts["sc/tau_truncated" if prompts[i] is not None else "sc/no_reference"] += 1
+        if prompts[i] is not None:
+            role[i], wlen[i] = (1, lengths[i]) if correct[j] else (2, min(lengths[i], lengths[j]))
+    return prompts, role, wlen, counts
+
+
+def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Logits [b, T, V] (model dtype) predicting the last T tokens; position ids from the mask, so left padding
+    does not shift positions (as common.token_logprobs)."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full vocabulary, fp32.
+    Logits [.., V] already divided by the temperature; returns [..]."""
+    lt, ls = torch.log_softmax(teacher_logits.float(), -1), torch.log_softmax(student_logits.float(), -1)
+    return (lt.exp() * (lt - ls)).sum(-1)
+
+
+def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None,
+                    pad_id: int = 0, with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = 8, time_chunk: int = 128):
+    """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
+    D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
+    elsewhere 0). The teacher is the same model under no_grad fed teacher_prompts[i] + the row's completion; the
+    student side is this forward's own logits (detached unless `kl_grad`), so the only extra work is the teacher
+    forward, and per row chunk the teacher's logits are the only extra [b, T, V] tensor. Both sides are
+    log-softmaxed `time_chunk` positions at a time. Returns logp, entropy (or None), D, and the teacher pass's
+    {"seconds", "peak_bytes" (CUDA; 0 on CPU)}.
+    """
+    logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
+    for s in range(0, input_ids.shape[0], chunk_size):
+        ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
+        logits = completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, with gradient
+        logps.append(logits.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+        if with_entropy:
+            with torch.no_grad():
+                z = [logits[:, t : t + 128].detach() for t in range(0, T, 128)]
+                ents.append(torch.cat([torch.logsumexp(c, -1) - (torch.softmax(c, -1) * c).sum(-1) for c in z], 1))
+        D = torch.zeros(ids.shape[0], T, device=ids.device)
+        rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
+        if rows:
+            t0 = time.time()
+            if ids.is_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            tp, tm = common.pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
+            with torch.no_grad():
+                zt = completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
+            idx, zs = torch.tensor(rows, device=ids.device), logits if kl_grad else logits.detach()
+            with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
+                kl = torch.cat([token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[idx, t : t + time_chunk])
+                                for t in range(0, T, time_chunk)], 1)
+                D = D.index_put((idx,), kl)
+            del zt
+            cost["seconds"] += time.time() - t0
+            cost["peak_bytes"] = max(cost["peak_bytes"], torch.cuda.max_memory_allocated() if ids.is_cuda else 0)
+        kls.append(D)
+        del logits
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(kls), cost
+
+
+def kl_weights(kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c_min: float = 1e-4) -> torch.Tensor:
+    """The per-token weight f = D / (D + c), c = max(percentile of D over the active tokens, c_min) (paper §5.1).
+
+    kl, mask: [B, T]; mask marks the active (weighted) tokens. Returns f [B, T], detached, in [0, 1), 0 where the
+    mask is 0 (all 0 when no token is active). A NaN D counts as 0 and +inf as 1e6 (both left out of the
+    percentile), so f is never NaN.
+    """
+    kl = kl.detach().float()
+    D, ok = torch.nan_to_num(kl, nan=0.0, posinf=1e6, neginf=0.0).clamp(min=0), mask.bool() & torch.isfinite(kl)
+    c = max(torch.quantile(D[ok], percentile / 100).item(), c_min) if ok.any() else c_min
+    active = mask.bool()
+    return torch.where(active, D / (D + c), torch.zeros_like(D))
+
+
+def diversity_advantage(scores: torch.Tensor, group_ids: torch.Tensor, alpha: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
+    """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group (population std), from
+    scores [n]: s_i = mean f over a rollout's first min(|o_i|, |o_r|) tokens. group_ids: [n]. Returns [n]."""
+    out = torch.zeros_like(scores)
+    for rows in group_rows(group_ids):
+        s = scores[rows.to(scores.device)]
+        out[rows.to(scores.device)] = alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
+    return out
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.epsilon_high is None:
+        args.epsilon_high = args.epsilon
+    if not (0 <= args.percentile <= 100 and args.c_min > 0 and args.max_reference_tokens > 0):  # ALGO LOGIC
+        raise SystemExit("need 0 <= --percentile <= 100, --c-min > 0 and --max-reference-tokens > 0")
+    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.output_dir) / run_name
+
+    # seeding, model, task
+    common.seed_everything(args.seed)
+    device = common.pick_device(args.device)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    task = common.load_task(
+        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
+        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project)
+    print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
+          f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
+    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    G = args.num_generations
+    # ALGO LOGIC: routing draws from its own generator (the sampling RNG stays grpo.py's); the teacher's context window
+    route_gen = torch.Generator().manual_seed(args.seed)
+    context = getattr(model.config, "max_position_embeddings", None) or 10**9
+
+    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+    logger.log(eval_metrics, 0)
+    metrics = dict(eval_metrics)
+    bar = trange(1, args.total_steps + 1, desc="sc_grpo", dynamic_ncols=True)
+    for step in bar:
+        # 1. rollouts: G completions per prompt
+        t0 = time.time()
+        examples = next(batches)
+        ro = common.generate_rollouts(
+            model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
+            args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
+        )
+        t_gen = time.time() - t0
+
+        # 2. rewards, one per completion (the verifier sees the decoded text)
+        rewards = torch.tensor([task.reward_fn(text, ex) for text, ex in zip(ro.texts, [e for e in examples for _ in range(G)])])
+        mask = ro.completion_mask
+        T = mask.shape[1]
+
+        # 3. ALGO LOGIC: credit assignment. The GRPO advantage sets each token's direction. Each group is routed by its
+        #    number of correct rollouts, and each routed rollout gets a teacher prompt: its reference tau before the problem.
+        advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu()).to(device)
+        token_adv = advantages[:, None].expand(-1, T)  # [N, T]
+        gid, correct = ro.group_ids.cpu(), rewards >= 1.0
+        modes, ref = route_groups(correct, G, route_gen, gid, args.weighted_groups)
+        teacher_prompts, role, wlen, bad = build_teachers(tokenizer, args.task, ro, [e for e in examples for _ in range(G)],
+                                                          correct, ref, context - T, args.max_reference_tokens, route_gen)
+        role, wlen = role.to(device), wlen.to(device)
+        weights, adv = torch.ones_like(mask, dtype=torch.float), token_adv.clone()  # f and A, filled per micro-batch
+        # micro-batches of whole groups (c is per micro-batch; a solve-none group is z-scored together); none: grpo.py's
+        units = group_rows(gid) if args.weight_mode == "multiply" else [torch.tensor([i]) for i in range(len(ro))]
+        per_mb = max(1, args.micro_batch_size // G) if args.weight_mode == "multiply" else args.micro_batch_size
+        micro_batches = [torch.cat(units[u : u + per_mb]).to(device) for u in range(0, len(units), per_mb)]
+        kl_seen, f_seen, t_teacher, peak = [], [], 0.0, 0
+
+        # 4. old and reference log-probs (no gradient). With mu = 1 the old log-probs are the current
+        #    ones detached, so no extra forward pass is needed.
+        t0 = time.time()
+        input_ids, attn = ro.input_ids, ro.attention_mask
+        with torch.no_grad():
+            old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0] if args.num_iterations > 1 else None
+            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+        t_logp = time.time() - t0
+
+        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        t0 = time.time()
+        num_tokens, N = mask.sum().item(), len(ro)
+        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        for it in range(args.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            for mb in micro_batches:
+                m = mask[mb].float()
+                # ALGO LOGIC: the student forward also gives D against each routed row's teacher (one no-grad forward).
+                #    f and the solve-none advantages come from the first pass (the teacher is then pi_old).
+                first = it == 0 and args.weight_mode == "multiply"
+                prompts = [teacher_prompts[i] for i in mb.tolist()] if first or args.kl_loss_coef > 0 else None
+                logp, entropy, D, tstat = logprobs_and_kl(model, input_ids[mb], attn[mb], T, args.temperature, prompts,
+                                                          tokenizer.pad_token_id, with_entropy=it == 0, kl_grad=args.kl_loss_coef > 0)
+                r = role[mb]
+                active = m * ((r == 1) | (r == 2))[:, None] * (torch.arange(T, device=device) < wlen[mb, None])
+                if first:
+                    f = kl_weights(D, active, args.percentile, args.c_min)  # c from this micro-batch's weighted tokens
+                    weights[mb] = torch.where((r == 0)[:, None], 1.0, f)  # plain rows 1; o_r and t >= L_i: 0
+                    div = r == 2
+                    if div.any():  # solve-none: s_i = mean f over the first L_i tokens, advantage alpha * zscore(s)
+                        s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
+                        adv[mb[div]] = diversity_advantage(s_div[div], gid[mb[div].cpu()], args.alpha)[:, None]
+                    adv[mb[r == 3]] = 0.0
+                    f_seen.append(f[active.bool()].cpu())
+                if it == 0 and prompts is not None:
+                    kl_seen.append(D.detach()[active.bool()].cpu())
+                t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
+                old = old_logp[mb] if old_logp is not None else logp.detach()
+                # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage, times the per-token weight f
+                ratio = torch.exp(logp - old)
+                A = adv[mb]
+                surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                per_token_loss = -surrogate * weights[mb]
+                if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
+                    per_token_loss = per_token_loss + args.kl_loss_coef * D * active
+                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
+                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    per_token_loss = per_token_loss + args.beta * kl
+                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
+                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, N)
+                common.stop_if_nonfinite(loss, "loss", step, metrics)
+                loss.backward()
+                # diagnostics
+                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
+                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
+                stats["policy_loss"] += loss.item() / args.num_iterations
+                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
+                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
+                if entropy is not None:
+                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+            optimizer.step()
+        t_update = time.time() - t0
+
+        # 6. logging and evaluation
+        step_time = t_gen + t_logp + t_update
+        metrics = {
+            **common.completion_metrics(ro, rewards, G), **stats,
+            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
+            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+        }
+        if ref_model is None:
+            metrics.pop("kl")
+        # ALGO LOGIC: D and f over this step's weighted tokens (0 when none), group routing, teacher cost, bad inputs
+        kl_all, f_all = torch.cat(kl_seen + [torch.zeros(0)]), torch.cat(f_seen + [torch.zeros(0)])
+        q = np.percentile(kl_all.numpy(), [75, 95]).tolist() if len(kl_all) else [0.0, 0.0]  # (no 2^24 size limit)
+        metrics.update({"sc/kl_mean": kl_all.mean().item() if len(kl_all) else 0.0, "sc/kl_p75": q[0], "sc/kl_p95": q[1],
+                        "sc/weight_mean": f_all.mean().item() if len(f_all) else 0.0, "time/teacher": t_teacher,
+                        **{f"sc/groups_{k}": modes.count(k) / len(modes) for k in ("partial", "none", "single", "all", "plain")},
+                        **bad, "sc/empty_completions": sum(not t.strip() for t in ro.texts)})
+        if device.type == "cuda":
+            metrics["memory/teacher_peak_gb"] = peak / 2**30
+        if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
+            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+            metrics.update(eval_metrics)
+        logger.log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+
+    logger.close()
+    print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
+    if args.save_model:
+        print(f"saved model to {common.save_model_atomic(model, tokenizer, run_dir / 'model')}")

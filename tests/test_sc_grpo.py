@@ -1,0 +1,256 @@
+"""sc_grpo.py: its pure functions (weights, routing, KL, teacher prompts, bad inputs) and its real entry point."""
+import copy
+
+import pytest
+import torch
+
+import common
+import sc_grpo
+from helpers import read_metrics, run_inprocess, run_script
+
+REAL_LOAD_TASK, REAL_CLIP = common.load_task, torch.nn.utils.clip_grad_norm_
+NEW_METRICS = ("sc/kl_mean", "sc/kl_p75", "sc/kl_p95", "sc/weight_mean", "sc/groups_partial", "sc/groups_none",
+               "sc/groups_plain", "time/teacher", "sc/tau_truncated", "sc/no_reference", "sc/empty_completions")
+
+
+# --- kl_weights ----------------------------------------------------------------------------------
+def test_kl_weights_hand_cases():
+    kl = torch.tensor([[0.0, 1.0, 2.0, 3.0, 50.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    f = sc_grpo.kl_weights(kl, mask)  # P75 of [0, 1, 2, 3] (linear interpolation) = 2.25
+    assert torch.allclose(f, torch.tensor([[0.0, 1 / 3.25, 2 / 4.25, 3 / 5.25, 0.0]]))
+    assert ((f >= 0) & (f < 1)).all() and f[0, 4] == 0  # range [0, 1); the masked token gets 0, not 50/52.25
+    f50 = sc_grpo.kl_weights(kl, mask, percentile=50.0)  # median 1.5: the token at the median gets f = 0.5
+    assert torch.allclose(f50[0, :4], torch.tensor([0.0, 1 / 2.5, 2 / 3.5, 3 / 4.5]))
+    tiny = torch.tensor([[1e-6, 2e-6, 4e-6]])  # P75 = 3e-6 < c_min: the floor takes over
+    assert torch.allclose(sc_grpo.kl_weights(tiny, torch.ones(1, 3)), tiny / (tiny + 1e-4))
+    assert torch.allclose(sc_grpo.kl_weights(tiny, torch.ones(1, 3), c_min=1e-7), tiny / (tiny + 3e-6))
+
+
+def test_kl_weights_is_never_nan_and_detached():
+    kl = torch.tensor([[float("nan"), float("inf"), -1e-7, 0.5]], requires_grad=False)
+    f = sc_grpo.kl_weights(kl, torch.ones(1, 4))
+    assert torch.isfinite(f).all() and f[0, 0] == 0 and f[0, 2] == 0 and 0.99 < f[0, 1] <= 1
+    assert (sc_grpo.kl_weights(torch.rand(2, 3), torch.zeros(2, 3)) == 0).all()  # no active token: all 0
+    x = torch.rand(2, 3, requires_grad=True)
+    assert not sc_grpo.kl_weights(x * 2, torch.ones(2, 3)).requires_grad
+
+
+# --- route_groups --------------------------------------------------------------------------------
+def test_route_groups_never_self_and_plain_for_one_or_all_correct():
+    G = 4
+    # groups keyed by id, interleaved in the batch: ids 7 (n_c = 2), 3 (n_c = 0), 9 (n_c = 1), 5 (n_c = 4), 2 (n_c = 3)
+    ids = torch.tensor([7, 3, 9, 5, 2] * G)
+    n_correct = {7: 2, 3: 0, 9: 1, 5: 4, 2: 3}
+    rank = [int((ids[:i] == ids[i]).sum()) for i in range(len(ids))]  # position within its group
+    correct = torch.tensor([rank[i] < n_correct[int(ids[i])] for i in range(len(ids))])
+    counts = torch.zeros(len(ids), len(ids))
+    for seed in range(200):
+        modes, ref = sc_grpo.route_groups(correct, G, torch.Generator().manual_seed(seed), ids)
+        assert modes == ["partial", "none", "plain", "plain", "partial"]  # first-appearance order: 7, 3, 9, 5, 2
+        for i in range(len(ids)):
+            g = int(ids[i])
+            if n_correct[g] in (1, G):
+                assert ref[i] == -1
+            elif n_correct[g] == 0:
+                continue
+            else:  # partial: a correct sibling, never itself, for correct and incorrect rollouts alike
+                j = int(ref[i])
+                assert j != i and ids[j] == g and correct[j]
+                counts[i, j] += 1
+        (none_rows,) = torch.nonzero(ids == 3, as_tuple=True)
+        r = [i for i in none_rows.tolist() if ref[i] == -1]
+        assert len(r) == 1 and all(ref[i] == r[0] for i in none_rows.tolist() if i != r[0])
+    # group 2 has three correct rollouts: a correct one draws each of the other two about equally often
+    row = int(torch.nonzero((ids == 2) & correct)[0])
+    drawn = counts[row][counts[row] > 0]
+    assert len(drawn) == 2 and drawn.min() > 60
+
+
+def test_route_groups_ablation_modes_and_determinism():
+    correct = torch.tensor([1, 0, 0, 0, 1, 1, 1, 1], dtype=torch.bool)  # n_c = 1, then n_c = 4 = G
+    modes, ref = sc_grpo.route_groups(correct, 4, torch.Generator().manual_seed(0), weighted=("single", "all"))
+    assert modes == ["single", "all"]
+    assert ref[:4].tolist() == [-1, 0, 0, 0]  # the lone correct rollout has no other correct one to condition on
+    assert all(ref[i] != i and 4 <= ref[i] < 8 for i in range(4, 8))
+    again = sc_grpo.route_groups(correct, 4, torch.Generator().manual_seed(0), weighted=("single", "all"))[1]
+    assert torch.equal(ref, again)
+    with pytest.raises(ValueError, match="every group must have 4"):
+        sc_grpo.route_groups(correct[:6], 4, torch.Generator(), torch.tensor([0, 0, 0, 0, 1, 1]))
+
+
+def test_diversity_advantage():
+    s = torch.tensor([0.1, 0.3, 0.5, 0.2, 0.2])
+    a = sc_grpo.diversity_advantage(s, torch.tensor([1, 1, 1, 2, 2]), alpha=0.1)
+    z = (s[:3] - 0.3) / (s[:3].std(unbiased=False) + 1e-6)
+    assert torch.allclose(a[:3], 0.1 * z, atol=1e-6) and (a[3:] == 0).all()  # equal scores: 0, not NaN
+
+
+def test_token_kl_is_the_full_vocabulary_kl():
+    zt, zs = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    want = torch.nn.functional.kl_div(zs.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert torch.allclose(sc_grpo.token_kl(zt, zs), want, atol=1e-6)
+    assert (sc_grpo.token_kl(zt, zt) == 0).all()
+
+
+# --- the teacher pass on the bundled model ------------------------------------------------------------
+def _batch(tokenizer, texts_per_prompt, prompts):
+    prompt_ids = [common.encode_prompt(tokenizer, p) for p in prompts for _ in texts_per_prompt]
+    comps = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts_per_prompt] * len(prompts)
+    p_ids, p_mask = common.pad_left(prompt_ids, tokenizer.pad_token_id)
+    T = max(map(len, comps))
+    c_ids = torch.tensor([c + [tokenizer.pad_token_id] * (T - len(c)) for c in comps])
+    c_mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for c in comps])
+    return prompt_ids, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), T
+
+
+def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny):
+    model, tok = tiny
+    _, ids, attn, T = _batch(tok, ["12+3=15\n#### 15", "9-1=8"], ["Solve: 12+3\n", "Solve: 44-7+1\n"] * 5)
+    model.zero_grad()
+    want, want_ent = common.token_logprobs(model, ids, attn, T, 0.7, with_entropy=True)
+    (want.sum()).backward()
+    want_grad = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got, got_ent, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 0.7, with_entropy=True)
+    (got.sum()).backward()
+    assert torch.equal(got, want) and torch.equal(got_ent, want_ent) and (D == 0).all()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want_grad))
+    model.zero_grad()
+
+
+def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computation(tiny):
+    model, tok = tiny
+    comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16"]
+    prompts = ["Solve: 12+3-4\n"]
+    prompt_ids, ids, attn, T = _batch(tok, comps, prompts)
+    with torch.no_grad():
+        _, _, D_same, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
+        assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
+        teach = [common.encode_prompt(tok, common.arith_reference_prompt(common.parse_arith_problem("12+3-4"), comps[0]))] * 2
+        teach[1] = None  # the second row has no teacher: D = 0 there
+        _, _, D, cost = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
+        # direct: one unpadded forward each, full log-softmax
+        comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        L = len(comp)
+        s_log = model(torch.tensor([prompt_ids[0] + comp])).logits[0, -L - 1 : -1].log_softmax(-1)
+        t_log = model(torch.tensor([teach[0] + comp])).logits[0, -L - 1 : -1].log_softmax(-1)
+        want = (t_log.exp() * (t_log - s_log)).sum(-1)
+    assert torch.allclose(D[0, :L], want, rtol=1e-3, atol=1e-6) and want.mean() > 1e-5
+    assert (D[1] == 0).all() and cost["seconds"] > 0
+
+
+def test_teacher_prompt_plain_and_chat(tiny):
+    _, tok = tiny
+    ex = common.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
+    got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
+    assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
+    chat = copy.deepcopy(tok)
+    chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    student = common.render_prompt(chat, common.ARITH_INSTRUCTION + ex.question, ex.prompt)
+    teacher = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
+    want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
+    assert teacher == common.encode_prompt(chat, want)
+
+
+def _rollouts(tok, texts, group_size):
+    comps = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+    T = max(map(len, comps))
+    mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for c in comps])
+    gids = torch.arange(len(texts)) // group_size
+    ids = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in comps])
+    return common.Rollouts(None, None, ids, mask, torch.zeros(len(texts), dtype=torch.bool), gids, list(texts))
+
+
+def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
+    _, tok = tiny
+    ex = common.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
+    short, long_ = "12+3=15\n15-4=11\n#### 11", "12+3=15\n" * 6 + "15-4=11\n#### 11"
+    texts = [short, long_, "oops", ""]  # n_c = 2 (rows 0, 1); row 3 is an empty completion
+    ro = _rollouts(tok, texts, 4)
+    correct = torch.tensor([True, True, False, False])
+    room = len(sc_grpo.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
+    ref = torch.tensor([1, 0, 1, 1])  # as if every row drew the long reference (row 1 cannot draw itself)
+    prompts, role, wlen, counts = sc_grpo.build_teachers(tok, "arith", ro, [ex] * 4, correct, ref, room, 8192, torch.Generator())
+    assert prompts[2] == prompts[3] == sc_grpo.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
+    assert prompts[1] == prompts[2]  # row 1 drew row 0, which fits
+    assert tok.decode(prompts[0]).count("...") == 1 and len(prompts[0]) <= room  # no other correct one: middle cut
+    assert counts == {"sc/tau_resampled": 2, "sc/tau_truncated": 1, "sc/no_reference": 0}
+    assert role.tolist() == [1, 1, 1, 1] and torch.equal(wlen, ro.completion_mask.sum(1))
+    # solve-none: o_r (row 0) gets role 3; the others are weighted up to min(|o_i|, |o_r|); no room at all: counted
+    ro = _rollouts(tok, ["ab", "abcdef", "", "x"], 4)
+    wrong = torch.zeros(4, dtype=torch.bool)
+    prompts, role, wlen, counts = sc_grpo.build_teachers(tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]),
+                                                        10**6, 8192, torch.Generator())
+    assert role.tolist() == [3, 2, 2, 2] and wlen.tolist() == [3, 3, 1, 2] and prompts[0] is None
+    prompts, role, _, counts = sc_grpo.build_teachers(tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]),
+                                                     5, 8192, torch.Generator())
+    assert prompts == [None] * 4 and role.tolist() == [3, 0, 0, 0] and counts["sc/no_reference"] == 3
+
+
+# --- the script ----------------------------------------------------------------------------------
+def _run_capturing_grads(monkeypatch, tmp_path, script, *flags):
+    """Run a script one step in-process with a reward that mixes groups; return its metrics and its gradients."""
+    grads = []
+
+    def load_task(*a, **k):
+        task = REAL_LOAD_TASK(*a, **k)
+        task.reward_fn = lambda completion, ex: float(len(completion) % 2)  # deterministic, mixed within groups
+        return task
+
+    def clip(params, max_norm, *a, **k):
+        params = list(params)
+        grads.append([p.grad.clone() for p in params])
+        return REAL_CLIP(params, max_norm, *a, **k)
+
+    monkeypatch.setattr(common, "load_task", load_task)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    out = tmp_path / f"{script}-{len(list(tmp_path.iterdir()))}"
+    run_inprocess(script, "--total-steps", "1", "--output-dir", str(out), "--num-eval", "2", "--eval-every", "0",
+                  "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "32", "--micro-batch-size", "8", *flags)
+    return read_metrics(out)[1], grads[0]
+
+
+@pytest.mark.slow
+def test_weight_mode_none_equals_grpo_loss_and_gradient(tmp_path, monkeypatch):
+    mb = ("--micro-batch-size", "6")  # not a multiple of G: grpo.py's micro-batches, not whole groups
+    base, g_base = _run_capturing_grads(monkeypatch, tmp_path, "grpo.py", *mb)
+    none, g_none = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", *mb)
+    assert base["frac_reward_zero_std"] < 1 and base["grad_norm"] > 0  # a real gradient, not 0 == 0
+    assert none["policy_loss"] == base["policy_loss"] and none["grad_norm"] == base["grad_norm"]
+    assert all(torch.equal(a, b) for a, b in zip(g_none, g_base))
+    sc, g_sc = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py")  # the method does change the gradient
+    assert sc["sc/groups_partial"] + sc["sc/groups_none"] > 0 and 0 < sc["sc/weight_mean"] < 1
+    assert sc["sc/kl_p95"] >= sc["sc/kl_p75"] > 0 and sc["time/teacher"] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(g_sc, g_base))
+
+
+@pytest.mark.slow
+def test_additive_kl_baseline_and_ablation_flags_run(tmp_path, monkeypatch):
+    m, _ = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", "--kl-loss-coef", "0.1",
+                                "--weighted-groups", "partial", "single", "all", "none", "--num-iterations", "2",
+                                "--max-reference-tokens", "12")
+    assert all(v == v for v in m.values()) and m["sc/kl_mean"] > 0 and m["sc/weight_mean"] == 0  # D, but no f
+    assert m["sc/groups_plain"] < 1 and m["sc/tau_truncated"] + m["sc/no_reference"] > 0
+
+
+@pytest.mark.parametrize("flag", [("--c-min", "0"), ("--percentile", "101"), ("--max-reference-tokens", "0")])
+def test_bad_flags_are_a_clear_error(flag):
+    with pytest.raises(SystemExit, match="need 0 <= --percentile <= 100"):
+        run_inprocess("sc_grpo.py", *flag)
+
+
+@pytest.mark.slow
+def test_sc_grpo_two_steps_subprocess(tmp_path):
+    out = run_script("sc_grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--num-eval", "16",
+                     "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in NEW_METRICS + ("reward", "policy_loss", "grad_norm", "entropy"):
+        assert key in rows[1] and key in rows[2], key
+    for r in rows[1:]:
+        assert all(v == v for v in r.values())  # no NaN
+        assert 0 <= r["sc/weight_mean"] < 1 and r["sc/kl_mean"] >= 0
+        assert abs(sum(r[f"sc/groups_{k}"] for k in ("partial", "none", "single", "all", "plain")) - 1) < 1e-6

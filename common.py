@@ -127,6 +127,20 @@ def arith_localization_prompt(problem: ArithProblem, thoughts: Sequence[str]) ->
     return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
 
 
+def arith_localization_target(problem: ArithProblem, thoughts: Sequence[str]) -> str:
+    """The reply the tiny model is trained to give to `arith_localization_prompt`: a short checking
+    chain that rewrites each correct line and marks the given line ok or wrong, stopping at the first
+    wrong one, then `\\boxed{N}`:  "Check: 23+7=30 ok\nCheck: 30-5=25 wrong\n\\boxed{2}".
+    A given solution with no wrong line gets `\\boxed{0}`."""
+    out = []
+    for i, line in enumerate(problem.solution().split("\n"), 1):
+        ok = i <= len(thoughts) and thoughts[i - 1].strip() == line
+        out.append(f"Check: {line} {'ok' if ok else 'wrong'}")
+        if not ok:
+            return "\n".join(out) + f"\n\\boxed{{{i}}}"
+    return "\n".join(out) + "\n\\boxed{0}"
+
+
 def arith_first_error(problem: ArithProblem | str, completion: str) -> int | None:
     """Ground-truth first wrong step of a completion, 1-based over its non-empty lines.
 

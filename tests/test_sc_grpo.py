@@ -1,5 +1,6 @@
 """sc_grpo.py: its pure functions (weights, routing, KL, teacher prompts, bad inputs) and its real entry point."""
 import copy
+import itertools
 
 import pytest
 import torch
@@ -196,7 +197,8 @@ def _run_capturing_grads(monkeypatch, tmp_path, script, *flags):
 
     def load_task(*a, **k):
         task = REAL_LOAD_TASK(*a, **k)
-        task.reward_fn = lambda completion, ex: float(len(completion) % 2)  # deterministic, mixed within groups
+        calls = itertools.count()  # alternating by call order: every group of 4 is mixed, whatever the model writes
+        task.reward_fn = lambda completion, ex: float(next(calls) % 2)
         return task
 
     def clip(params, max_norm, *a, **k):

@@ -4,7 +4,7 @@ A character-level Qwen2 model (transformers' Qwen2ForCausalLM, tokenizer built w
 learns three formats of the built-in arith task (see common.py):
   (a) solve:     "Solve: 23+7-5+9\n"                       -> "23+7=30\n30-5=25\n25+9=34\n#### 34"
   (b) localize:  "Problem: ...\nYour incorrect solution:\nStep 1: ...\nFind the first wrong step.\n"
-                                                             -> "\\boxed{2}"       (srpo.py asks this)
+          -> "Check: 23+7=30 ok\nCheck: 30-5=25 wrong\n\\boxed{2}"  (srpo.py asks this)
   (c) reference: "Reference solution:\n<solution>\nSolve: ...\n" -> the solution  (sc_grpo.py's teacher)
 The loss covers completion tokens only. Training stops at the first evaluation where pass@1 at
 temperature 1.0 on the default task (4 steps) reaches --target-pass-at-1, so that RL has room to
@@ -63,7 +63,7 @@ class Args:
     """fewest operations in a training problem"""
     max_steps_task: int = 6
     """most operations in a training problem"""
-    mix: tuple[float, float, float] = (0.35, 0.45, 0.2)
+    mix: tuple[float, float, float] = (0.4, 0.35, 0.25)
     """sampling weights of formats (a) solve, (b) localize, (c) solve with reference"""
     threads: int = 2
     """torch CPU threads"""
@@ -120,7 +120,7 @@ def sample_example(rng: random.Random, args: Args) -> tuple[str, str]:
         return common.arith_prompt(problem), problem.solution()
     if kind == 1:
         lines, k = corrupt_solution(problem, rng)
-        return common.arith_localization_prompt(problem, lines), f"\\boxed{{{k}}}"
+        return common.arith_localization_prompt(problem, lines), common.arith_localization_target(problem, lines)
     return common.arith_reference_prompt(problem, problem.solution()), problem.solution()
 
 
@@ -158,7 +158,7 @@ def evaluate(model, tok, problems, rng_seed: int) -> dict:
         lines, k = corrupt_solution(p, rng)
         loc_prompts.append(common.arith_localization_prompt(p, lines))
         labels.append(k)
-    texts = generate(model, tok, loc_prompts, max_new_tokens=16, do_sample=False)
+    texts = generate(model, tok, loc_prompts, max_new_tokens=128, do_sample=False)
     out["localization"] = sum(
         (common.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
     ) / len(labels)

@@ -668,6 +668,24 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, stop_ids: Sequence[in
     return mask, ~is_stop.any(1)
 
 
+def make_rollouts(tokenizer, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                  group_ids: Sequence[int], stop_ids: Sequence[int], device=None) -> Rollouts:
+    """Assemble a Rollouts batch from token-id lists: prompts left-padded, completions right-padded,
+    completion mask 1 over each completion's own tokens, truncated = no stop token in it. For
+    trajectories not sampled in one generate() call (SRPO's prefix + suffix continuations)."""
+    p_ids, p_mask = pad_left(prompts, tokenizer.pad_token_id, device)
+    T = max(max((len(c) for c in completions), default=0), 1)
+    c_ids = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)
+    c_mask = torch.zeros((len(completions), T), dtype=torch.long)
+    for i, c in enumerate(completions):
+        c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        c_mask[i, : len(c)] = 1
+    truncated = ~(torch.isin(c_ids, torch.tensor(list(stop_ids))) & c_mask.bool()).any(1)
+    texts = tokenizer.batch_decode([list(c) for c in completions], skip_special_tokens=True)
+    return Rollouts(p_ids, p_mask, c_ids.to(device), c_mask.to(device), truncated.to(device),
+                    torch.tensor(list(group_ids), device=device), texts)
+
+
 @torch.no_grad()
 def generate_rollouts(
     model,

@@ -333,22 +333,10 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
                 text = tokenizer.decode(response, skip_special_tokens=True)
                 rows.append((e, response, len(prefix), (e.id, "reset", j), task.reward_fn(text, e)))
 
-    # 4. the trained batch: prompts left-padded, responses right-padded, one group id per normalization group
-    keys = {}
-    gids = torch.tensor([keys.setdefault(r[3], len(keys)) for r in rows])
-    stops = common.stop_token_ids(model, tokenizer)
-    p_ids, p_mask = common.pad_left([r[0].prompt_ids for r in rows], tokenizer.pad_token_id)
-    T = max(len(r[1]) for r in rows)
-    c_ids = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=torch.long)
-    c_mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        c_ids[i, : len(r[1])] = torch.tensor(r[1], dtype=torch.long)
-        c_mask[i, : len(r[1])] = 1
-    truncated = ~torch.isin(c_ids, torch.tensor(stops)).any(1)
-    texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in rows]
-    device = next(model.parameters()).device
-    ro = common.Rollouts(p_ids.to(device), p_mask.to(device), c_ids.to(device), c_mask.to(device), truncated.to(device),
-                         gids.to(device), texts)
+    # 4. the trained batch, one group id per normalization group (base, each reset group, or the fallback)
+    keys, device = {}, next(model.parameters()).device
+    ro = common.make_rollouts(tokenizer, [r[0].prompt_ids for r in rows], [r[1] for r in rows],
+                              [keys.setdefault(r[3], len(keys)) for r in rows], common.stop_token_ids(model, tokenizer), device)
     rewards = torch.tensor([r[4] for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r[2] for r in rows], device=device)
     reset_rewards = [r[4] for r in rows if r[3][1] == "reset"]

@@ -219,3 +219,17 @@ def test_bundled_tokenizer_round_trips_spaces_and_newlines(tiny):
         ids = tok(text, add_special_tokens=False).input_ids
         assert len(ids) == len(text) and tok.decode(ids) == text
     assert tok.padding_side == "left" and tok.pad_token_id is not None and tok.eos_token_id is not None
+
+
+def test_make_rollouts_pads_and_flags():
+    class Tok:
+        pad_token_id = 0
+
+        def batch_decode(self, seqs, skip_special_tokens=True):
+            return ["".join(chr(96 + t) for t in s if t not in (0, 9)) for s in seqs]
+
+    ro = common.make_rollouts(Tok(), [[1, 2, 3], [4]], [[5, 9], [6, 7, 8]], [11, 12], stop_ids=[9])
+    assert ro.prompt_ids.tolist() == [[1, 2, 3], [0, 0, 4]] and ro.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ro.completion_ids.tolist() == [[5, 9, 0], [6, 7, 8]] and ro.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert ro.truncated.tolist() == [False, True] and ro.group_ids.tolist() == [11, 12]
+    assert ro.texts == ["e", "fgh"] and ro.input_ids.shape == (2, 6)

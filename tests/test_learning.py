@@ -9,7 +9,7 @@ import common
 from helpers import read_metrics, run_inprocess
 
 MARGIN = 0.05
-ARGS = ["--total-steps", "30", "--eval-every", "0", "--num-eval", "200", "--seed", "1", "--eval-temperature", "1.0"]
+ARGS = ["--total-steps", "30", "--eval-every", "0", "--num-eval", "200", "--seed", "1"]  # greedy eval: no sampling noise
 
 
 def _gain(tmp_path, monkeypatch, mode):

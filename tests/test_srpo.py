@@ -112,8 +112,8 @@ def test_collect_rollouts_oracle_batch(tiny):
     task, examples = _task(tok, 4)
     ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="oracle"), random.Random(0))
     assert len(ro) == 8 * len(examples)  # the budget: 8 trained trajectories per prompt
-    for e in examples:
-        assert (torch.tensor([t for t in range(len(ro))]) >= 0).all()
+    prompts = [tuple(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()) for i in range(len(ro))]
+    assert all(prompts.count(tuple(e.prompt_ids)) == 8 for e in examples)
     if info["num_parents"]:
         assert info["oracle_exact"] == 1.0
         # the reset rows start with their parent's correct prefix: every prefix line checks out

@@ -725,15 +725,12 @@ def generate_rollouts(
         completions.extend(out[:, ids.shape[1]:].tolist())
     model.train(was_training)
     T = max(len(c) for c in completions)
-    comp = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)
+    raw = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)
     for i, c in enumerate(completions):
-        comp[i, : len(c)] = torch.tensor(c)
-    comp = comp.to(device)
-    cmask, truncated = completion_mask_from_ids(comp, stops)
-    comp = comp.masked_fill(cmask == 0, tokenizer.pad_token_id)
-    p_ids, p_mask = pad_left([p for p, _ in flat], tokenizer.pad_token_id, device)
-    texts = tokenizer.batch_decode([c[m.bool()].tolist() for c, m in zip(comp, cmask)], skip_special_tokens=True)
-    return Rollouts(p_ids, p_mask, comp, cmask, truncated, torch.tensor([g for _, g in flat], device=device), texts)
+        raw[i, : len(c)] = torch.tensor(c)
+    kept = completion_mask_from_ids(raw, stops)[0].sum(1).tolist()  # tokens up to and including the stop
+    return make_rollouts(tokenizer, [p for p, _ in flat], [c[:n] for c, n in zip(completions, kept)],
+                         [g for _, g in flat], stops, device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -766,21 +763,43 @@ def token_logprobs(
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
-        logits = logits.float() / temperature  # [b, T, V] fp32
+        logits = completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32
         target = ids[:, -T:]
         logps.append(logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
         if with_entropy:
-            with torch.no_grad():
-                ent = []
-                for t in range(0, T, entropy_chunk):
-                    z = logits[:, t : t + entropy_chunk].detach()
-                    p = torch.softmax(z, dim=-1)
-                    ent.append(torch.logsumexp(z, dim=-1) - (p * z).sum(-1))
-                ents.append(torch.cat(ent, dim=1))
+            ents.append(entropy_from_logits(logits, entropy_chunk))
         del logits
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Logits [b, T, V] (model dtype) predicting the last T tokens of each row: the lm_head runs on
+    those positions only (`logits_to_keep`), and position ids come from the attention mask, so
+    left padding does not shift positions (the same positions `generate` used)."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 128) -> torch.Tensor:
+    """Entropy [b, T] (nats, no gradient) of softmax(logits [b, T, V]), `chunk` positions at a time
+    so only a [b, chunk, V] softmax exists at once."""
+    out = []
+    for t in range(0, logits.shape[1], chunk):
+        z = logits[:, t : t + chunk].detach()
+        out.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+    return torch.cat(out, dim=1)
+
+
+def constant_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group index [N] of each completion (0..G-1, in sorted id order) and, per group, whether all
+    its rewards are equal [G] (the groups plain GRPO gets no gradient from)."""
+    r = rewards.float()
+    _, inv = torch.unique(group_ids.to(r.device), return_inverse=True)
+    G = int(inv.max()) + 1
+    gmax = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, inv, r, "amax")
+    gmin = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, inv, r, "amin")
+    return inv, gmax == gmin
 
 
 def group_advantages(
@@ -808,7 +827,8 @@ def group_advantages(
         if not group_size or N % group_size:
             raise ValueError(f"{N} rewards are not a whole number of groups of {group_size}")
         group_ids = torch.arange(N, device=r.device) // group_size
-    _, inv, counts = torch.unique(group_ids.to(r.device), return_inverse=True, return_counts=True)
+    inv, constant_g = constant_groups(r, group_ids)
+    counts = torch.bincount(inv)
     if group_size is not None and (counts != group_size).any():
         raise ValueError(f"every group must have {group_size} completions, got sizes {sorted(set(counts.tolist()))}")
     G = counts.shape[0]
@@ -817,9 +837,7 @@ def group_advantages(
     centered = r - mean[inv]
     sq = torch.zeros(G, device=r.device).index_add_(0, inv, centered**2)
     std = (sq / ((n - 1).clamp(min=1) if unbiased else n)).sqrt()
-    gmax = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, inv, r, "amax")
-    gmin = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, inv, r, "amin")
-    constant = (gmax == gmin)[inv]
+    constant = constant_g[inv]
     if scale == "group":
         adv = centered / (std[inv] + eps)
     elif scale == "batch":
@@ -926,15 +944,12 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
 def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> dict:
     """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths."""
     lengths = ro.completion_mask.sum(1).float()
-    r = rewards.float()
-    _, inv = torch.unique(ro.group_ids, return_inverse=True)
-    G = int(inv.max()) + 1
-    gmax = torch.full((G,), -float("inf")).scatter_reduce(0, inv.cpu(), r.cpu(), "amax")
-    gmin = torch.full((G,), float("inf")).scatter_reduce(0, inv.cpu(), r.cpu(), "amin")
+    r = rewards.float().cpu()
+    constant = constant_groups(r, ro.group_ids.cpu())[1]
     return {
         "reward": r.mean().item(),
         "reward_std": r.std().item() if len(r) > 1 else 0.0,
-        "frac_reward_zero_std": (gmax == gmin).float().mean().item(),
+        "frac_reward_zero_std": constant.float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/max_length": lengths.max().item(),
         "completions/min_length": lengths.min().item(),

@@ -260,8 +260,7 @@ def ep_advantages(
     _, inv = torch.unique(gid, return_inverse=True)
     a_out = common.group_advantages(rewards.float().cpu(), group_size, scale_rewards, group_ids=gid).to(dev)
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
-    gmax = torch.full((n_groups,), -math.inf, device=dev).scatter_reduce(0, inv, r, "amax")
-    zero_var = (gmax == torch.full((n_groups,), math.inf, device=dev).scatter_reduce(0, inv, r, "amin"))[inv]
+    zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
     # (a) entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
     H = entropy.float()
     rows = {"batch": lambda: torch.zeros_like(inv), "group": lambda: inv, "response": lambda: torch.arange(B, device=dev)}

@@ -225,13 +225,6 @@ def build_teachers(tokenizer, task: str, ro: common.Rollouts, row_examples, corr
     return prompts, role, wlen, counts
 
 
-def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Logits [b, T, V] (model dtype) predicting the last T tokens; position ids from the mask, so left padding
-    does not shift positions (as common.token_logprobs)."""
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
-
-
 def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full vocabulary, fp32.
     Logits [.., V] already divided by the temperature; returns [..]."""
@@ -252,12 +245,10 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
     logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
-        logits = completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, with gradient
+        logits = common.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, with gradient
         logps.append(logits.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
         if with_entropy:
-            with torch.no_grad():
-                z = [logits[:, t : t + 128].detach() for t in range(0, T, 128)]
-                ents.append(torch.cat([torch.logsumexp(c, -1) - (torch.softmax(c, -1) * c).sum(-1) for c in z], 1))
+            ents.append(common.entropy_from_logits(logits))
         D = torch.zeros(ids.shape[0], T, device=ids.device)
         rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
         if rows:
@@ -266,7 +257,7 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
                 torch.cuda.reset_peak_memory_stats()
             tp, tm = common.pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
             with torch.no_grad():
-                zt = completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
+                zt = common.completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
             idx, zs = torch.tensor(rows, device=ids.device), logits if kl_grad else logits.detach()
             with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
                 kl = torch.cat([token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[idx, t : t + time_chunk])

@@ -21,7 +21,12 @@ import math
 import os
 import random
 import re
+import secrets
+import select
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -128,14 +133,18 @@ def arith_localization_prompt(problem: ArithProblem, thoughts: Sequence[str]) ->
 
 
 def arith_localization_target(problem: ArithProblem, thoughts: Sequence[str]) -> str:
-    """The reply the tiny model is trained to give to `arith_localization_prompt`: a short checking
-    chain that rewrites each correct line and marks the given line ok or wrong, stopping at the first
-    wrong one, then `\\boxed{N}`:  "Check: 23+7=30 ok\nCheck: 30-5=25 wrong\n\\boxed{2}".
+    """The reply the tiny model is trained to give to `arith_localization_prompt`: a checking chain
+    that, line by line, copies the given line, recomputes the correct line beside it and marks the pair
+    ok or wrong, stopping at the first wrong one, then `\\boxed{N}`:
+        "1: 23+7=30 | 23+7=30 ok\n2: 30-5=26 | 30-5=25 wrong\n\\boxed{2}"
+    Putting both lines side by side turns "is step i wrong?" into a local comparison a tiny model can
+    learn (rewriting only the correct line left it to compare against the prompt, and it never did).
     A given solution with no wrong line gets `\\boxed{0}`."""
     out = []
     for i, line in enumerate(problem.solution().split("\n"), 1):
-        ok = i <= len(thoughts) and thoughts[i - 1].strip() == line
-        out.append(f"Check: {line} {'ok' if ok else 'wrong'}")
+        given = thoughts[i - 1].strip() if i <= len(thoughts) else ""
+        ok = given == line
+        out.append(f"{i}: {given} | {line} {'ok' if ok else 'wrong'}")
         if not ok:
             return "\n".join(out) + f"\n\\boxed{{{i}}}"
     return "\n".join(out) + "\n\\boxed{0}"
@@ -387,13 +396,252 @@ def save_model_atomic(model, tokenizer, path: str | os.PathLike) -> Path:
     return path
 
 
-# --- 1d. Loading a task --------------------------------------------------------------------------
+# --- 1d. Code: extraction, prompts and a sandboxed test runner -----------------------------------
+# NOT A SECURITY BOUNDARY. Each program runs in its own `python -I` subprocess and process group, in a
+# fresh temporary directory, stdin closed, under rlimits (CPU, address space, file size, processes),
+# without network (a new network namespace where the kernel allows it), as user `nobody` when started
+# as root and the standard library is world-readable, with a Python audit hook that refuses fork/exec/subprocess, sockets, ctypes, writes outside
+# its directory, /proc, and frame/gc introspection; the whole group is killed at the end. Native code or
+# a Python-level exploit can still get out: run untrusted model output inside a container or VM.
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the complete function in one ```python code block."
+CODE_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\nassert ")  # base-model continuation stops
+_FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+
+
+def extract_code(completion: str) -> str:
+    """The code in a completion: the last fenced block that is not empty (an unclosed fence runs to the
+    end), else the raw text."""
+    blocks = [b for b in _FENCE_RE.findall(completion) if b.strip()]
+    return blocks[-1] if blocks else completion
+
+
+def code_program(prompt_code: str, completion: str, entry_point: str) -> str:
+    """The full program to test: when the extracted code defines `entry_point` it stands alone (the
+    prompt's imports put before it); otherwise it continues `prompt_code` (a base model's completion,
+    cut at the first top-level def/class/if __name__/print/assert as HumanEval's harness does)."""
+    code = extract_code(completion)
+    if re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.M):
+        imports = [ln for ln in prompt_code.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", ln)]
+        return "\n".join(imports + [code])
+    cut = min([i for i in (code.find(s) for s in CODE_STOP) if i >= 0], default=len(code))
+    return prompt_code + code[:cut]
+
+
+_HARNESS = r'''
+import os, sys, json, resource
+def _run():
+    data = b""
+    while True:
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    p = json.loads(data)
+    nonce, out, work = p["nonce"], p["fd"], os.getcwd()
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    net = False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        net = libc.unshare(0x40000000) == 0 or libc.unshare(0x50000000) == 0  # CLONE_NEWNET, +CLONE_NEWUSER
+    except Exception:
+        pass
+    for name, value in p["limits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError, AttributeError):
+            pass
+    def world_readable(path):  # nobody must still import the stdlib after the switch
+        while True:
+            if os.stat(path).st_mode & 0o005 != 0o005:
+                return False
+            if path == os.path.dirname(path):
+                return True
+            path = os.path.dirname(path)
+    if os.geteuid() == 0 and world_readable(os.path.dirname(os.__file__)):
+        try:
+            os.setgroups([]); os.setgid(65534); os.setuid(65534)
+        except OSError:
+            pass
+    os.write(out, ("%s:start:%d:%d\n" % (nonce, net, os.geteuid())).encode())
+    sys.dont_write_bytecode = True
+    blocked = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
+               "os.killpg", "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.connect", "socket.bind",
+               "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "resource.setrlimit", "resource.prlimit",
+               "sys.settrace", "sys.setprofile", "sys._current_frames", "gc.get_objects", "gc.get_referrers",
+               "gc.get_referents", "os.link", "os.symlink", "os.chroot", "os.setxattr", "os.removexattr"}
+    frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"}
+    path_events = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.truncate", "os.chmod", "os.chown",
+                   "os.utime", "shutil.rmtree", "os.mkfifo", "os.mknod", "os.chflags", "shutil.copyfile"}
+    inside = lambda path: isinstance(path, int) or os.path.abspath(os.fsdecode(path)).startswith(work + os.sep)
+    def hook(event, args):
+        if event in blocked or event.startswith("ctypes."):
+            raise PermissionError("sandbox: %s is not allowed" % event)
+        if event == "sys._getframe":
+            raise ValueError("sandbox: frames are not available")  # the stdlib's fallback for shallow stacks
+        if event == "object.__getattr__" and args[1] in frame_attrs:
+            raise AttributeError("sandbox: %s is not available" % args[1])
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int) or path is None:
+                return
+            name = os.path.abspath(os.fsdecode(path))
+            if name.startswith("/proc") or name.startswith("/dev/mem"):
+                raise PermissionError("sandbox: %s is not readable" % name)
+            writes = (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC)
+            if writes and not inside(path):
+                raise PermissionError("sandbox: writing %s outside the working directory" % name)
+        elif event in path_events:
+            for a in args[:2]:
+                if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
+                    raise PermissionError("sandbox: %s on %s outside the working directory" % (event, a))
+    sys.addaudithook(hook)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    g = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(p["program"], "<solution>", "exec"), g)
+        g["candidate"] = g[p["entry_point"]] if p["entry_point"] else None
+        exec(compile(p["setup"], "<test setup>", "exec"), g)
+    except BaseException:
+        return
+    for i, test in enumerate(p["tests"]):
+        try:
+            exec(compile(test, "<test %d>" % i, "exec"), g)
+        except BaseException:
+            continue
+        os.write(out, ("%s:pass:%d\n" % (nonce, i)).encode())
+_run()
+os._exit(0)
+'''
+
+
+@dataclasses.dataclass
+class CodeResult:
+    """What one sandboxed run reached. `reward` = passed / total; `status`: ok, timeout, or error
+    (the harness never started: no tests counted)."""
+
+    passed: int
+    total: int
+    status: str
+    seconds: float
+    network_isolated: bool = False
+    uid: int = -1
+    pid: int = -1  # the run's process id = its process group id (all of it is killed before returning)
+
+    @property
+    def reward(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group, reap the leader, then repeat the kill a few times for any member
+    that was mid-fork (a process with a pending SIGKILL cannot fork again)."""
+    for attempt in range(6):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        if attempt == 0:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            time.sleep(0.002)
+    if proc.returncode is None:
+        proc.poll()
+
+
+def run_code_tests(program: str, tests: str | Sequence[str], entry_point: str | None, timeout: float = 5.0,
+                   setup: str = "", memory_mb: int = 1024, max_file_mb: int = 16, output_cap: int = 1 << 16) -> CodeResult:
+    """Run `program` in the sandbox (see the section comment), then each test.
+
+    `tests` is either a HumanEval test (a string defining `check(candidate)`: one test, run as
+    `check(candidate)`) or a list of MBPP-style statements (`assert f(1) == 2`), each one test. A test
+    counts as passed only when the harness writes `<nonce>:pass:<i>` after it returned, where the nonce
+    is random per run and sent over stdin (closed before the program runs) and the marker goes to a
+    private pipe; exit(0), os._exit, SystemExit, a patched builtin or printed text cannot fake one.
+    The wall-clock `timeout` covers the whole run; tests that passed before it still count."""
+    if isinstance(tests, str):
+        setup, tests = setup + "\n" + tests, ["check(candidate)"]
+    tests = list(tests)
+    nonce = secrets.token_hex(16)
+    limits = {"RLIMIT_CPU": int(timeout) + 1, "RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": max_file_mb << 20,
+              "RLIMIT_NPROC": 512, "RLIMIT_CORE": 0}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="rlvr-code-") as work:
+        os.chmod(work, 0o777)  # the program may run as nobody
+        r, w = os.pipe()
+        payload = json.dumps(dict(nonce=nonce, fd=w, program=program, setup=setup, tests=tests,
+                                  entry_point=entry_point, limits=limits)).encode()
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, cwd=work, env=env, pass_fds=(w,), start_new_session=True)
+        finally:
+            os.close(w)
+        out, status = bytearray(), "ok"
+        try:
+            try:
+                proc.stdin.write(payload)
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            os.set_blocking(r, False)
+            deadline = t0 + timeout
+            while True:
+                ready, _, _ = select.select([r], [], [], max(0.0, min(0.05, deadline - time.time())))
+                if ready:
+                    chunk = os.read(r, 1 << 16)
+                    if not chunk:  # every writer closed: the run is over
+                        break
+                    if len(out) < output_cap:
+                        out += chunk[: output_cap - len(out)]
+                elif time.time() >= deadline:
+                    status = "timeout"
+                    break
+        finally:
+            os.close(r)
+            _kill_group(proc)
+    seconds = time.time() - t0
+    lines = bytes(out).decode(errors="replace").splitlines()
+    start = [ln.split(":") for ln in lines if ln.startswith(nonce + ":start:")]
+    passed = {ln.rsplit(":", 1)[1] for ln in lines if ln.startswith(nonce + ":pass:")}
+    n = sum(str(i) in passed for i in range(len(tests)))
+    if not start:
+        return CodeResult(0, len(tests), "error", seconds, pid=proc.pid)
+    return CodeResult(n, len(tests), status, seconds, start[0][2] == "1", int(start[0][3]), proc.pid)
+
+
+def code_reward(program: str, test: str, entry_point: str, timeout: float = 5.0) -> float:
+    """Fraction of tests passed (HumanEval: `test` defines `check(candidate)`, one test: 0.0 or 1.0)."""
+    return run_code_tests(program, test, entry_point, timeout).reward
+
+
+def code_rewards(programs: Sequence[str], tests: Sequence[str | Sequence[str]], entry_points: Sequence[str | None],
+                 timeout: float = 5.0, workers: int | None = None, setups: Sequence[str] | None = None) -> list[float]:
+    """Batched `run_code_tests(...).reward`: `workers` sandboxes at a time (default: the CPU count)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    setups = [""] * len(programs) if setups is None else setups
+    if not (len(programs) == len(tests) == len(entry_points) == len(setups)):
+        raise ValueError(f"code_rewards: {len(programs)} programs, {len(tests)} tests, {len(entry_points)} entry points, {len(setups)} setups")
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda a: run_code_tests(a[0], a[1], a[2], timeout, a[3]).reward,
+                             zip(programs, tests, entry_points, setups)))
+
+
+# --- 1e. Loading a task --------------------------------------------------------------------------
 ARITH_INSTRUCTION = (
     "Compute the expression step by step, one operation per line (for example 17+5=22), "
     "then give the final answer on its own line as '#### <number>'.\n"
 )
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main", "train", "test"), "math": ("HuggingFaceH4/MATH-500", None, "test", None)}
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main", "train", "test"), "math": ("HuggingFaceH4/MATH-500", None, "test", None),
+                "code": ("openai/openai_humaneval", None, "test", None)}
+TASKS = ("arith", "gsm8k", "math", "code")
 
 
 @dataclasses.dataclass
@@ -405,6 +653,8 @@ class Example:
     gold: str  # the gold answer the reward compares with
     prompt: str  # the rendered prompt (chat template applied when the tokenizer has one)
     prompt_ids: list[int]
+    user: str = ""  # the user turn a chat model sees (SC-GRPO's teacher keeps it and adds a system message)
+    meta: dict = dataclasses.field(default_factory=dict)  # code: prompt_code, tests, setup, entry_point
 
 
 @dataclasses.dataclass
@@ -414,6 +664,15 @@ class Task:
     eval: list[Example]
     reward_fn: Callable[[str, Example], float]  # (completion text, example) -> reward in [0, 1]
     skipped: dict  # why examples were dropped at load time -> count (never rewarded)
+    batch_reward_fn: Callable[[Sequence[str], Sequence[Example]], list[float]] | None = None
+
+    def rewards(self, texts: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        """Rewards of completions against their examples (code: verified in parallel sandboxes)."""
+        if len(texts) != len(examples):
+            raise ValueError(f"{len(texts)} completions for {len(examples)} examples")
+        if self.batch_reward_fn is not None:
+            return self.batch_reward_fn(texts, examples)
+        return [self.reward_fn(t, e) for t, e in zip(texts, examples)]
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -469,23 +728,37 @@ def load_task(
     arith_max_value: int = 99,
     arith_max_operand: int = 9,
     arith_num_train: int = 20000,
+    code_timeout: float = 5.0,
 ) -> Task:
     """Build a task's train and eval prompts and its reward function.
 
     arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: `datasets.load_dataset`
     from the hub, or a local jsonl/parquet via `data_path` (eval from `eval_data_path`, else the
-    first `num_eval` rows held out). Rows whose gold answer cannot be parsed, and prompts longer
-    than `max_prompt_length` tokens, are skipped and counted in `Task.skipped`.
+    first `num_eval` rows held out, at most a fifth of a file smaller than 2 * num_eval). code: HumanEval
+    (`openai/openai_humaneval`) or a local jsonl/jsonl.gz in HumanEval's format (prompt, test,
+    entry_point) or an MBPP-like one (text or prompt, test_list, optional test_setup_code); reward =
+    fraction of tests passed in the sandbox (`run_code_tests`). Rows whose gold answer cannot be
+    parsed (code: without tests or entry point), and prompts longer than `max_prompt_length` tokens,
+    are skipped and counted in `Task.skipped`.
     """
     skipped = {"unparsable_gold": 0, "prompt_too_long": 0}
 
-    def make(i: int, question: str, gold: str, user: str, plain: str) -> Example | None:
+    def make(i: int, question: str, gold: str, user: str, plain: str, meta: dict | None = None) -> Example | None:
         prompt = render_prompt(tokenizer, user, plain)
         ids = encode_prompt(tokenizer, prompt)
         if len(ids) > max_prompt_length:
             skipped["prompt_too_long"] += 1
             return None
-        return Example(i, question, gold, prompt, ids)
+        return Example(i, question, gold, prompt, ids, user, meta or {})
+
+    def from_rows(convert):
+        """train and eval examples of a hub dataset or local file, converted row by row"""
+        rows, source = _load_rows(name, data_path, "train")
+        if eval_data_path or (not data_path and HUB_DATASETS[name][3]):
+            eval_rows, eval_source = _load_rows(name, eval_data_path, "eval")
+            return convert(rows, source, 0), convert(eval_rows, eval_source, 10**9)[:num_eval]
+        k = num_eval if len(rows) >= 2 * num_eval else len(rows) // 5  # one file: hold out its first k rows
+        return convert(rows[k:], source, 0), convert(rows[:k], source, 10**9)
 
     if name == "arith":
         rng = random.Random(seed)
@@ -528,25 +801,60 @@ def load_task(
                     out.append(ex)
             return out
 
-        rows, source = _load_rows(name, data_path, "train")
-        if eval_data_path or (not data_path and HUB_DATASETS[name][3]):
-            eval_rows, eval_source = _load_rows(name, eval_data_path, "eval")
-            train, evals = convert(rows, source, 0), convert(eval_rows, eval_source, 10**9)[:num_eval]
-        else:  # one file: hold out its first num_eval rows
-            evals, train = convert(rows[:num_eval], source, 10**9), convert(rows[num_eval:], source, 0)
+        train, evals = from_rows(convert)
         if name == "gsm8k":
             reward_fn = lambda completion, ex: gsm8k_reward(completion, ex.gold)  # noqa: E731
         else:
             reward_fn = lambda completion, ex: math_reward(completion, ex.gold)  # noqa: E731
+    elif name == "code":
+        skipped["no_tests_or_entry_point"] = 0
+
+        def convert(rows, source, offset):
+            out = []
+            for i, row in enumerate(rows):
+                if "test_list" in row:  # MBPP-like: the model writes the whole function
+                    text = row.get("text", row.get("prompt"))
+                    if text is None:
+                        raise KeyError(f"{source}: MBPP-style code rows need a 'text' (or 'prompt') field; this file has {sorted(row)}")
+                    tests = [str(t) for t in row["test_list"] or []]
+                    m = re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?\s*([A-Za-z_]\w*)\s*\(", tests[0]) if tests else None
+                    entry = row.get("entry_point") or (m.group(1) if m else None)
+                    shown = "\n".join(tests)
+                    user = f"{text}\nYour code should pass these tests:\n{shown}\nReply with the code in one ```python code block."
+                    plain = f'"""\n{text}\n{shown}\n"""\n'
+                    meta = dict(prompt_code="", tests=tests, setup=str(row.get("test_setup_code") or ""), entry_point=entry)
+                    gold, q = str(row.get("code", "")), text
+                else:
+                    _require(row, ("prompt", "test", "entry_point"), source, name)
+                    q, entry = row["prompt"], row["entry_point"]
+                    user, plain = f"{CODE_INSTRUCTION}\n```python\n{q}```", q
+                    meta = dict(prompt_code=q, tests=str(row["test"]), setup="", entry_point=entry)
+                    gold = str(row.get("canonical_solution", ""))
+                if not meta["tests"] or not entry:
+                    skipped["no_tests_or_entry_point"] += 1
+                    continue
+                ex = make(offset + i, q, gold, user, plain, meta)
+                if ex is not None:
+                    out.append(ex)
+            return out
+
+        train, evals = from_rows(convert)
+
+        def code_batch(texts, examples):
+            return code_rewards([code_program(e.meta["prompt_code"], t, e.meta["entry_point"]) for t, e in zip(texts, examples)],
+                                [e.meta["tests"] for e in examples], [e.meta["entry_point"] for e in examples], code_timeout,
+                                setups=[e.meta["setup"] for e in examples])
+
+        reward_fn = lambda completion, ex: code_batch([completion], [ex])[0]  # noqa: E731
     else:
-        raise ValueError(f"unknown task {name!r}: choose one of arith, gsm8k, math")
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
     train = [e for e in train if e is not None]
     evals = [e for e in evals if e is not None]
     if not train:
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {skipped})")
     if not evals:
         raise ValueError(f"task {name!r} has no usable eval prompts (skipped: {skipped})")
-    return Task(name, train, evals, reward_fn, skipped)
+    return Task(name, train, evals, reward_fn, skipped, code_batch if name == "code" else None)
 
 
 def prompt_batches(examples: Sequence[Example], n: int, seed: int):
@@ -894,7 +1202,7 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int 
         model, tokenizer, [e.prompt_ids for e in ex], [e.id for e in ex], 1, max_new_tokens,
         temperature=max(temperature, 1e-5), do_sample=temperature > 0, batch_size=batch_size,
     )
-    acc = sum(task.reward_fn(t, e) for t, e in zip(ro.texts, ex)) / len(ex)
+    acc = sum(task.rewards(ro.texts, ex)) / len(ex)
     return {"eval/accuracy": acc, "eval/mean_length": ro.completion_mask.sum(1).float().mean().item()}
 
 

@@ -50,7 +50,7 @@ class Args:
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
     task: str = "arith"
-    """arith (built in), gsm8k or math"""
+    """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
     eval_data_path: str | None = None
@@ -271,7 +271,7 @@ if __name__ == "__main__":
         t_gen = time.time() - t0
 
         # 2. rewards, one per completion (the verifier sees the decoded text)
-        rewards = torch.tensor([task.reward_fn(text, ex) for text, ex in zip(ro.texts, [e for e in examples for _ in range(G)])])
+        rewards = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]))
         mask = ro.completion_mask
         T = mask.shape[1]
 

@@ -50,7 +50,7 @@ class Args:
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
     task: str = "arith"
-    """arith (built in), gsm8k or math"""
+    """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
     eval_data_path: str | None = None
@@ -179,8 +179,9 @@ def teacher_prompt(tokenizer, task: str, example: common.Example, tau: str) -> l
     student's prompt (for arith, common.arith_reference_prompt: the block the tiny model was trained on)."""
     tau = tau.strip()
     if common.has_chat_template(tokenizer):
-        user = common.ARITH_INSTRUCTION + example.question if task == "arith" else f"{example.question}\n{common.MATH_INSTRUCTION}"
-        text = common.render_prompt(tokenizer, user, example.prompt, system=GUIDE + tau)
+        if not example.user:
+            raise ValueError(f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's")
+        text = common.render_prompt(tokenizer, example.user, example.prompt, system=GUIDE + tau)
     elif task == "arith":
         text = common.arith_reference_prompt(common.parse_arith_problem(example.question), tau)
     else:
@@ -339,7 +340,7 @@ if __name__ == "__main__":
         t_gen = time.time() - t0
 
         # 2. rewards, one per completion (the verifier sees the decoded text)
-        rewards = torch.tensor([task.reward_fn(text, ex) for text, ex in zip(ro.texts, [e for e in examples for _ in range(G)])])
+        rewards = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]))
         mask = ro.completion_mask
         T = mask.shape[1]
 

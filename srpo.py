@@ -52,7 +52,7 @@ class Args:
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
     task: str = "arith"
-    """arith (built in), gsm8k or math"""
+    """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
     eval_data_path: str | None = None
@@ -260,10 +260,10 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     while pending:
         n = min(size, args.max_fresh_attempts - len(chains[pending[0].id]))
         ids_list, ro = sample([e.prompt_ids for e in pending], n, args.max_new_tokens)
+        rewards = task.rewards(ro.texts, [e for e in pending for _ in range(n)])
         for i, e in enumerate(pending):
             for j in range(n):
-                text = ro.texts[i * n + j]
-                chains[e.id].append((ids_list[i * n + j], text, task.reward_fn(text, e)))
+                chains[e.id].append((ids_list[i * n + j], ro.texts[i * n + j], rewards[i * n + j]))
         info["fresh_chains"] += n * len(pending)
         pending = [e for e in pending if sum(map(is_parent, chains[e.id])) < n_parents
                    and len(chains[e.id]) < args.max_fresh_attempts]
@@ -282,7 +282,7 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     for e in missing:  # max_fresh_attempts < num_generations: top the fallback group up
         need = args.num_generations - sum(r[0] is e for r in rows)
         ids_list, ro = sample([e.prompt_ids], need, args.max_new_tokens)
-        rows += [(e, ids, 0, (e.id, "fresh"), task.reward_fn(t, e)) for ids, t in zip(ids_list, ro.texts)]
+        rows += [(e, ids, 0, (e.id, "fresh"), r) for ids, r in zip(ids_list, task.rewards(ro.texts, [e] * need))]
 
     # 2. reset index per parent: self-localization, random, or the oracle
     t0 = time.time()
@@ -327,11 +327,10 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     # 3. K continuations per parent from prompt + prefix (same sampling settings), cut to the response budget
     if parents:
         ids_list, _ = sample(cont_prompts, K, args.max_new_tokens)
-        for i, ((e, p, j), prefix) in enumerate(zip(parents, prefixes)):
-            for s in ids_list[i * K : (i + 1) * K]:
-                response = prefix + s[: max(args.max_new_tokens - len(prefix), 1)]
-                text = tokenizer.decode(response, skip_special_tokens=True)
-                rows.append((e, response, len(prefix), (e.id, "reset", j), task.reward_fn(text, e)))
+        new = [(e, prefix + s[: max(args.max_new_tokens - len(prefix), 1)], len(prefix), (e.id, "reset", j))
+               for i, ((e, p, j), prefix) in enumerate(zip(parents, prefixes)) for s in ids_list[i * K : (i + 1) * K]]
+        texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in new]
+        rows += [r + (reward,) for r, reward in zip(new, task.rewards(texts, [r[0] for r in new]))]
 
     # 4. the trained batch, one group id per normalization group (base, each reset group, or the fallback)
     keys, device = {}, next(model.parameters()).device

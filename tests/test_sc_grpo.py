@@ -1,5 +1,6 @@
 """sc_grpo.py: its pure functions (weights, routing, KL, teacher prompts, bad inputs) and its real entry point."""
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -143,7 +144,7 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
 
 def test_teacher_prompt_plain_and_chat(tiny):
     _, tok = tiny
-    ex = common.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
+    ex = common.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], common.ARITH_INSTRUCTION + "12+3-4")
     got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
     assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
     chat = copy.deepcopy(tok)
@@ -153,6 +154,8 @@ def test_teacher_prompt_plain_and_chat(tiny):
     teacher = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
     want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
     assert teacher == common.encode_prompt(chat, want)
+    with pytest.raises(ValueError, match="user turn"):  # an example without its user turn cannot be rebuilt
+        sc_grpo.teacher_prompt(chat, "arith", dataclasses.replace(ex, user=""), "12+3=15")
 
 
 def _rollouts(tok, texts, group_size):

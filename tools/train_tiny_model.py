@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
+import shutil
 import string
 import sys
 import time
@@ -69,6 +71,15 @@ class Args:
     """torch CPU threads (results are reproducible for a given thread count)"""
     stop_step: int | None = None
     """end after this step's evaluation whatever it reached (the schedule still follows --max-steps)"""
+    init_from: str | None = None
+    """continue training this model directory (warm start; the architecture flags are then ignored)"""
+    warmup_steps: int = 200
+    """linear learning-rate warmup"""
+    decision_weight: float = 1.0
+    """loss weight of the localization chain's decision tokens (each line's ok/wrong and the boxed step)
+    against 1 for every other token: they are a few characters among many copied ones"""
+    keep_evals: bool = False
+    """also keep a copy of the model at every evaluation in <out-dir>-step<N>"""
 
 
 def build_tokenizer():
@@ -126,22 +137,40 @@ def sample_example(rng: random.Random, args: Args) -> tuple[str, str]:
     return common.arith_reference_prompt(problem, problem.solution()), problem.solution()
 
 
-def make_batch(examples, tok):
-    """Right-padded input ids, attention mask and labels (-100 on prompt and padding)."""
+DECISION_RE = re.compile(r" (ok|wrong)$|\\boxed\{(\d+)\}", re.M)
+
+
+def completion_weights(completion: str, decision_weight: float) -> list[float]:
+    """Per-character loss weights (the tokenizer is character-level; +1 for EOS): `decision_weight` on
+    the ok/wrong word ending each checking line and on the digits in \\boxed{}, 1 elsewhere."""
+    w = [1.0] * (len(completion) + 1)
+    for m in DECISION_RE.finditer(completion):
+        g = 1 if m.group(1) else 2
+        for i in range(m.start(g), m.end(g)):
+            w[i] = decision_weight
+    return w
+
+
+def make_batch(examples, tok, decision_weight: float = 1.0):
+    """Right-padded input ids, attention mask, labels (-100 on prompt and padding) and loss weights."""
     rows = []
     for prompt, completion in examples:
         p = tok(prompt, add_special_tokens=False).input_ids
         c = tok(completion, add_special_tokens=False).input_ids + [tok.eos_token_id]
-        rows.append((p + c, [-100] * len(p) + c))
+        w = completion_weights(completion, decision_weight)
+        assert len(w) == len(c), "the weights assume one token per character"
+        rows.append((p + c, [-100] * len(p) + c, [0.0] * len(p) + w))
     T = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), T), tok.pad_token_id)
     labels = torch.full((len(rows), T), -100)
+    weights = torch.zeros((len(rows), T))
     mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, (x, y) in enumerate(rows):
+    for i, (x, y, w) in enumerate(rows):
         ids[i, : len(x)] = torch.tensor(x)
         labels[i, : len(y)] = torch.tensor(y)
+        weights[i, : len(w)] = torch.tensor(w)
         mask[i, : len(x)] = 1
-    return ids, mask, labels
+    return ids, mask, labels, weights
 
 
 @torch.no_grad()
@@ -160,7 +189,7 @@ def evaluate(model, tok, problems, rng_seed: int) -> dict:
         lines, k = corrupt_solution(p, rng)
         loc_prompts.append(common.arith_localization_prompt(p, lines))
         labels.append(k)
-    texts = generate(model, tok, loc_prompts, max_new_tokens=128, do_sample=False)
+    texts = generate(model, tok, loc_prompts, max_new_tokens=192, do_sample=False)
     out["localization"] = sum(
         (common.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
     ) / len(labels)
@@ -177,11 +206,14 @@ def generate(model, tok, prompts, max_new_tokens, **kw):
     return tok.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
 
-def save(model, tok, args: Args, report: dict, n_params: int, history: list) -> None:
-    """Write the model and its training report (atomically) to --out-dir."""
+def save(model, tok, args: Args, report: dict, n_params: int, history: list, init_report: dict | None) -> None:
+    """Write the model and its training report (atomically) to --out-dir; a warm start keeps the
+    report of the run it started from under "init_from_report"."""
     model.eval()
     out = common.save_model_atomic(model, tok, args.out_dir)
     report = dict(report, params=n_params, args=dataclasses.asdict(args), history=history)
+    if init_report is not None:
+        report["init_from_report"] = init_report
     (out / "training_report.json").write_text(json.dumps(report, indent=1))
     model.train()
 
@@ -206,11 +238,19 @@ def main(args: Args) -> None:
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
-    model = Qwen2ForCausalLM(config)
+    if args.init_from:
+        model = Qwen2ForCausalLM.from_pretrained(args.init_from)
+        if model.config.vocab_size != len(tok):
+            raise ValueError(f"--init-from {args.init_from}: vocabulary {model.config.vocab_size} != {len(tok)}")
+        prev = Path(args.init_from) / "training_report.json"
+        init_report = json.loads(prev.read_text()) if prev.exists() else None
+        print(f"warm start from {args.init_from}")
+    else:
+        model, init_report = Qwen2ForCausalLM(config), None
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Qwen2ForCausalLM with {n_params / 1e6:.2f}M parameters, vocab {len(tok)}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 200
+    warmup = args.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: min(1.0, (s + 1) / warmup)
@@ -226,13 +266,14 @@ def main(args: Args) -> None:
         examples = sorted((sample_example(rng, args) for _ in range(args.batch_size)), key=lambda e: len(e[0]) + len(e[1]))
         half = args.batch_size // 2
         opt.zero_grad(set_to_none=True)
-        n_tok = sum(len(tok(c, add_special_tokens=False).input_ids) + 1 for _, c in examples)
+        n_tok = sum(sum(completion_weights(c, args.decision_weight)) for _, c in examples)  # weighted token count
         for part in (examples[:half], examples[half:]):
-            ids, mask, labels = make_batch(part, tok)
+            ids, mask, labels, weights = make_batch(part, tok, args.decision_weight)
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
-            ) / n_tok
+            ce = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+            )
+            loss = (ce * weights[:, 1:].reshape(-1)).sum() / n_tok
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -245,7 +286,9 @@ def main(args: Args) -> None:
             history.append(ev)
             print("eval", json.dumps(ev), flush=True)
             report = ev
-            save(model, tok, args, ev, n_params, history)  # every evaluation: stopping the run early keeps the last one
+            save(model, tok, args, ev, n_params, history, init_report)
+            if args.keep_evals:
+                shutil.copytree(args.out_dir, f"{args.out_dir}-step{step}", dirs_exist_ok=True)  # every evaluation: stopping the run early keeps the last one
             if step == args.stop_step:
                 break
             if (

@@ -133,18 +133,16 @@ def arith_localization_prompt(problem: ArithProblem, thoughts: Sequence[str]) ->
 
 
 def arith_localization_target(problem: ArithProblem, thoughts: Sequence[str]) -> str:
-    """The reply the tiny model is trained to give to `arith_localization_prompt`: a checking chain
-    that, line by line, copies the given line, recomputes the correct line beside it and marks the pair
-    ok or wrong, stopping at the first wrong one, then `\\boxed{N}`:
-        "1: 23+7=30 | 23+7=30 ok\n2: 30-5=26 | 30-5=25 wrong\n\\boxed{2}"
-    Putting both lines side by side turns "is step i wrong?" into a local comparison a tiny model can
-    learn (rewriting only the correct line left it to compare against the prompt, and it never did).
-    A given solution with no wrong line gets `\\boxed{0}`."""
+    """The reply the tiny model is trained to give to `arith_localization_prompt`: a short checking
+    chain that rewrites each correct line and marks the given line ok or wrong, stopping at the first
+    wrong one, then `\\boxed{N}`:  "Check: 23+7=30 ok\nCheck: 30-5=25 wrong\n\\boxed{2}".
+    A given solution with no wrong line gets `\\boxed{0}`. (A side-by-side variant, "2: <given line> |
+    <correct line> wrong", raised localization only from 0.245 to 0.295 in 500 warm-start steps while
+    pass@1 rose to 0.96, out of the band RL needs; see the README.)"""
     out = []
     for i, line in enumerate(problem.solution().split("\n"), 1):
-        given = thoughts[i - 1].strip() if i <= len(thoughts) else ""
-        ok = given == line
-        out.append(f"{i}: {given} | {line} {'ok' if ok else 'wrong'}")
+        ok = i <= len(thoughts) and thoughts[i - 1].strip() == line
+        out.append(f"Check: {line} {'ok' if ok else 'wrong'}")
         if not ok:
             return "\n".join(out) + f"\n\\boxed{{{i}}}"
     return "\n".join(out) + "\n\\boxed{0}"
@@ -368,10 +366,12 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def save_model_atomic(model, tokenizer, path: str | os.PathLike) -> Path:
+def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
     """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
-    over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights."""
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights.
+    `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state)."""
+    named = state_dict.items() if state_dict is not None else model.named_parameters()
+    bad = [n for n, p in named if torch.is_floating_point(p) and not torch.isfinite(p).all()]
     if bad:
         raise ValueError(f"refusing to save a checkpoint with non-finite weights in {bad[:3]}")
     path = Path(path)
@@ -381,7 +381,7 @@ def save_model_atomic(model, tokenizer, path: str | os.PathLike) -> Path:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         old = None
         if path.exists():
@@ -1028,7 +1028,7 @@ def generate_rollouts(
         kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stops, **kw,
+            eos_token_id=stops, synced_gpus=getattr(model, "_rlvr_synced_gpus", False), **kw,
         )
         completions.extend(out[:, ids.shape[1]:].tolist())
     model.train(was_training)
@@ -1194,22 +1194,36 @@ def aggregate_loss(
 # ----------------------------------------------------------------------------------------------
 # 5. Evaluation, logging, non-finite guard
 # ----------------------------------------------------------------------------------------------
-def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64, temperature: float = 0.0) -> dict:
+def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64, temperature: float = 0.0,
+             dist: "Dist | None" = None) -> dict:
     """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
-    sample at that temperature. Returns {"eval/accuracy", "eval/mean_length"}."""
-    ex = task.eval
+    sample at that temperature. Returns {"eval/accuracy", "eval/mean_length"}. Under torchrun each
+    rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
+    sums are all-reduced, so every rank returns the same figures."""
+    ex, rank, world = task.eval, (dist.rank if dist else 0), (dist.world if dist else 1)
+    n = -(-len(ex) // world)
+    mine = ex[rank * n : (rank + 1) * n]
+    counted = len(mine)
+    mine = mine + [ex[0]] * (n - counted)  # equal slices: FSDP ranks must run the same generate calls
     ro = generate_rollouts(
-        model, tokenizer, [e.prompt_ids for e in ex], [e.id for e in ex], 1, max_new_tokens,
+        model, tokenizer, [e.prompt_ids for e in mine], [e.id for e in mine], 1, max_new_tokens,
         temperature=max(temperature, 1e-5), do_sample=temperature > 0, batch_size=batch_size,
     )
-    acc = sum(task.rewards(ro.texts, ex)) / len(ex)
-    return {"eval/accuracy": acc, "eval/mean_length": ro.completion_mask.sum(1).float().mean().item()}
+    correct = sum(task.rewards(ro.texts[:counted], mine[:counted]))
+    length = ro.completion_mask[:counted].sum().item()
+    if dist is not None:
+        correct, length = dist.sum([correct, length])
+    return {"eval/accuracy": correct / len(ex), "eval/mean_length": length / len(ex)}
 
 
 class Logger:
     """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`."""
 
-    def __init__(self, run_dir: str | os.PathLike, config: dict, track: bool = False, wandb_project: str = "credit-rlvr"):
+    def __init__(self, run_dir: str | os.PathLike, config: dict, track: bool = False, wandb_project: str = "credit-rlvr",
+                 enabled: bool = True):
+        self.enabled = enabled  # False on every torchrun rank but 0: nothing is written
+        if not enabled:
+            return
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
@@ -1225,6 +1239,8 @@ class Logger:
             self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, config=config, dir=str(self.run_dir))
 
     def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -1233,6 +1249,8 @@ class Logger:
             self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.writer.close()
         self.jsonl.close()
         if self.wandb is not None:
@@ -1263,3 +1281,134 @@ def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> 
         "completions/min_length": lengths.min().item(),
         "completions/clipped_ratio": ro.truncated.float().mean().item(),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Several processes (torchrun): one per GPU (gloo on CPU), prompts sharded by rank
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Dist:
+    """This process's place in a torchrun job; world 1 (every method a no-op) without torchrun.
+
+    `--prompts-per-step` is the global batch: each rank takes every world-th prompt of it with all of
+    its G completions, so groups never span ranks and each algorithm's credit assignment runs locally.
+    Losses are normalized by the global token / sequence counts (`loss_counts`), so W ranks with half
+    the batch each step exactly like 1 rank with all of it."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # for collectives
+    fsdp: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(t)
+        return t.tolist()
+
+    def shard(self, examples: Sequence) -> list:
+        """This rank's prompts of a global batch (every world-th one)."""
+        return list(examples[self.rank :: self.world])
+
+    def loss_counts(self, mask: torch.Tensor, num_seqs: int | None = None) -> tuple[float, float]:
+        """(tokens, sequences) to normalize this rank's loss by: the global counts / world, because DDP
+        and FSDP average gradients over ranks."""
+        tokens, seqs = self.sum([mask.sum().item(), len(mask) if num_seqs is None else num_seqs])
+        return tokens / self.world, seqs / self.world
+
+    def wrap(self, model, ref_model=None):
+        """The module to run the loss forward through: DDP by default, FSDP2 `fully_shard` (each
+        decoder layer, then the root; the reference too) with `fsdp`. Generation and saving use `model`."""
+        if self.world == 1:
+            return model
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for m in (model, ref_model) if ref_model is not None else (model,):
+                for layer in getattr(getattr(m, "model", m), "layers", []):
+                    fully_shard(layer)
+                fully_shard(m)
+            model._rlvr_synced_gpus = True  # generate() must keep every rank stepping until all are done
+            return model
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def sync_grads(self, train_model, enabled: bool) -> None:
+        """Whether the next backward all-reduces gradients: only the last micro-batch of a pass does, so
+        ranks with different numbers of micro-batches (SRPO) still meet once per optimizer step."""
+        if self.world == 1:
+            return
+        if self.fsdp:
+            train_model.set_requires_gradient_sync(enabled)
+        else:
+            train_model.require_backward_grad_sync = enabled
+
+    def reduce_metrics(self, metrics: dict, sum_keys: Sequence[str] = ("num_tokens", "tokens_per_second")) -> dict:
+        """Mean over the ranks that report each metric (`sum_keys`: sum over ranks)."""
+        if self.world == 1:
+            return metrics
+        gathered = [None] * self.world
+        torch.distributed.all_gather_object(gathered, {k: float(v) for k, v in metrics.items()})
+        out = {}
+        for k in dict.fromkeys(k for g in gathered for k in g):
+            vals = [g[k] for g in gathered if k in g]
+            out[k] = sum(vals) if k in sum_keys else sum(vals) / len(vals)
+        return out
+
+    def save(self, model, tokenizer, path) -> Path | None:
+        """`save_model_atomic` on rank 0 (FSDP: the full state dict is gathered from every rank first)."""
+        state = None
+        if self.world > 1 and self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        out = save_model_atomic(model, tokenizer, path, state) if self.main else None
+        self.barrier()
+        return out
+
+    def print(self, *a, **k) -> None:
+        """print on rank 0 only"""
+        if self.main:
+            print(*a, **k)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def init_distributed(device: str, args: dict, prompts_per_step: int, timeout_s: int = 1800, fsdp: bool = False) -> tuple[Dist, torch.device]:
+    """Join the torchrun job when there is one (WORLD_SIZE > 1), else a world of 1. Checks that every
+    rank got the same flags and that the world size divides `prompts_per_step`. Collectives time out
+    after `timeout_s`, so a rank that died makes the others exit with an error instead of hanging."""
+    import datetime
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = pick_device(device)
+    if world == 1:
+        return Dist(device=dev), dev
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    d = Dist(rank, world, dev if dev.type == "cuda" else torch.device("cpu"), fsdp)
+    flags = [None] * world
+    torch.distributed.all_gather_object(flags, {k: str(v) for k, v in args.items()})
+    diff = sorted(k for f in flags for k in set(f) | set(flags[0]) if f.get(k) != flags[0].get(k))
+    if diff:
+        d.close()
+        raise ValueError(f"ranks were started with different flags: {sorted(set(diff))} (rank 0 has "
+                         f"{ {k: flags[0].get(k) for k in sorted(set(diff))} })")
+    if prompts_per_step % world:
+        d.close()
+        raise ValueError(f"--prompts-per-step {prompts_per_step} is the global batch: it must be divisible by the "
+                         f"world size {world} (each rank takes whole groups)")
+    return d, dev

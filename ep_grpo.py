@@ -74,7 +74,7 @@ class Args:
     total_steps: int = 150
     """optimizer steps of the run (each samples a new batch of prompts)"""
     prompts_per_step: int = 8
-    """prompts per step; each gets --num-generations completions"""
+    """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets --num-generations completions"""
     num_generations: int = 8
     """G: completions per prompt (the group)"""
     max_new_tokens: int = 48
@@ -118,6 +118,12 @@ class Args:
     """held-out prompts per evaluation"""
     eval_temperature: float = 0.0
     """0 = greedy pass@1"""
+
+    # several processes: torchrun --nproc_per_node N <script> ... (docs/scaling.md)
+    fsdp: bool = False
+    """under torchrun: shard the policy (and reference) with FSDP2 fully_shard instead of DDP"""
+    dist_timeout: int = 1800
+    """seconds a collective waits for the other ranks before the run stops with an error"""
 
     # ALGO LOGIC: EP-GRPO. Every field below is a guess of this reconstruction (docs/ep_grpo.md), not the paper's.
     gate: Literal["soft", "hard", "gtpo", "none"] = "soft"
@@ -344,12 +350,13 @@ if __name__ == "__main__":
     run_dir = Path(args.output_dir) / run_name
 
     # seeding, model, task
-    common.seed_everything(args.seed)
-    device = common.pick_device(args.device)
+    dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype)
     # ALGO LOGIC: the frozen reference is loaded even at --beta 0: delta = log pi_old - log pi_ref needs it. A moving
     # anchor (--process-anchor ema / lagged) is its own copy; then the reference is needed only for the KL term.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.process_anchor == "ref" or args.beta > 0 else None
+    train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     anchor = ref_model if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
     task = common.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
@@ -357,23 +364,23 @@ if __name__ == "__main__":
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project)
-    print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
-          f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
+    dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
+               f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
     batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
     G = args.num_generations
     # ALGO LOGIC: every EP-GRPO flag goes to ep_advantages under its own name (--gate -> gate=..., and so on)
     ep_flags = {k: getattr(args, k) for k in inspect.signature(ep_advantages).parameters if hasattr(args, k)}
     ep_flags["return_parts"] = True
 
-    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
     logger.log(eval_metrics, 0)
     metrics = dict(eval_metrics)
-    bar = trange(1, args.total_steps + 1, desc="ep_grpo", dynamic_ncols=True)
+    bar = trange(1, args.total_steps + 1, desc="ep_grpo", dynamic_ncols=True, disable=not dist.main)
     for step in bar:
         # 1. rollouts: G completions per prompt
         t0 = time.time()
-        examples = next(batches)
+        examples = dist.shard(next(batches))
         ro = common.generate_rollouts(
             model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
             args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
@@ -403,14 +410,15 @@ if __name__ == "__main__":
 
         # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
         t0 = time.time()
-        num_tokens, N = mask.sum().item(), len(ro)
+        N, (num_tokens, num_seqs) = len(ro), dist.loss_counts(mask)  # global counts / world size
         stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
         for it in range(args.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             for s in range(0, N, args.micro_batch_size):
                 mb = slice(s, s + args.micro_batch_size)
+                dist.sync_grads(train_model, s + args.micro_batch_size >= N)
                 m = mask[mb].float()
-                logp, entropy = common.token_logprobs(model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
                 old = old_logp[mb] if old_logp is not None else logp.detach()
                 # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
                 ratio = torch.exp(logp - old)
@@ -421,7 +429,7 @@ if __name__ == "__main__":
                     kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
                     per_token_loss = per_token_loss + args.beta * kl
                     stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
-                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, N)
+                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
                 common.stop_if_nonfinite(loss, "loss", step, metrics)
                 loss.backward()
                 # diagnostics
@@ -456,12 +464,16 @@ if __name__ == "__main__":
         if ref_model is None:
             metrics.pop("kl")
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
-            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature)
+            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
             metrics.update(eval_metrics)
+        metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
 
     logger.close()
-    print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
+    dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
     if args.save_model:
-        print(f"saved model to {common.save_model_atomic(model, tokenizer, run_dir / 'model')}")
+        saved = dist.save(model, tokenizer, run_dir / "model")
+        if saved:
+            print(f"saved model to {saved}")
+    dist.close()

@@ -1,7 +1,6 @@
 """Several processes under torchrun (gloo on CPU, 2 ranks): DDP and FSDP2 step exactly like one process with
 the whole batch, ranks stay identical, only rank 0 writes, and bad setups fail fast with a clear message."""
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -12,14 +11,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = str(ROOT / "tests" / "dist_driver.py")
-TORCHRUN = shutil.which("torchrun") or ""
-pytestmark = pytest.mark.skipif(not TORCHRUN, reason="torchrun is not on PATH")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the torchrun command runs, without relying on PATH
 FIXED = ["--total-steps", "1", "--prompts-per-step", "4", "--num-generations", "4", "--micro-batch-size", "3",
          "--eval-every", "0", "--num-eval", "4", "--loss-agg", "token-mean"]
 
 
 def launch(out: Path, *args: str, nproc: int = 2, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = ([TORCHRUN, "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]) + [DRIVER, str(out), *args]
+    cmd = ([*TORCHRUN, "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]) + [DRIVER, str(out), *args]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=e)
 

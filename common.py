@@ -1044,6 +1044,38 @@ def generate_rollouts(
 # ----------------------------------------------------------------------------------------------
 # 4. Token log-probs, group advantages, loss aggregation
 # ----------------------------------------------------------------------------------------------
+class SelectedLogProb(torch.autograd.Function):
+    """log p(y_t) = z_t[y_t]/tau - logsumexp(z_t/tau) from logits z [b, T, V] in any dtype, computed in fp32
+    `chunk` positions at a time. It keeps only z (the model's own output, in its dtype) and the [b, T]
+    logsumexp for the backward, which rebuilds softmax chunk by chunk: d log p / d z_j = (1[j = y] - p_j) / tau.
+    Autograd's gather - logsumexp would keep an fp32 copy of z per op instead."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+        b, T, _ = logits.shape
+        out = torch.empty(b, T, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for t in range(0, T, chunk):
+            z = logits[:, t : t + chunk].float() / temperature
+            lse[:, t : t + chunk] = torch.logsumexp(z, -1)
+            out[:, t : t + chunk] = z.gather(-1, target[:, t : t + chunk, None]).squeeze(-1) - lse[:, t : t + chunk]
+        ctx.save_for_backward(logits, target, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)
+        for t in range(0, logits.shape[1], chunk):
+            g_out = grad_out[:, t : t + chunk, None].float()
+            g = torch.exp(logits[:, t : t + chunk].float() / tau - lse[:, t : t + chunk, None]).mul_(-g_out)
+            g.scatter_add_(-1, target[:, t : t + chunk, None], g_out)
+            grad[:, t : t + chunk] = g.div_(tau).to(grad.dtype)
+        return grad, None, None, None
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -1062,8 +1094,9 @@ def token_logprobs(
     meaningless: multiply by the completion mask.
 
     Memory: the model's lm_head produces logits only for completion positions (`logits_to_keep`),
-    rows are processed `chunk_size` at a time, and log p = z[y] - logsumexp(z) in fp32 (logits
-    divided by the sampling temperature), so no [B, T, V] log-softmax is ever materialized.
+    rows are processed `chunk_size` at a time, and `SelectedLogProb` computes log p = z[y] -
+    logsumexp(z) in fp32 a few positions at a time (logits divided by the sampling temperature): no
+    [B, T, V] log-softmax and no fp32 copy of the logits exists, forward or backward.
     Position ids come from the attention mask, so left padding does not shift positions (the
     same positions `generate` used).
     """
@@ -1071,11 +1104,11 @@ def token_logprobs(
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
-        logits = completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32
-        target = ids[:, -T:]
-        logps.append(logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+        logits = completion_logits(model, ids, mask, T)  # [b, T, V] in the model's dtype
+        positions = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries of about 64 MB
+        logps.append(SelectedLogProb.apply(logits, ids[:, -T:], temperature, positions))
         if with_entropy:
-            ents.append(entropy_from_logits(logits, entropy_chunk))
+            ents.append(entropy_from_logits(logits.detach().float() / temperature, entropy_chunk))
         del logits
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
@@ -1085,7 +1118,8 @@ def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
     those positions only (`logits_to_keep`), and position ids come from the attention mask, so
     left padding does not shift positions (the same positions `generate` used)."""
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits[:, :-1]
+    keep = torch.arange(ids.shape[1] - T - 1, ids.shape[1] - 1, device=ids.device)  # exactly these positions: no
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep).logits  # sliced copy in backward
 
 
 @torch.no_grad()

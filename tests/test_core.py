@@ -58,6 +58,28 @@ def test_token_logprobs_matches_float64_reference(temperature, chunk_size):
     assert torch.isfinite(logp).all()
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_selected_logprob_forward_and_gradient_match_float64_autograd(temperature, chunk):
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(3, 7, 50, generator=g) * 3
+    y = torch.randint(0, 50, (3, 7), generator=g)
+    w = torch.randn(3, 7, generator=g)  # an arbitrary upstream gradient
+    z64 = z.double().requires_grad_(True)
+    ref = torch.log_softmax(z64 / temperature, -1).gather(-1, y[..., None]).squeeze(-1)
+    (ref * w).sum().backward()
+    z32 = z.clone().requires_grad_(True)
+    got = common.SelectedLogProb.apply(z32, y, temperature, chunk)
+    (got * w).sum().backward()
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, atol=1e-5)
+    assert torch.allclose(z32.grad.double(), z64.grad, atol=1e-6)
+    zb = z.bfloat16().requires_grad_(True)  # model-dtype logits: fp32 math inside, the gradient in that dtype
+    (common.SelectedLogProb.apply(zb, y, temperature, chunk) * w).sum().backward()
+    zb64 = zb.detach().double().requires_grad_(True)  # the reference on the same (rounded) logits
+    (torch.log_softmax(zb64 / temperature, -1).gather(-1, y[..., None]).squeeze(-1) * w).sum().backward()
+    assert zb.grad.dtype == torch.bfloat16 and torch.allclose(zb.grad.double(), zb64.grad, rtol=1e-2, atol=1e-3)
+
+
 def test_token_logprobs_gradient_flows_and_entropy_chunks():
     model = _random_model()
     ids, attn, cmask, T = _padded_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])

@@ -108,6 +108,15 @@ class Args:
     eval_temperature: float = 0.0
     """0 = greedy pass@1"""
 
+    # rollout engine
+    engine: str = "auto"
+    """hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
+    vllm when it is importable and a GPU is present, else hf"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (on CPU: of host memory)"""
+    vllm_is_cap: float = 0.0
+    """truncated importance-sampling correction min(pi_old / pi_vllm, cap) per token; 0 = off"""
+
     # several processes: torchrun --nproc_per_node N <script> ... (docs/scaling.md)
     fsdp: bool = False
     """under torchrun: shard the policy (and reference) with FSDP2 fully_shard instead of DDP"""
@@ -134,6 +143,7 @@ if __name__ == "__main__":
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    common.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
     dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
                f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
@@ -188,7 +198,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(logp - old)
                 A = token_adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate
+                per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
                     kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
                     per_token_loss = per_token_loss + args.beta * kl

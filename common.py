@@ -742,6 +742,7 @@ def load_task(
     are skipped and counted in `Task.skipped`.
     """
     skipped = {"unparsable_gold": 0, "prompt_too_long": 0}
+    batch_reward_fn = None  # code: verify a batch in parallel sandboxes
 
     def make(i: int, question: str, gold: str, user: str, plain: str, meta: dict | None = None) -> Example | None:
         prompt = render_prompt(tokenizer, user, plain)
@@ -846,6 +847,7 @@ def load_task(
                                 setups=[e.meta["setup"] for e in examples])
 
         reward_fn = lambda completion, ex: code_batch([completion], [ex])[0]  # noqa: E731
+        batch_reward_fn = code_batch
     else:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
     train = [e for e in train if e is not None]
@@ -854,7 +856,7 @@ def load_task(
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {skipped})")
     if not evals:
         raise ValueError(f"task {name!r} has no usable eval prompts (skipped: {skipped})")
-    return Task(name, train, evals, reward_fn, skipped, code_batch if name == "code" else None)
+    return Task(name, train, evals, reward_fn, skipped, batch_reward_fn)
 
 
 def prompt_batches(examples: Sequence[Example], n: int, seed: int):
@@ -1119,7 +1121,7 @@ def token_logprobs(
         positions = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries of about 64 MB
         logps.append(SelectedLogProb.apply(logits, ids[:, -T:], temperature, positions))
         if with_entropy:
-            ents.append(entropy_from_logits(logits.detach().float() / temperature, entropy_chunk))
+            ents.append(entropy_from_logits(logits, entropy_chunk, temperature))
         del logits
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
@@ -1134,12 +1136,12 @@ def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
 
 
 @torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, chunk: int = 128) -> torch.Tensor:
-    """Entropy [b, T] (nats, no gradient) of softmax(logits [b, T, V]), `chunk` positions at a time
-    so only a [b, chunk, V] softmax exists at once."""
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 128, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy [b, T] (nats, no gradient) of softmax(logits [b, T, V] / temperature) in fp32, `chunk`
+    positions at a time so only a [b, chunk, V] softmax exists at once."""
     out = []
     for t in range(0, logits.shape[1], chunk):
-        z = logits[:, t : t + chunk].detach()
+        z = logits[:, t : t + chunk].detach().float() / temperature
         out.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
     return torch.cat(out, dim=1)
 
@@ -1501,7 +1503,7 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kw)
         except Exception as e:
             raise RuntimeError(f"--engine vllm could not load {model_path}: {type(e).__name__}: {e}") from e
-        self.asleep, self.released_gb, self.calls = False, 0.0, 0
+        self.asleep, self.released_gb, self.syncs = False, 0.0, 0
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, do_sample: bool, stops: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
@@ -1509,7 +1511,6 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        self.calls += 1
         sp = self.vllm.SamplingParams(
             n=n, max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
             top_k=top_k if do_sample and top_k > 0 else 0, logprobs=0, stop_token_ids=list(stops), detokenize=False,
@@ -1544,7 +1545,7 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM weight sync failed, the engine's weights may be stale: {type(e).__name__}: {e}") from e
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        self.syncs = getattr(self, "syncs", 0) + 1
+        self.syncs += 1
 
     def sleep(self) -> None:
         """GPU only: release the engine's weights and KV cache while the trainer updates."""
@@ -1580,18 +1581,20 @@ def attach_engine(engine: str, model, optimizer, model_path: str, gpu_memory_uti
     return eng
 
 
-def engine_correction(ro: "Rollouts", rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict,
+def engine_correction(ro: "Rollouts", rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict | None,
                       num_tokens: float) -> torch.Tensor | float:
     """Per-token truncated importance weights min(pi_old / pi_engine, cap) for rows `rows` of the rollouts
     (1.0 without an engine or with cap 0), and the engine-vs-trainer mismatch accumulated into `stats`:
-    mean |log pi_old - log pi_engine| and the mean and max importance ratio over completion tokens."""
+    mean |log pi_old - log pi_engine| and the mean and max importance ratio over completion tokens
+    (pass `stats=None` on later passes over the same batch: the metrics describe the rollouts, once)."""
     if ro.engine_logp is None:
         return 1.0
     log_ratio = (old_logp.detach() - ro.engine_logp[rows]) * mask
     ratio = torch.exp(log_ratio)
-    stats["vllm/logp_abs_diff"] = stats.get("vllm/logp_abs_diff", 0.0) + (log_ratio.abs().sum() / num_tokens).item()
-    stats["vllm/is_ratio_mean"] = stats.get("vllm/is_ratio_mean", 0.0) + ((ratio * mask).sum() / num_tokens).item()
-    stats["vllm/is_ratio_max"] = max(stats.get("vllm/is_ratio_max", 0.0), (ratio * mask).max().item())
-    if ro.engine_released_gb:
-        stats["memory/vllm_released_gb"] = ro.engine_released_gb
+    if stats is not None:
+        stats["vllm/logp_abs_diff"] = stats.get("vllm/logp_abs_diff", 0.0) + (log_ratio.abs().sum() / num_tokens).item()
+        stats["vllm/is_ratio_mean"] = stats.get("vllm/is_ratio_mean", 0.0) + ((ratio * mask).sum() / num_tokens).item()
+        stats["vllm/is_ratio_max"] = max(stats.get("vllm/is_ratio_max", 0.0), (ratio * mask).max().item())
+        if ro.engine_released_gb:
+            stats["memory/vllm_released_gb"] = ro.engine_released_gb
     return torch.clamp(ratio, max=cap).detach() if cap > 0 else 1.0

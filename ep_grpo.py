@@ -434,7 +434,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(logp - old)
                 A = token_adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats, num_tokens)  # vLLM: truncated IS
+                per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
                     kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
                     per_token_loss = per_token_loss + args.beta * kl
@@ -483,7 +483,5 @@ if __name__ == "__main__":
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
     if args.save_model:
-        saved = dist.save(model, tokenizer, run_dir / "model")
-        if saved:
-            print(f"saved model to {saved}")
+        dist.print(f"saved model to {dist.save(model, tokenizer, run_dir / 'model')}")  # every rank joins the save
     dist.close()

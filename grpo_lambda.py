@@ -328,7 +328,7 @@ if __name__ == "__main__":
                     logp, old, A, m, args.lam, args.gamma, args.trace_style, args.trace_apply, args.epsilon,
                     args.epsilon_high, args.max_log_ratio,
                 )
-                per_token_loss = per_token_loss * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats, num_tokens)  # vLLM: truncated IS
+                per_token_loss = per_token_loss * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
                     kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
                     per_token_loss = per_token_loss + args.beta * kl
@@ -376,7 +376,5 @@ if __name__ == "__main__":
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
     if args.save_model:
-        saved = dist.save(model, tokenizer, run_dir / "model")
-        if saved:
-            print(f"saved model to {saved}")
+        dist.print(f"saved model to {dist.save(model, tokenizer, run_dir / 'model')}")  # every rank joins the save
     dist.close()

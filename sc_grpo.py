@@ -422,7 +422,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(logp - old)
                 A = adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate * weights[mb] * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats, num_tokens)  # vLLM: truncated IS
+                per_token_loss = -surrogate * weights[mb] * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
                     per_token_loss = per_token_loss + args.kl_loss_coef * D * active
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
@@ -475,7 +475,5 @@ if __name__ == "__main__":
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")
     if args.save_model:
-        saved = dist.save(model, tokenizer, run_dir / "model")
-        if saved:
-            print(f"saved model to {saved}")
+        dist.print(f"saved model to {dist.save(model, tokenizer, run_dir / 'model')}")  # every rank joins the save
     dist.close()

@@ -266,9 +266,9 @@ def main(args: Args) -> None:
         examples = sorted((sample_example(rng, args) for _ in range(args.batch_size)), key=lambda e: len(e[0]) + len(e[1]))
         half = args.batch_size // 2
         opt.zero_grad(set_to_none=True)
-        n_tok = sum(sum(completion_weights(c, args.decision_weight)) for _, c in examples)  # weighted token count
-        for part in (examples[:half], examples[half:]):
-            ids, mask, labels, weights = make_batch(part, tok, args.decision_weight)
+        parts = [make_batch(part, tok, args.decision_weight) for part in (examples[:half], examples[half:])]
+        n_tok = sum(p[3].sum().item() for p in parts)  # weighted completion token count of the whole batch
+        for ids, mask, labels, weights in parts:
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
             ce = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"

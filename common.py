@@ -1089,6 +1089,84 @@ class SelectedLogProb(torch.autograd.Function):
         return grad, None, None, None
 
 
+class FusedLinearLogProb(torch.autograd.Function):
+    """log p(y_n) = z_n[y_n]/tau - logsumexp(z_n/tau) with z_n = W h_n (+ b), computed straight from the final
+    hidden states h [N, H] and the lm_head W [V, H], `chunk` positions at a time: no [N, V] logits tensor
+    ever exists, forward or backward (only a [chunk, V] one). The backward recomputes each chunk's logits
+    (one extra lm_head matmul) and forms dz = (1[j = y] - p_j) g / tau, then dh = dz W and dW += dz^T h
+    (accumulated in fp32). Optionally returns each position's entropy (no gradient) from the same logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, temperature: float, chunk: int, with_entropy: bool):
+        N = hidden.shape[0]
+        out = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        ent = torch.empty_like(out) if with_entropy else out.new_empty(0)
+        for s in range(0, N, chunk):
+            z = torch.nn.functional.linear(hidden[s : s + chunk], weight, bias).float().div_(temperature)
+            lse[s : s + chunk] = torch.logsumexp(z, -1)
+            out[s : s + chunk] = z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            if with_entropy:
+                p = torch.exp(z - lse[s : s + chunk, None])
+                ent[s : s + chunk] = lse[s : s + chunk] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_ent):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        for s in range(0, hidden.shape[0], chunk):
+            h, g_out = hidden[s : s + chunk], grad_out[s : s + chunk, None].float()
+            z = torch.nn.functional.linear(h, weight, bias).float().div_(tau)
+            g = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g_out)  # in place: -p g
+            g.scatter_add_(-1, target[s : s + chunk, None], g_out).div_(tau)  # (1[j = y] - p) g / tau
+            if need_h:
+                grad_h[s : s + chunk] = g.to(weight.dtype) @ weight
+            if need_w:
+                grad_w.addmm_(g.t(), h.float())
+            if need_b:
+                grad_b += g.sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
+
+
+def fused_logprobs_ok(model) -> bool:
+    """Whether `token_logprobs` may use `FusedLinearLogProb` for this model: its output embedding is a plain
+    Linear whose output *is* the logits. Checked once per model against the model's own logits on a short
+    random sequence (this catches soft-capped or scaled logits, e.g. Gemma-2's); never under FSDP, whose
+    lm_head weight is sharded outside the forward. The answer is cached on the model."""
+    inner = _unwrap(model)
+    cached = getattr(inner, "_rlvr_fused_ok", None)
+    if cached is not None:
+        return cached
+    ok = False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()
+    lm = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if isinstance(lm, torch.nn.Linear) and not isinstance(inner, FSDPModule):
+        ids = torch.randint(0, lm.out_features, (1, 12), generator=torch.Generator().manual_seed(0)).to(lm.weight.device)
+        with torch.no_grad():
+            out = inner(input_ids=ids, output_hidden_states=True)
+            want = out.logits[0].float()
+            got = torch.nn.functional.linear(out.hidden_states[-1][0], lm.weight, lm.bias).float()
+        ok = bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item() + 1e-6))
+    inner._rlvr_fused_ok = ok
+    return ok
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -1098,6 +1176,7 @@ def token_logprobs(
     chunk_size: int = 8,
     with_entropy: bool = False,
     entropy_chunk: int = 128,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
 
@@ -1106,17 +1185,30 @@ def token_logprobs(
     of the same distribution, else None. Values at padded completion positions are finite but
     meaningless: multiply by the completion mask.
 
-    Memory: the model's lm_head produces logits only for completion positions (`logits_to_keep`),
-    rows are processed `chunk_size` at a time, and `SelectedLogProb` computes log p = z[y] -
-    logsumexp(z) in fp32 a few positions at a time (logits divided by the sampling temperature): no
-    [B, T, V] log-softmax and no fp32 copy of the logits exists, forward or backward.
+    Memory: rows are processed `chunk_size` at a time, and no [B, T, V] log-softmax or fp32 copy of
+    the logits exists, forward or backward. `fused` (default: when `fused_logprobs_ok(model)`): the
+    model returns its final hidden states with no logits at all (`logits_to_keep` = no position) and
+    `FusedLinearLogProb` applies the lm_head a few positions at a time, so not even the [b, T, V]
+    logits exist. `fused=False`: the lm_head produces logits for completion positions only
+    (`logits_to_keep`) and `SelectedLogProb` computes log p = z[y] - logsumexp(z) in fp32 a few
+    positions at a time (logits divided by the sampling temperature). Both are the same function.
     Position ids come from the attention mask, so left padding does not shift positions (the
     same positions `generate` used).
     """
     T = num_completion_tokens
+    fused = fused_logprobs_ok(model) if fused is None else fused
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
+        if fused:
+            lm = _unwrap(model).get_output_embeddings()
+            h = completion_hidden(model, ids, mask, T)  # [b, T, H]
+            positions = max(1, 2**25 // lm.out_features)  # fp32 [positions, V] temporaries of about 128 MB
+            lp, ent = FusedLinearLogProb.apply(h.reshape(-1, h.shape[-1]), lm.weight, lm.bias,
+                                               ids[:, -T:].reshape(-1), temperature, positions, with_entropy)
+            logps.append(lp.view(ids.shape[0], T))
+            ents.append(ent.view(ids.shape[0], T) if with_entropy else None)
+            continue
         logits = completion_logits(model, ids, mask, T)  # [b, T, V] in the model's dtype
         positions = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries of about 64 MB
         logps.append(SelectedLogProb.apply(logits, ids[:, -T:], temperature, positions))
@@ -1126,12 +1218,27 @@ def token_logprobs(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
+def _positions(ids: torch.Tensor, mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids from the attention mask (left padding does not shift positions) and the T positions
+    whose outputs predict the last T tokens."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return pos, torch.arange(ids.shape[1] - T - 1, ids.shape[1] - 1, device=ids.device)
+
+
+def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens; the lm_head
+    runs on no position at all."""
+    pos, keep = _positions(ids, mask, T)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True,
+                logits_to_keep=keep[:0])
+    return out.hidden_states[-1][:, keep]
+
+
 def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
     """Logits [b, T, V] (model dtype) predicting the last T tokens of each row: the lm_head runs on
     those positions only (`logits_to_keep`), and position ids come from the attention mask, so
     left padding does not shift positions (the same positions `generate` used)."""
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    keep = torch.arange(ids.shape[1] - T - 1, ids.shape[1] - 1, device=ids.device)  # exactly these positions: no
+    pos, keep = _positions(ids, mask, T)  # exactly these positions: no
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep).logits  # sliced copy in backward
 
 

@@ -250,7 +250,7 @@ def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torc
 
 def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None,
                     pad_id: int = 0, with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = 8, time_chunk: int = 128):
-    """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
+    """common.token_logprobs(fused=False) (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
     elsewhere 0). The teacher is the same model under no_grad fed teacher_prompts[i] + the row's completion; the
     student side is this forward's own logits (detached unless `kl_grad`), so the only extra work is the teacher

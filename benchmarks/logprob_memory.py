@@ -99,6 +99,7 @@ if __name__ == "__main__":
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--methods", nargs="+", default=["ours", "selective", "naive"])
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # method B T, in the child process
     a = ap.parse_args()
     if a.one:
@@ -107,7 +108,7 @@ if __name__ == "__main__":
     rows = []
     for size in a.sizes:
         B, T = map(int, size.split("x"))
-        for method in ("ours", "selective", "naive"):
+        for method in a.methods:
             cmd = [sys.executable, __file__, "--one", method, str(B), str(T), "--prompt", str(a.prompt),
                    "--layers", str(a.layers), "--device", a.device]
             out = subprocess.run(cmd, capture_output=True, text=True)
@@ -121,9 +122,11 @@ if __name__ == "__main__":
     for size in a.sizes:
         B, T = map(int, size.split("x"))
         r = {x["method"]: x for x in rows if x["B"] == B and x["T"] == T}
+        if len(r) < 3:
+            continue
         cell = lambda m: f"{r[m]['peak_mb']:.0f} ({r[m]['seconds']:.2f})" if "peak_mb" in r[m] else r[m]["error"]  # noqa: E731
         ratio = (f"{r['ours']['peak_mb'] / r['naive']['peak_mb']:.2f}" if "peak_mb" in r["ours"] and "peak_mb" in r["naive"] else "-")
         fp32 = next((x["logits_mb_fp32"] for x in r.values() if "logits_mb_fp32" in x), "-")
         print(f"| {B} x {T} | {fp32} | {cell('ours')} | {cell('selective')} | {cell('naive')} | {ratio} |")
     Path(ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
-    (ROOT / "benchmarks" / "out" / f"logprob_memory_{a.device}.json").write_text(json.dumps(rows, indent=1))
+    (ROOT / "benchmarks" / "out" / f"logprob_memory_{a.device}{'' if len(a.methods) == 3 else '_' + '_'.join(a.methods)}.json").write_text(json.dumps(rows, indent=1))

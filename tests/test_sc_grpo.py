@@ -110,7 +110,7 @@ def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny):
     model, tok = tiny
     _, ids, attn, T = _batch(tok, ["12+3=15\n#### 15", "9-1=8"], ["Solve: 12+3\n", "Solve: 44-7+1\n"] * 5)
     model.zero_grad()
-    want, want_ent = common.token_logprobs(model, ids, attn, T, 0.7, with_entropy=True)
+    want, want_ent = common.token_logprobs(model, ids, attn, T, 0.7, with_entropy=True, fused=False)
     (want.sum()).backward()
     want_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

@@ -60,6 +60,26 @@ def test_runner_pass_fail_and_fraction():
         common.code_rewards([ADD], [ADD_TEST, ADD_TEST], ["add"])
 
 
+def test_runner_accepts_plain_nested_values_and_rejects_lookalikes():
+    """Returned values must be exact builtin types all the way down; equal plain values pass as before."""
+    nested = "def f(x):\n    return [(1, 'a'), {'k': {2.5, None}}, frozenset({b'x'}), True, 1j]\n"
+    want = "assert f(0) == [(1, 'a'), {'k': {2.5, None}}, frozenset({b'x'}), True, 1j]"
+    assert common.run_code_tests(nested, [want], "f").reward == 1.0
+    cyclic = "def f(x):\n    a = []\n    a.append(a)\n    return a\n"
+    assert common.run_code_tests(cyclic, ["r = f(0)\nassert r[0] is r"], "f").reward == 0.0
+    nested_hack = ("class E:\n    __eq__ = lambda s, o: True\ndef f(x):\n    return [E()]\n"
+                   "import builtins\nbuiltins.type = lambda x: int\n")  # and the check's own type() patched
+    assert common.run_code_tests(nested_hack, ["assert f(0) == [5]"], "f").reward == 0.0
+    rebind = ("class E:\n    __eq__ = lambda s, o: True\ndef cheat(a, b):\n    return E()\n"
+              "def add(a, b):\n    globals()['add'] = globals()['candidate'] = cheat\n    return a + b\n")
+    r = common.run_code_tests(rebind, ["assert add(1, 2) == 3", "assert add(1, 1) == 7", "assert candidate(0, 0) == 5"], "add")
+    assert r.passed == 1  # the first call is honest; rebinding its own globals does not reach the tests' names
+    shared = "def f(n):\n    return [[0] * n] * n\n"  # the same row object n times is not a cycle
+    assert common.run_code_tests(shared, ["assert f(3) == [[0, 0, 0]] * 3"], "f").reward == 1.0
+    recursive = "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n"
+    assert common.run_code_tests(recursive, ["assert fact(5) == 120", "assert candidate(4) == 24"], "fact").reward == 1.0
+
+
 def test_runner_is_isolated_where_the_os_allows():
     """What the harness reports about itself: network namespace and user where available."""
     probe = ADD + "import os\nCWD = os.getcwd()\n"
@@ -120,6 +140,10 @@ HOSTILE = {
     "nonce from gc": "import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and 'nonce' in o and 'fd' in o:\n"
                      "        os.write(o['fd'], (o['nonce'] + ':pass:0\\n').encode())\n",
     "reading its own memory": "open('/proc/self/mem', 'rb')\n",
+    # values that compare equal to anything (the always-equal reward hack), bare, as a builtin subclass, nested
+    "always-equal object": "class E:\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return E()\n",
+    "always-equal int subclass": "class I(int):\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
+                                 "def add(a, b):\n    return I(0)\n",
 }
 
 

@@ -1171,16 +1171,18 @@ def fused_logprobs_ok(model) -> bool:
     random sequence (this catches soft-capped or scaled logits, e.g. Gemma-2's); never under FSDP, whose
     lm_head weight is sharded outside the forward. The answer is cached on the model."""
     inner = _unwrap(model)
-    cached = getattr(inner, "_rlvr_fused_ok", None)
-    if cached is not None:
-        return cached
-    ok = False
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - older torch
         FSDPModule = ()
+    if isinstance(inner, FSDPModule):  # checked on every call: a model can be sharded after its first use
+        return False
+    cached = getattr(inner, "_rlvr_fused_ok", None)
+    if cached is not None:
+        return cached
+    ok = False
     lm = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if isinstance(lm, torch.nn.Linear) and not isinstance(inner, FSDPModule):
+    if isinstance(lm, torch.nn.Linear):
         ids = torch.randint(0, lm.out_features, (1, 12), generator=torch.Generator().manual_seed(0)).to(lm.weight.device)
         with torch.no_grad():
             out = inner(input_ids=ids, output_hidden_states=True)

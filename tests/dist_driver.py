@@ -66,5 +66,6 @@ if __name__ == "__main__":
     model = g["model"]
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"params": state, "grads": FIRST_GRADS}, out / f"world{world}_rank{rank}.pt")
+    fused = common.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
+    torch.save({"params": state, "grads": FIRST_GRADS, "fused": fused}, out / f"world{world}_rank{rank}.pt")
     close(g["dist"])

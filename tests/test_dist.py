@@ -42,6 +42,7 @@ def test_two_ranks_with_half_the_batch_step_like_one_with_all(one_process, tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "world2_rank0.pt"), torch.load(tmp_path / "world2_rank1.pt")
     assert max_diff(r0["params"], r1["params"]) == 0.0  # the ranks hold the same model
+    assert one_process["fused"] and r0["fused"] == (mode == "ddp")  # DDP: fused lm_head log-probs; FSDP: logits
     assert max_diff(one_process["grads"], r0["grads"]) < 1e-6  # the gradient the optimizer saw (~0.05 at most)
     assert max_diff(one_process["params"], r0["params"]) < 1e-5
     from transformers import AutoModelForCausalLM

@@ -78,6 +78,9 @@ class Args:
     decision_weight: float = 1.0
     """loss weight of the localization chain's decision tokens (each line's ok/wrong and the boxed step)
     against 1 for every other token: they are a few characters among many copied ones"""
+    anchor_solve: bool = False
+    """warm start only: on solving examples (a) and (c), replace cross-entropy on the gold solution by
+    KL(initial model || model) on it, so solving stays where it was while localization trains"""
     keep_evals: bool = False
     """also keep a copy of the model at every evaluation in <out-dir>-step<N>"""
 
@@ -126,15 +129,16 @@ def corrupt_solution(problem: common.ArithProblem, rng: random.Random) -> tuple[
     return lines, k
 
 
-def sample_example(rng: random.Random, args: Args) -> tuple[str, str]:
+def sample_example(rng: random.Random, args: Args) -> tuple[str, str, int]:
+    """(prompt, target, kind) with kind 0 solve, 1 localize, 2 solve with reference."""
     problem = common.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
     kind = rng.choices(range(3), weights=args.mix)[0]
     if kind == 0:
-        return common.arith_prompt(problem), problem.solution()
+        return common.arith_prompt(problem), problem.solution(), 0
     if kind == 1:
         lines, k = corrupt_solution(problem, rng)
-        return common.arith_localization_prompt(problem, lines), common.arith_localization_target(problem, lines)
-    return common.arith_reference_prompt(problem, problem.solution()), problem.solution()
+        return common.arith_localization_prompt(problem, lines), common.arith_localization_target(problem, lines), 1
+    return common.arith_reference_prompt(problem, problem.solution()), problem.solution(), 2
 
 
 DECISION_RE = re.compile(r" (ok|wrong)$|\\boxed\{(\d+)\}", re.M)
@@ -154,7 +158,7 @@ def completion_weights(completion: str, decision_weight: float) -> list[float]:
 def make_batch(examples, tok, decision_weight: float = 1.0):
     """Right-padded input ids, attention mask, labels (-100 on prompt and padding) and loss weights."""
     rows = []
-    for prompt, completion in examples:
+    for prompt, completion, *_ in examples:
         p = tok(prompt, add_special_tokens=False).input_ids
         c = tok(completion, add_special_tokens=False).input_ids + [tok.eos_token_id]
         w = completion_weights(completion, decision_weight)
@@ -238,8 +242,13 @@ def main(args: Args) -> None:
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
+    anchor = None
+    if args.anchor_solve and not args.init_from:
+        raise ValueError("--anchor-solve needs --init-from (the model to anchor solving to)")
     if args.init_from:
         model = Qwen2ForCausalLM.from_pretrained(args.init_from)
+        if args.anchor_solve:
+            anchor = Qwen2ForCausalLM.from_pretrained(args.init_from).eval().requires_grad_(False)
         if model.config.vocab_size != len(tok):
             raise ValueError(f"--init-from {args.init_from}: vocabulary {model.config.vocab_size} != {len(tok)}")
         prev = Path(args.init_from) / "training_report.json"
@@ -268,11 +277,17 @@ def main(args: Args) -> None:
         opt.zero_grad(set_to_none=True)
         parts = [make_batch(part, tok, args.decision_weight) for part in (examples[:half], examples[half:])]
         n_tok = sum(p[3].sum().item() for p in parts)  # weighted completion token count of the whole batch
-        for ids, mask, labels, weights in parts:
+        for (ids, mask, labels, weights), rows in zip(parts, (examples[:half], examples[half:])):
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
             ce = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
             )
+            if anchor is not None:  # solving rows: KL(initial || model) per position instead of cross-entropy
+                with torch.no_grad():
+                    ref = torch.log_softmax(anchor(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+                kl = (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1).reshape(-1)
+                solve = torch.tensor([r[2] != 1 for r in rows])[:, None].expand(-1, ids.shape[1] - 1).reshape(-1)
+                ce = torch.where(solve, kl, ce)
             loss = (ce * weights[:, 1:].reshape(-1)).sum() / n_tok
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -165,6 +165,21 @@ def test_fused_path_never_runs_the_lm_head_on_a_position_and_falls_back_for_scal
         want = torch.log_softmax(scaled(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1], -1)
     want = want.gather(-1, ids[:, -T:, None]).squeeze(-1)
     assert torch.allclose(got[0], want[0], atol=1e-5)  # row 0 has no left padding: positions agree
+    # a quantized-style Linear subclass (int8 weight + scale) that F.linear cannot use directly: fallback, no crash
+
+    class Int8Linear(torch.nn.Linear):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight.float() * self.scale)
+
+    q = _random_model(5)
+    w = q.lm_head.weight.detach()
+    lin = Int8Linear(w.shape[1], w.shape[0], bias=False)
+    lin.scale = w.abs().max() / 127
+    lin.weight = torch.nn.Parameter((w / lin.scale).round().to(torch.int8), requires_grad=False)
+    q.lm_head = lin
+    assert not common.fused_logprobs_ok(q)
+    with torch.no_grad():
+        assert torch.isfinite(common.token_logprobs(q, ids, attn, T)[0]).all()
 
 
 def test_token_logprobs_gradient_flows_and_entropy_chunks():

@@ -1226,24 +1226,26 @@ def token_logprobs(
     """
     T = num_completion_tokens
     fused = fused_logprobs_ok(model) if fused is None else fused
+    if fused:
+        lm = _unwrap(model).get_output_embeddings()
+        positions = max(1, 2**25 // lm.out_features)  # fp32 [positions, V] temporaries of about 128 MB
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
         if fused:
-            lm = _unwrap(model).get_output_embeddings()
             h = completion_hidden(model, ids, mask, T)  # [b, T, H]
-            positions = max(1, 2**25 // lm.out_features)  # fp32 [positions, V] temporaries of about 128 MB
             lp, ent = FusedLinearLogProb.apply(h.reshape(-1, h.shape[-1]), lm.weight, lm.bias,
                                                ids[:, -T:].reshape(-1), temperature, positions, with_entropy)
             logps.append(lp.view(ids.shape[0], T))
-            ents.append(ent.view(ids.shape[0], T) if with_entropy else None)
-            continue
-        logits = completion_logits(model, ids, mask, T)  # [b, T, V] in the model's dtype
-        positions = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries of about 64 MB
-        logps.append(SelectedLogProb.apply(logits, ids[:, -T:], temperature, positions))
-        if with_entropy:
-            ents.append(entropy_from_logits(logits, entropy_chunk, temperature))
-        del logits
+            if with_entropy:
+                ents.append(ent.view(ids.shape[0], T))
+        else:
+            logits = completion_logits(model, ids, mask, T)  # [b, T, V] in the model's dtype
+            chunk = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries of about 64 MB
+            logps.append(SelectedLogProb.apply(logits, ids[:, -T:], temperature, chunk))
+            if with_entropy:
+                ents.append(entropy_from_logits(logits, entropy_chunk, temperature))
+            del logits
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 

@@ -133,18 +133,33 @@ def arith_localization_prompt(problem: ArithProblem, thoughts: Sequence[str]) ->
 
 
 def arith_localization_target(problem: ArithProblem, thoughts: Sequence[str]) -> str:
-    """The reply the tiny model is trained to give to `arith_localization_prompt`: a short checking
-    chain that rewrites each correct line and marks the given line ok or wrong, stopping at the first
-    wrong one, then `\\boxed{N}`:  "Check: 23+7=30 ok\nCheck: 30-5=25 wrong\n\\boxed{2}".
-    A given solution with no wrong line gets `\\boxed{0}`. (A side-by-side variant, "2: <given line> |
-    <correct line> wrong", raised localization only from 0.245 to 0.295 in 500 warm-start steps while
-    pass@1 rose to 0.96, out of the band RL needs; see the README.)"""
+    """The reply the tiny model is trained to give to `arith_localization_prompt`: it copies the given
+    solution line by line (`Step i: <line>`) for as long as the copy agrees, character by character,
+    with the correct solution; at the first character where they differ it writes `? wrong` instead
+    and ends with `\\boxed{i}`:
+
+        Step 1: 23+7=30
+        Step 2: 30-5=2? wrong        <- given "30-5=24", correct "30-5=25"
+        \\boxed{2}
+
+    Each check is local: the next character of the given line (copied from the prompt) against the
+    next character of the correct line (computed, as when solving), the end of a line included, so a
+    tiny model can learn it (an earlier chain that rewrote each correct line and marked it `ok` or
+    `wrong` stayed at chance: the whole-line comparison with a distant prompt line was never learned).
+    Lines are compared with the canonical step format `a+b=c` / `#### N` (no spaces); a missing line
+    is wrong at its first character. A given solution with no wrong line gets `\\boxed{0}`."""
     out = []
     for i, line in enumerate(problem.solution().split("\n"), 1):
-        ok = i <= len(thoughts) and thoughts[i - 1].strip() == line
-        out.append(f"Check: {line} {'ok' if ok else 'wrong'}")
-        if not ok:
-            return "\n".join(out) + f"\n\\boxed{{{i}}}"
+        given = thoughts[i - 1].strip() if i <= len(thoughts) else None
+        if given == line:
+            out.append(f"Step {i}: {line}")
+            continue
+        given = given if given is not None else ""
+        n = 0  # length of the common prefix of the given and the correct line
+        while n < min(len(given), len(line)) and given[n] == line[n]:
+            n += 1
+        out.append(f"Step {i}: {line[:n]}? wrong")
+        return "\n".join(out) + f"\n\\boxed{{{i}}}"
     return "\n".join(out) + "\n\\boxed{0}"
 
 

@@ -96,7 +96,7 @@ class Args:
     localization_temperature: float = 0.3
     """sampling temperature of the self-localization call (the paper's default)"""
     localization_max_new_tokens: int | None = None
-    """token cap of the localization reply (default: 128 for arith, 1024 otherwise)"""
+    """token cap of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps; 1024 otherwise)"""
     clip: bool = False
     """ablation: PPO-clipped surrogate instead of plain REINFORCE (the paper's clip ablation used token-mean)"""
     no_mask: bool = False
@@ -312,7 +312,7 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
                 steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(th, 1))
                 plain = LOCALIZATION_PROMPT.format(question=e.question, steps=steps, n=len(th))
             loc_prompts.append(common.encode_prompt(tokenizer, common.render_prompt(tokenizer, plain, plain)))
-        max_new = args.localization_max_new_tokens or (128 if task.name == "arith" else 1024)
+        max_new = args.localization_max_new_tokens or (192 if task.name == "arith" else 1024)
         _, ro = sample(loc_prompts, 1, max_new, max(args.localization_temperature, 1e-5))
         replies = ro.texts
     info["time_localization"] = time.time() - t0

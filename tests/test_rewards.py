@@ -156,6 +156,49 @@ def test_arith_first_error_is_consistent_with_reward():
         assert common.arith_reward(p.solution(), str(p.answer)) == 1.0
 
 
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (["23+7=30", "30-5=24", "24+9=33", "#### 33"], "Step 1: 23+7=30\nStep 2: 30-5=2? wrong\n\\boxed{2}"),
+        (["23+7=30", "30+5=35", "35+9=44", "#### 44"], "Step 1: 23+7=30\nStep 2: 30? wrong\n\\boxed{2}"),
+        (["23+7=3", "3-5=-2"], "Step 1: 23+7=3? wrong\n\\boxed{1}"),  # a line ending early
+        (["23+7=300", "300-5=295"], "Step 1: 23+7=30? wrong\n\\boxed{1}"),  # a line running on
+        (["23+7=30", "30-5=25"], "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: ? wrong\n\\boxed{3}"),  # missing line
+        ([" 23+7=30 ", "30-5=25", "25+9=34", "#### 34"],
+         "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: 25+9=34\nStep 4: #### 34\n\\boxed{0}"),
+    ],
+)
+def test_arith_localization_target_hand_cases(given, expected):
+    assert common.arith_localization_target(common.parse_arith_problem("23+7-5+9"), given) == expected
+
+
+def test_arith_localization_target_names_the_first_error():
+    """The boxed step of the training reply is arith_first_error's answer, and the reply is the given
+    solution's text up to the first character that differs from the correct solution."""
+    rng = random.Random(2)
+    for _ in range(500):
+        p = common.make_arith_problem(rng, steps=rng.randint(1, 6))
+        lines = p.solution().split("\n")
+        k = rng.randint(1, len(lines))
+        bad = list(lines)
+        a, rest = bad[k - 1].split("=") if k <= len(p.ops) else (bad[k - 1], "")
+        if rest:  # a wrong result, operand or operator, as a sampler would write
+            bad[k - 1] = rng.choice([f"{a}={int(rest) + rng.choice([-11, -1, 1, 10])}",
+                                     a.replace("+", "#").replace("-", "+").replace("#", "-") + "=" + rest,
+                                     a[:-1] + str(int(a[-1]) % 9 + 1) + "=" + rest])
+        else:
+            bad[k - 1] = f"#### {p.answer + rng.choice([-3, 1, 20])}"
+        first = common.arith_first_error(p, "\n".join(bad))
+        reply = common.arith_localization_target(p, bad)
+        assert common.last_boxed(reply) == str(first)
+        body = reply.rsplit("\n", 1)[0].split("? wrong")[0]
+        copied = "\n".join(ln.split(": ", 1)[1] for ln in body.split("\n"))
+        assert "\n".join(bad).startswith(copied) and "\n".join(lines).startswith(copied)
+        nxt = len(copied)
+        assert "\n".join(bad)[nxt:nxt + 1] != "\n".join(lines)[nxt:nxt + 1]
+        assert common.arith_localization_target(p, lines).endswith("\\boxed{0}")
+
+
 # --- task loading ---------------------------------------------------------------------------
 class _PlainTok:
     chat_template = None

@@ -4,7 +4,9 @@ A character-level Qwen2 model (transformers' Qwen2ForCausalLM, tokenizer built w
 learns three formats of the built-in arith task (see common.py):
   (a) solve:     "Solve: 23+7-5+9\n"                       -> "23+7=30\n30-5=25\n25+9=34\n#### 34"
   (b) localize:  "Problem: ...\nYour incorrect solution:\nStep 1: ...\nFind the first wrong step.\n"
-          -> "Check: 23+7=30 ok\nCheck: 30-5=25 wrong\n\\boxed{2}"  (srpo.py asks this)
+          -> "Step 1: 23+7=30\nStep 2: 30-5=2? wrong\n\\boxed{2}"  (srpo.py asks this; the reply copies
+             the given lines while they agree with the correct ones and writes "?" at the first
+             character that differs, see common.arith_localization_target)
   (c) reference: "Reference solution:\n<solution>\nSolve: ...\n" -> the solution  (sc_grpo.py's teacher)
 The loss covers completion tokens only. Training stops at the first evaluation where pass@1 at
 temperature 1.0 on the default task (4 steps) reaches --target-pass-at-1, so that RL has room to
@@ -55,7 +57,7 @@ class Args:
     """hard cap on optimizer steps"""
     min_steps: int = 500
     """no early stop before this many steps"""
-    eval_every: int = 500
+    eval_every: int = 250
     """steps between evaluations"""
     num_eval: int = 200
     """problems per evaluation"""
@@ -75,12 +77,17 @@ class Args:
     """continue training this model directory (warm start; the architecture flags are then ignored)"""
     warmup_steps: int = 200
     """linear learning-rate warmup"""
-    decision_weight: float = 1.0
+    decision_weight: float = 5.0
     """loss weight of the localization chain's decision tokens (each line's ok/wrong and the boxed step)
     against 1 for every other token: they are a few characters among many copied ones"""
     anchor_solve: bool = False
     """warm start only: on solving examples (a) and (c), replace cross-entropy on the gold solution by
     KL(initial model || model) on it, so solving stays where it was while localization trains"""
+    loc_correct_frac: float = 0.1
+    """fraction of localization examples (b) that show a fully correct solution (reply \\boxed{0}), so that
+    the model learns to compare rather than to expect exactly one wrong line"""
+    eval_only: bool = False
+    """evaluate --init-from (the bundled model when not given) on the held-out problems, print, write nothing"""
     keep_evals: bool = False
     """also keep a copy of the model at every evaluation in <out-dir>-step<N>"""
 
@@ -136,17 +143,21 @@ def sample_example(rng: random.Random, args: Args) -> tuple[str, str, int]:
     if kind == 0:
         return common.arith_prompt(problem), problem.solution(), 0
     if kind == 1:
-        lines, k = corrupt_solution(problem, rng)
+        if rng.random() < args.loc_correct_frac:
+            lines = problem.solution().split("\n")
+        else:
+            lines, _ = corrupt_solution(problem, rng)
         return common.arith_localization_prompt(problem, lines), common.arith_localization_target(problem, lines), 1
     return common.arith_reference_prompt(problem, problem.solution()), problem.solution(), 2
 
 
-DECISION_RE = re.compile(r" (ok|wrong)$|\\boxed\{(\d+)\}", re.M)
+DECISION_RE = re.compile(r"(\?)|\\boxed\{(\d+)\}")
 
 
 def completion_weights(completion: str, decision_weight: float) -> list[float]:
     """Per-character loss weights (the tokenizer is character-level; +1 for EOS): `decision_weight` on
-    the ok/wrong word ending each checking line and on the digits in \\boxed{}, 1 elsewhere."""
+    the `?` that marks the first wrong character of the localization reply and on the digits in
+    \\boxed{}, 1 elsewhere."""
     w = [1.0] * (len(completion) + 1)
     for m in DECISION_RE.finditer(completion):
         g = 1 if m.group(1) else 2
@@ -178,8 +189,9 @@ def make_batch(examples, tok, decision_weight: float = 1.0):
 
 
 @torch.no_grad()
-def evaluate(model, tok, problems, rng_seed: int) -> dict:
-    """pass@1 at T=1 and greedy accuracy on `problems` (4 steps), localization accuracy (greedy)."""
+def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
+    """pass@1 at T=1 and greedy accuracy on `problems` (4 steps), localization accuracy (greedy) on
+    synthetic wrong solutions and (own=True) on the model's own wrong samples."""
     model.eval()
     out = {}
     prompts = [common.arith_prompt(p) for p in problems]
@@ -198,8 +210,34 @@ def evaluate(model, tok, problems, rng_seed: int) -> dict:
         (common.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
     ) / len(labels)
     out["localization_chance"] = sum(1 / (len(p.ops) + 1) for p in problems) / len(problems)
+    if own:
+        out.update(own_localization(model, tok, problems, rng_seed))
     model.train()
     return out
+
+
+@torch.no_grad()
+def own_localization(model, tok, problems, rng_seed: int) -> dict:
+    """Localization on the model's own wrong solutions, as srpo.py sees them: sample one solution per
+    problem at T=1, keep the wrong ones, ask for their first wrong step (greedy) and compare with
+    common.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset)."""
+    prompts = [common.arith_prompt(p) for p in problems]
+    torch.manual_seed(rng_seed + 1)
+    texts = generate(model, tok, prompts, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    wrong = [(p, [ln for ln in t.split("\n") if ln.strip()]) for p, t in zip(problems, texts)
+             if common.arith_reward(t, str(p.answer)) == 0.0]
+    wrong = [(p, lines, common.arith_first_error(p, "\n".join(lines))) for p, lines in wrong if lines]
+    wrong = [(p, lines, k) for p, lines, k in wrong if k is not None and k <= len(lines)]
+    if not wrong:
+        return {"own_localization": None, "own_localization_n": 0}
+    replies = generate(model, tok, [common.arith_localization_prompt(p, lines) for p, lines, _ in wrong],
+                       max_new_tokens=192, do_sample=False)
+    named = [(common.last_boxed(r) or "").strip() for r in replies]
+    return {
+        "own_localization": sum(n == str(k) for n, (_, _, k) in zip(named, wrong)) / len(wrong),
+        "own_localization_chance": sum(1 / len(lines) for _, lines, _ in wrong) / len(wrong),
+        "own_localization_n": len(wrong),
+    }
 
 
 def generate(model, tok, prompts, max_new_tokens, **kw):
@@ -242,6 +280,11 @@ def main(args: Args) -> None:
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
+    if args.eval_only:
+        model = Qwen2ForCausalLM.from_pretrained(args.init_from or args.out_dir)
+        problems = [common.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
+        print("eval", json.dumps(evaluate(model, tok, problems, rng_seed=args.seed)))
+        return
     anchor = None
     if args.anchor_solve and not args.init_from:
         raise ValueError("--anchor-solve needs --init-from (the model to anchor solving to)")

@@ -780,6 +780,8 @@ def load_task(
     parsed (code: without tests or entry point), and prompts longer than `max_prompt_length` tokens,
     are skipped and counted in `Task.skipped`.
     """
+    if not code_timeout > 0:
+        raise ValueError(f"--code-timeout must be a positive number of seconds, got {code_timeout}")
     skipped = {"unparsable_gold": 0, "prompt_too_long": 0}
     batch_reward_fn = None  # code: verify a batch in parallel sandboxes
 

@@ -61,6 +61,8 @@ class Args:
     """arith: running values stay in [0, this]"""
     arith_max_operand: int = 9
     """arith: operands are drawn from [1, this]"""
+    code_timeout: float = 5.0
+    """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
     max_prompt_length: int = 1024
     """prompts longer than this (tokens) are skipped and counted"""
 
@@ -263,7 +265,7 @@ if __name__ == "__main__":
     task = common.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
         eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
-        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand,
+        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     common.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)

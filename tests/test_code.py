@@ -195,6 +195,20 @@ def test_code_task_mbpp_format_and_rewards(tiny, tmp_path):
     assert task.reward_fn(texts[0], add) == 1.0
 
 
+def test_code_task_timeout_reaches_the_sandbox(tiny, tmp_path):
+    """load_task's code_timeout (the scripts' --code-timeout) bounds each program's run."""
+    _, tok = tiny
+    data = str(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS))
+    slow = "import time\ndef add(a, b):\n    time.sleep(1.5)\n    return a + b\n"
+    ex = lambda task: next(e for e in task.train + task.eval if e.meta["entry_point"] == "add")  # noqa: E731
+    short = common.load_task("code", tok, data_path=data, num_eval=2, code_timeout=0.5)
+    assert short.reward_fn(slow, ex(short)) == 0.0
+    long = common.load_task("code", tok, data_path=data, num_eval=2, code_timeout=10.0)
+    assert long.reward_fn(slow, ex(long)) == 1.0
+    with pytest.raises(ValueError, match="code-timeout"):
+        common.load_task("code", tok, data_path=data, code_timeout=0)
+
+
 def test_code_task_humaneval_file(tiny):
     humaneval_rows()  # skips when absent
     _, tok = tiny
@@ -220,7 +234,7 @@ def test_scripts_run_on_the_code_task(script, extra, tmp_path):
     data = write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS[:5] * 4)
     out = run_script(script, "--task", "code", "--data-path", str(data), "--total-steps", "2", "--num-eval", "4",
                      "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "48",
-                     "--output-dir", str(tmp_path / "runs"), *extra)
+                     "--code-timeout", "3", "--output-dir", str(tmp_path / "runs"), *extra)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs")
     assert [r["step"] for r in rows] == [0, 1, 2]

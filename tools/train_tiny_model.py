@@ -9,11 +9,14 @@ learns three formats of the built-in arith task (see common.py):
              character that differs, see common.arith_localization_target)
   (c) reference: "Reference solution:\n<solution>\nSolve: ...\n" -> the solution  (sc_grpo.py's teacher)
 The loss covers completion tokens only. Training stops at the first evaluation where pass@1 at
-temperature 1.0 on the default task (4 steps) reaches --target-pass-at-1, so that RL has room to
-improve (target band 20-60%), or at --max-steps. It prints what it reached and writes it to
-assets/tiny-arith/training_report.json.
+temperature 1.0 on the default task (4 steps) reaches --target-pass-at-1 and localization is at least
+twice chance, so that RL has room to improve (target band 20-60%), or at --max-steps. It prints what it
+reached and writes it to <out-dir>/training_report.json. The bundled checkpoint is two commands:
 
-    python tools/train_tiny_model.py --threads 2 --stop-step 2000   # the bundled checkpoint, ~25 min on 2 cores
+    python tools/train_tiny_model.py --threads 2 --out-dir /tmp/tiny-stage1            # ~17 min: stops at step 1500
+    python tools/train_tiny_model.py --threads 2 --init-from /tmp/tiny-stage1 --anchor-solve \
+        --mix 0.3 0.6 0.1 --lr 1e-3 --warmup-steps 50 --max-steps 750 --min-steps 750  # ~13 min: localization 0.475 -> 0.965
+    python tools/train_tiny_model.py --eval-only                                       # re-measure assets/tiny-arith
 """
 
 from __future__ import annotations

@@ -367,6 +367,7 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     if oracle_ks:
         info["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
         info["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)
+        info["oracle_after"] = sum(k > o for (k, _), o in zip(ks, oracle_ks)) / len(ks)  # the kept prefix holds the error
     return ro, rewards, suffix_start, info
 
 

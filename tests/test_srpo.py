@@ -115,7 +115,7 @@ def test_collect_rollouts_oracle_batch(tiny):
     prompts = [tuple(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()) for i in range(len(ro))]
     assert all(prompts.count(tuple(e.prompt_ids)) == 8 for e in examples)
     if info["num_parents"]:
-        assert info["oracle_exact"] == 1.0
+        assert info["oracle_exact"] == 1.0 and info["oracle_after"] == 0.0
         # the reset rows start with their parent's correct prefix: every prefix line checks out
         for i in range(len(ro)):
             s = int(suffix_start[i])
@@ -212,8 +212,9 @@ def test_srpo_runs_each_reset_mode(tmp_path, reset):
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ("reset/normalized_position", "reset/correction_rate", "reset/suffix_pass_at_k", "reset/fallback_share",
-                "reset/generated_tokens", "time/localization", "reset/oracle_exact", "reset/oracle_within_1"):
+                "reset/generated_tokens", "time/localization", "reset/oracle_exact", "reset/oracle_within_1", "reset/oracle_after"):
         assert key in rows[1], key
+    assert rows[1]["reset/oracle_exact"] + rows[1]["reset/oracle_after"] <= 1.0 + 1e-9
 
 
 @pytest.mark.slow

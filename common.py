@@ -150,15 +150,11 @@ def arith_localization_target(problem: ArithProblem, thoughts: Sequence[str]) ->
     is wrong at its first character. A given solution with no wrong line gets `\\boxed{0}`."""
     out = []
     for i, line in enumerate(problem.solution().split("\n"), 1):
-        given = thoughts[i - 1].strip() if i <= len(thoughts) else None
+        given = thoughts[i - 1].strip() if i <= len(thoughts) else ""  # a missing line: "" (a line is never empty)
         if given == line:
             out.append(f"Step {i}: {line}")
             continue
-        given = given if given is not None else ""
-        n = 0  # length of the common prefix of the given and the correct line
-        while n < min(len(given), len(line)) and given[n] == line[n]:
-            n += 1
-        out.append(f"Step {i}: {line[:n]}? wrong")
+        out.append(f"Step {i}: {os.path.commonprefix([given, line])}? wrong")
         return "\n".join(out) + f"\n\\boxed{{{i}}}"
     return "\n".join(out) + "\n\\boxed{0}"
 

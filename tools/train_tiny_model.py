@@ -283,10 +283,10 @@ def main(args: Args) -> None:
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
+    eval_problems = [common.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
     if args.eval_only:
         model = Qwen2ForCausalLM.from_pretrained(args.init_from or args.out_dir)
-        problems = [common.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
-        print("eval", json.dumps(evaluate(model, tok, problems, rng_seed=args.seed)))
+        print("eval", json.dumps(evaluate(model, tok, eval_problems, rng_seed=args.seed)))
         return
     anchor = None
     if args.anchor_solve and not args.init_from:
@@ -312,7 +312,6 @@ def main(args: Args) -> None:
         * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(min(s, args.max_steps) / args.max_steps * torch.pi)).item())),
     )
     rng = random.Random(args.seed)
-    eval_problems = [common.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
     t0, history, report = time.time(), [], None
     model.train()
     for step in range(1, args.max_steps + 1):

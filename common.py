@@ -933,11 +933,14 @@ def _load_tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
-def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto"):
+def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
     """`from_pretrained` a causal LM and its tokenizer (left padding for generation).
 
     dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an unreachable hub id
-    is a clear error that names it.
+    is a clear error that names it. Dropout is switched off (log-probs must be the sampling
+    distribution's). `gradient_checkpointing`: each decoder layer's activations are recomputed in the
+    backward (non-reentrant); the model is then kept in train mode, which only that needs, since no
+    dropout is left (generation switches to eval mode and back).
     """
     from transformers import AutoModelForCausalLM
 
@@ -957,7 +960,32 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto"):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    disable_dropout(model)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers checkpoints a layer only in train mode
     return model, tokenizer
+
+
+def disable_dropout(model) -> None:
+    """Every dropout of the model to 0: nn.Dropout modules and the attention-dropout floats attention layers keep."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict:
+    """{"memory/peak_gb": peak GPU memory allocated since `reset_peak_memory`} on CUDA, {} on CPU."""
+    return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -1234,8 +1262,8 @@ def token_logprobs(
     logits exist. `fused=False`: the lm_head produces logits for completion positions only
     (`logits_to_keep`) and `SelectedLogProb` computes log p = z[y] - logsumexp(z) in fp32 a few
     positions at a time (logits divided by the sampling temperature). Both are the same function.
-    Position ids come from the attention mask, so left padding does not shift positions (the
-    same positions `generate` used).
+    Rows are rotated so that no attention query sees only padding (`right_padded`); position ids come
+    from the attention mask, so every token keeps the position `generate` gave it.
     """
     T = num_completion_tokens
     fused = fused_logprobs_ok(model) if fused is None else fused
@@ -1262,28 +1290,53 @@ def token_logprobs(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
-def _positions(ids: torch.Tensor, mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids from the attention mask (left padding does not shift positions) and the T positions
-    whose outputs predict the last T tokens."""
+def right_padded(ids: torch.Tensor, mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training-forward layout of a left-padded batch: each row rotated so that its left padding moves to
+    the end (prompt + completion first, then every pad), and columns that are padding in every row dropped.
+
+    Why: a left-pad position is a query row that may attend to no key at all (causal mask + padding mask).
+    Fused attention kernels may return NaN for such a row in bf16/fp16 (cuDNN's backward did, at some
+    lengths), and a NaN at a pad position reaches the real ones through the next layer's values. After the
+    rotation every query row sees at least the row's first token, whatever the attention implementation.
+    Position ids come from the mask, so every real token keeps the position `generate` gave it.
+
+    ids, mask: [b, L], each row [left pads][tokens, possibly followed by pads]. Returns ids and mask [b, L'],
+    position ids [b, L'] and keep [b, T]: the columns whose outputs predict each row's last T tokens of the
+    original layout (the last prompt token and completion tokens 0..T-2)."""
+    L = ids.shape[1]
+    shift = (mask.long().cumsum(1) == 0).sum(1)  # [b] leading pads
+    if bool((shift == L).any()):
+        raise ValueError("a row of the batch has no token (its attention mask is all 0)")
+    cols = torch.arange(L, device=ids.device)
+    idx = (cols[None, :] + shift[:, None]) % L  # rotate left by the row's number of leading pads
+    width = L - int(shift.min())  # the longest row: later columns are padding in every row
+    ids, mask = ids.gather(1, idx)[:, :width], mask.gather(1, idx)[:, :width]
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return pos, torch.arange(ids.shape[1] - T - 1, ids.shape[1] - 1, device=ids.device)
+    keep = (L - T - 1 - shift)[:, None] + cols[None, :T]
+    return ids, mask, pos, keep
 
 
 def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens; the lm_head
-    runs on no position at all."""
-    pos, keep = _positions(ids, mask, T)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True,
-                logits_to_keep=keep[:0])
-    return out.hidden_states[-1][:, keep]
+    """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens of each row
+    (rows laid out by `right_padded`); the lm_head runs on no position at all."""
+    ids, mask, pos, keep = right_padded(ids, mask, T)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False,
+                logits_to_keep=keep[0, :0])
+    h = out.hidden_states[-1]
+    return h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1]))
 
 
 def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Logits [b, T, V] (model dtype) predicting the last T tokens of each row: the lm_head runs on
-    those positions only (`logits_to_keep`), and position ids come from the attention mask, so
-    left padding does not shift positions (the same positions `generate` used)."""
-    pos, keep = _positions(ids, mask, T)  # exactly these positions: no
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep).logits  # sliced copy in backward
+    """Logits [b, T, V] (model dtype) predicting the last T tokens of each row (rows laid out by
+    `right_padded`): the lm_head runs only on the columns from the first to the last kept one
+    (`logits_to_keep`; exactly T columns when the rows' prompts have the same length, as within a group)."""
+    ids, mask, pos, keep = right_padded(ids, mask, T)
+    lo, hi = int(keep[:, 0].min()), int(keep[:, -1].max()) + 1
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                   logits_to_keep=torch.arange(lo, hi, device=ids.device)).logits
+    if hi - lo == T:  # every row's window starts at the same column: no copy
+        return logits
+    return logits.gather(1, (keep - lo)[:, :, None].expand(-1, -1, logits.shape[-1]))
 
 
 @torch.no_grad()
@@ -1353,6 +1406,17 @@ def group_advantages(
     else:
         raise ValueError(f"unknown scale {scale!r}: choose group, batch or none")
     return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+MAX_LOG_RATIO = 20.0  # log pi - log pi_old is clamped to +-this (fp32) before exp, as verl and OpenRLHF do
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman): exp(d) - d - 1 with d = log pi_ref - log pi, in fp32.
+    d is clamped to +-MAX_LOG_RATIO before exp and the estimate to [0, 10], as verl's low_var_kl, so a token whose
+    log-probs have drifted far apart cannot overflow. >= 0; 0 where the two log-probs are equal."""
+    d = (ref_logp.float() - logp.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return (torch.exp(d) - d - 1).clamp(max=10.0)
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -1741,7 +1805,7 @@ def engine_correction(ro: "Rollouts", rows, old_logp: torch.Tensor, mask: torch.
     if ro.engine_logp is None:
         return 1.0
     log_ratio = (old_logp.detach() - ro.engine_logp[rows]) * mask
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if stats is not None:
         stats["vllm/logp_abs_diff"] = stats.get("vllm/logp_abs_diff", 0.0) + (log_ratio.abs().sum() / num_tokens).item()
         stats["vllm/is_ratio_mean"] = stats.get("vllm/is_ratio_mean", 0.0) + ((ratio * mask).sum() / num_tokens).item()

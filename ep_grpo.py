@@ -12,7 +12,7 @@ RECONSTRUCTION: the paper's full text and code were not public; this method is r
 Paper: Yu, Li, Zhao, Yang 2026, EP-GRPO (arXiv 2605.04960). Docs: docs/ep_grpo.md.
 
     python ep_grpo.py                                           # bundled tiny model, built-in task, CPU
-    python ep_grpo.py --gate-alpha 0 --process-coef 0           # the updates of grpo.py --beta 0.001 --loss-agg token-mean
+    python ep_grpo.py --gate-alpha 0 --process-coef 0 --outcome-std unbiased  # = grpo.py --beta 0.001 --loss-agg token-mean
 """
 
 import copy
@@ -110,8 +110,13 @@ class Args:
     """token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
     scale_rewards: str = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
+    outcome_std: Literal["population", "unbiased"] = "population"
+    """std of the outcome advantage: population + 1e-6 (the spec, verl-style) or unbiased + 1e-4 (grpo.py, TRL)"""
     micro_batch_size: int = 16
     """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
+    about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
 
     # evaluation
     eval_every: int = 25
@@ -250,7 +255,8 @@ def cell_zscore(x, valid, cell, num_cells, clip=3.0, std_min=1e-3) -> tuple[torc
 
 
 def ep_advantages(
-    entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, *, scale_rewards="group", gate="soft",
+    entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, *, scale_rewards="group",
+    outcome_std="population", gate="soft",
     pivot_quantile=0.8, pivot_scope="batch", gate_alpha=1.0, gate_temp=0.1, gate_norm="response",
     process_granularity="window", anchor_form="additive", process_coef=0.5, process_coef_zero_var=None,
     process_clip=3.0, process_std_min=1e-3, progress="entropy", num_buckets=10, advantage_form="A",
@@ -260,12 +266,12 @@ def ep_advantages(
 
     entropy: [B, T] rollout-policy entropy (nats); logp_old, logp_ref: [B, T] log-probs of the sampled tokens
     under pi_old and the reference (nats); mask: [B, T]; rewards: [B]; groups: rows sharing group_ids (the
-    prompt id; default consecutive blocks of group_size). A_out is grpo.py's advantage (common.group_advantages,
-    0 in all-equal groups); lambda_g is process_coef_zero_var (default process_coef) in all-equal groups.
+    prompt id; default consecutive blocks of group_size). A_out is GRPO's advantage (common.group_advantages, 0 in
+    all-equal groups) with the spec's population std + 1e-6 (outcome_std "unbiased": grpo.py's unbiased + 1e-4); lambda_g is process_coef_zero_var (default process_coef) in all-equal groups.
     The keyword flags are the script's (see Args). Pure: no state, no gradient needed.
     return_parts: also return a dict of the pieces (outcome [B], gate, process P, windows [B, T], ...) for ep_metrics.
     """
-    choices = dict(gate=gate, pivot_scope=pivot_scope, gate_norm=gate_norm, process_granularity=process_granularity,
+    choices = dict(outcome_std=outcome_std, gate=gate, pivot_scope=pivot_scope, gate_norm=gate_norm, process_granularity=process_granularity,
                    anchor_form=anchor_form, progress=progress, advantage_form=advantage_form)
     for name in [k for k, v in choices.items() if v not in CHOICES[k]]:
         raise ValueError(f"{name}={choices[name]!r}: choose one of {CHOICES[name]}")
@@ -275,7 +281,9 @@ def ep_advantages(
     dev, valid, m = entropy.device, mask.bool(), mask.float()
     gid = (torch.arange(B) // group_size if group_ids is None else group_ids.cpu())
     _, inv = torch.unique(gid, return_inverse=True)
-    a_out = common.group_advantages(rewards.float().cpu(), group_size, scale_rewards, group_ids=gid).to(dev)
+    unbiased = outcome_std == "unbiased"  # population: (r - mean) / (std_pop + 1e-6) (spec); unbiased: grpo.py's
+    a_out = common.group_advantages(rewards.float().cpu(), group_size, scale_rewards, 1e-4 if unbiased else 1e-6,
+                                    group_ids=gid, unbiased=unbiased).to(dev)
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
     zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
     # (a) entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
@@ -363,7 +371,7 @@ if __name__ == "__main__":
     # seeding, model, task
     dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
-    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     # ALGO LOGIC: the frozen reference is loaded even at --beta 0: delta = log pi_old - log pi_ref needs it. A moving
     # anchor (--process-anchor ema / lagged) is its own copy; then the reference is needed only for the KL term.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.process_anchor == "ref" or args.beta > 0 else None
@@ -392,6 +400,7 @@ if __name__ == "__main__":
     for step in bar:
         # 1. rollouts: G completions per prompt
         t0 = time.time()
+        common.reset_peak_memory(device)
         examples = dist.shard(next(batches))
         ro = common.generate_rollouts(
             model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
@@ -433,12 +442,12 @@ if __name__ == "__main__":
                 logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
                 old = old_logp[mb] if old_logp is not None else logp.detach()
                 # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                ratio = torch.exp(logp - old)
+                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
                 A = token_adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
                 per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl
                     stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
                 loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
@@ -472,6 +481,7 @@ if __name__ == "__main__":
             "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
             "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
             "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+            **common.peak_memory(device),
         }
         if ref_model is None:
             metrics.pop("kl")

@@ -101,6 +101,9 @@ class Args:
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     micro_batch_size: int = 16
     """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
+    about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
 
     # evaluation
     eval_every: int = 25
@@ -136,7 +139,7 @@ if __name__ == "__main__":
     # seeding, model, task
     dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
-    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     task = common.load_task(
@@ -159,6 +162,7 @@ if __name__ == "__main__":
     for step in bar:
         # 1. rollouts: G completions per prompt
         t0 = time.time()
+        common.reset_peak_memory(device)
         examples = dist.shard(next(batches))
         ro = common.generate_rollouts(
             model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
@@ -197,12 +201,12 @@ if __name__ == "__main__":
                 logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
                 old = old_logp[mb] if old_logp is not None else logp.detach()
                 # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                ratio = torch.exp(logp - old)
+                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
                 A = token_adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
                 per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl
                     stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
                 loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
@@ -229,6 +233,7 @@ if __name__ == "__main__":
             "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
             "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
             "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+            **common.peak_memory(device),
         }
         if ref_model is None:
             metrics.pop("kl")

@@ -105,6 +105,9 @@ class Args:
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     micro_batch_size: int = 16
     """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
+    about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
 
     # evaluation
     eval_every: int = 25
@@ -258,7 +261,7 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
     student side is this forward's own logits (detached unless `kl_grad`), so the only extra work is the teacher
     forward, and per row chunk the teacher's logits are the only extra [b, T, V] tensor. Both sides are
     log-softmaxed `time_chunk` positions at a time. Returns logp, entropy (or None), D, and the teacher pass's
-    {"seconds", "peak_bytes" (CUDA; 0 on CPU)}.
+    {"seconds", "peak_bytes": the step's peak GPU memory so far when the last teacher pass ended (CUDA; 0 on CPU)}.
     """
     logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
     for s in range(0, input_ids.shape[0], chunk_size):
@@ -271,8 +274,6 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
         rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
         if rows:
             t0 = time.time()
-            if ids.is_cuda:
-                torch.cuda.reset_peak_memory_stats()
             tp, tm = common.pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
             with torch.no_grad():
                 zt = common.completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
@@ -325,7 +326,7 @@ if __name__ == "__main__":
     # seeding, model, task
     dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
-    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     if args.fsdp and dist.world > 1:  # FSDP needs every rank to run the same forwards; its teacher passes differ in size per rank
         raise SystemExit("sc_grpo.py does not support --fsdp yet: use DDP (the default under torchrun)")
@@ -353,6 +354,7 @@ if __name__ == "__main__":
     for step in bar:
         # 1. rollouts: G completions per prompt
         t0 = time.time()
+        common.reset_peak_memory(device)
         examples = dist.shard(next(batches))
         ro = common.generate_rollouts(
             model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
@@ -421,14 +423,14 @@ if __name__ == "__main__":
                 t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
                 old = old_logp[mb] if old_logp is not None else logp.detach()
                 # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage, times the per-token weight f
-                ratio = torch.exp(logp - old)
+                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
                 A = adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
                 per_token_loss = -surrogate * weights[mb] * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
                     per_token_loss = per_token_loss + args.kl_loss_coef * D * active
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl
                     stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
                 loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
@@ -455,6 +457,7 @@ if __name__ == "__main__":
             "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
             "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
             "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+            **common.peak_memory(device),
         }
         if ref_model is None:
             metrics.pop("kl")

@@ -123,6 +123,9 @@ class Args:
     """token-mean (DAPO), seq-mean-token-mean (the paper's), seq-mean-token-sum-norm (Dr. GRPO)"""
     micro_batch_size: int = 16
     """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
+    about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
 
     # evaluation
     eval_every: int = 25
@@ -386,7 +389,7 @@ if __name__ == "__main__":
     dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     rng = random.Random(args.seed)
-    model, tokenizer = common.load_policy(args.model, device, args.dtype)
+    model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     if args.fsdp and dist.world > 1:  # FSDP needs every rank to run the same forwards; its sampling rounds differ in size per rank
         raise SystemExit("srpo.py does not support --fsdp yet: use DDP (the default under torchrun)")
@@ -411,6 +414,7 @@ if __name__ == "__main__":
     for step in bar:
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
         t0 = time.time()
+        common.reset_peak_memory(device)
         examples = dist.shard(next(batches))
         ro, rewards, suffix_start, reset_info = collect_rollouts(model, tokenizer, task, examples, args, rng)
         t_gen = time.time() - t0
@@ -445,7 +449,7 @@ if __name__ == "__main__":
                 logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
                 old = old_logp[mb] if old_logp is not None else logp.detach()
                 # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate
-                ratio = torch.exp(logp - old)
+                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
                 A = token_adv[mb]
                 if args.clip:
                     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
@@ -453,7 +457,7 @@ if __name__ == "__main__":
                     surrogate = logp * A
                 per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = torch.exp(ref_logp[mb] - logp) - (ref_logp[mb] - logp) - 1
+                    kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl
                     stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
                 loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
@@ -480,6 +484,7 @@ if __name__ == "__main__":
             "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
             "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
             "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
+            **common.peak_memory(device),
             **{f"reset/{k}": v for k, v in reset_info.items() if k != "time_localization"},
             "time/localization": reset_info["time_localization"],
         }

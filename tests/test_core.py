@@ -357,3 +357,118 @@ def test_make_rollouts_pads_and_flags():
     assert ro.completion_ids.tolist() == [[5, 9, 0], [6, 7, 8]] and ro.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
     assert ro.truncated.tolist() == [False, True] and ro.group_ids.tolist() == [11, 12]
     assert ro.texts == ["e", "fgh"] and ro.input_ids.shape == (2, 6)
+
+
+def _spy_sdpa(monkeypatch):
+    """Record the attention masks reaching torch's scaled_dot_product_attention."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        seen.append((attn_mask, kw.get("is_causal", False), q.shape[-2], k.shape[-2]))
+        return real(q, k, v, attn_mask, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def _fully_masked_rows(attn_mask, is_causal, q_len, k_len) -> int:
+    """Query rows that may attend to no key at all."""
+    if attn_mask is None:
+        return 0  # no mask (is_causal: every row sees at least its own key)
+    allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > torch.finfo(attn_mask.dtype).min / 2
+    allowed = allowed.expand(*allowed.shape[:-2], q_len, k_len)
+    return int((~allowed.any(-1)).sum())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_no_attention_query_row_is_fully_masked_on_a_left_padded_batch(monkeypatch, fused):
+    """Regression (GPU NaN, issue 17): left-pad positions used to be query rows with no key to attend to, which
+    cuDNN's bf16 attention backward turns into NaN. Every forward of token_logprobs (and the teacher forward of
+    SC-GRPO, through completion_logits) must hand attention a mask in which every query row sees a key."""
+    import sc_grpo
+
+    g = torch.Generator().manual_seed(3)
+    model = _random_model()
+    prompts = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (2, 7, 4, 7)]
+    completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (5, 1, 3, 5)]
+    ids, attn, cmask, T = _padded_batch(prompts, completions)
+    seen = _spy_sdpa(monkeypatch)
+    common.token_logprobs(model, ids, attn, T, fused=fused)[0].sum().backward()
+    teacher = [[5, 6, 7], None, [8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teacher, 0)
+    assert len(seen) >= 3 * 2  # two layers x (student, SC-GRPO student, teacher)
+    assert all(_fully_masked_rows(*s) == 0 for s in seen), [_fully_masked_rows(*s) for s in seen]
+
+
+def test_right_padded_layout_keeps_tokens_positions_and_predicting_columns():
+    ids = torch.tensor([[0, 0, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 0, 0], [0, 0, 0, 9, 8, 7, 6]])
+    mask = (ids != 0).long()
+    T = 3  # the completion is the last 3 columns
+    r_ids, r_mask, pos, keep = common.right_padded(ids, mask, T)
+    assert r_ids.shape[1] == 7  # the second row has no left padding: nothing to drop
+    for b in range(3):
+        n = int(mask[b].sum())
+        assert r_ids[b, :n].tolist() == ids[b][mask[b].bool()].tolist() and r_mask[b, :n].all() and not r_mask[b, n:].any()
+        assert pos[b, :n].tolist() == list(range(n))
+        want = ids[b, -T:]  # each kept column is followed by the token it predicts
+        shift = int((mask[b].cumsum(0) == 0).sum())
+        for t in range(T):
+            if mask[b, -T + t]:
+                assert r_ids[b, keep[b, t] + 1] == want[t]
+        assert keep[b].tolist() == [7 - T - 1 - shift + t for t in range(T)]
+    trimmed = common.right_padded(ids[[0, 2]], mask[[0, 2]], T)[0]
+    assert trimmed.shape[1] == 5  # both rows have >= 2 left pads: two all-padding columns are dropped
+    with pytest.raises(ValueError, match="no token"):
+        common.right_padded(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), 2)
+
+
+def test_eager_and_sdpa_attention_give_the_same_log_probs_on_a_padded_batch():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    sdpa = Qwen2ForCausalLM(cfg).eval()
+    eager = Qwen2ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    eager.load_state_dict(sdpa.state_dict())
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (1, 6, 3)]
+    completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (4, 2, 6)]
+    ids, attn, cmask, T = _padded_batch(prompts, completions)
+    for fused in (True, False):
+        a = common.token_logprobs(sdpa, ids, attn, T, fused=fused)[0]
+        b = common.token_logprobs(eager, ids, attn, T, fused=fused)[0]
+        assert torch.allclose(a * cmask, b * cmask, atol=1e-5)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(tiny, tmp_path):
+    """load_policy(gradient_checkpointing=True): every decoder layer runs again in the backward (non-reentrant
+    checkpointing is active, so the model is in train mode), and the gradients are the same; no dropout is left."""
+    from conftest import TINY_MODEL
+
+    model, tok = tiny
+    ck, _ = common.load_policy(str(TINY_MODEL), torch.device("cpu"), gradient_checkpointing=True)
+    assert ck.training and ck.model.layers[0].gradient_checkpointing
+    assert all(m.p == 0 for m in ck.modules() if isinstance(m, torch.nn.Dropout))
+    calls = []
+    layer = ck.model.layers[0]
+    hook = layer.register_forward_pre_hook(lambda *a: calls.append(1))
+    prompts = [tok("Solve: 1+2\n").input_ids, tok("Solve: 12+3-4\n").input_ids]
+    completions = [tok("1+2=3\n#### 3").input_ids, tok("12+3=15").input_ids]
+    ids, attn, cmask, T = _padded_batch(prompts, completions, pad=tok.pad_token_id)
+    grads = []
+    for m in (model, ck):
+        m.zero_grad(set_to_none=True)
+        (common.token_logprobs(m, ids, attn, T)[0] * cmask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    hook.remove()
+    assert len(calls) == 2  # the forward, then the recompute in the backward
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4), n
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():  # generation puts it in eval mode and back
+        common.generate_rollouts(ck, tok, [prompts[0]], [0], 2, 4)
+    assert ck.training
+    assert common.peak_memory(torch.device("cpu")) == {}

@@ -62,11 +62,11 @@ def test_alpha_lambda_zero_is_exactly_grpo_loss(loss_agg, scale):
     grpo_adv = common.group_advantages(b["rewards"], G, scale, group_ids=b["group_ids"])  # as grpo.py does
     grpo_loss, grpo_grad = loss_and_grad(grpo_adv[:, None].expand(-1, T))
     assert grpo_adv.abs().sum() > 0
-    ep_loss, ep_grad = loss_and_grad(adv(b, gate_alpha=0.0, process_coef=0.0, scale_rewards=scale))
+    ep_loss, ep_grad = loss_and_grad(adv(b, gate_alpha=0.0, process_coef=0.0, scale_rewards=scale, outcome_std="unbiased"))
     assert torch.equal(ep_loss, grpo_loss) and torch.equal(ep_grad, grpo_grad)
     # each term alone changes the loss (so the equality above is not a tautology)
     for kw in ({}, {"gate_alpha": 0.0}, {"process_coef": 0.0}):
-        assert not torch.equal(loss_and_grad(adv(b, scale_rewards=scale, **kw))[1], grpo_grad), kw
+        assert not torch.equal(loss_and_grad(adv(b, scale_rewards=scale, outcome_std="unbiased", **kw))[1], grpo_grad), kw
 
 
 @pytest.mark.parametrize("gate", ["soft", "hard", "gtpo"])
@@ -144,17 +144,16 @@ def test_process_signal_is_a_window_z_score_and_can_flip_polarity():
     entropy, mask = torch.ones(2, 4), torch.ones(2, 4)
     logp_ref = torch.zeros(2, 4)
     logp_old = torch.tensor([[-1.0, 0, 0, 0], [1.0, 0, 0, 0]])
-    rewards = torch.tensor([1.0, 0.0])  # A_out = +-1/sqrt(2) (unbiased std)
+    rewards = torch.tensor([1.0, 0.0])  # A_out = +-1 (population std 1/2, the spec's)
 
     def run(lam):
         return ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=2, process_coef=lam,
                              gate_alpha=0.0, return_parts=True)
 
-    a, parts = run(1.0)
+    a, parts = run(1.5)
     assert parts["windows"].tolist() == [[0, 0, 1, 1]] * 2
     assert parts["process"].tolist() == [[-1.0, -1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
-    s = 1 / math.sqrt(2)
-    assert torch.allclose(a, torch.tensor([[s - 1, s - 1, s, s], [1 - s, 1 - s, -s, -s]]), atol=1e-3)
+    assert torch.allclose(a, torch.tensor([[-0.5, -0.5, 1, 1], [0.5, 0.5, -1, -1]]), atol=1e-5)
     assert ep_metrics(a, parts, entropy, mask)["ep/polarity_flip_rate"] == 0.5
     a_small, parts_small = run(0.5)  # |lambda P| < |A_out|: no flips
     assert ep_metrics(a_small, parts_small, entropy, mask)["ep/polarity_flip_rate"] == 0.0
@@ -293,7 +292,8 @@ def test_cli_alpha_lambda_zero_reproduces_grpo_py(tmp_path, monkeypatch):
     _alternating_reward_task(monkeypatch)
     flags = ["--total-steps", "2", "--temperature", "1.5", *FAST]  # hot sampling: groups differ even on a sharp model
     run_inprocess("grpo.py", "--output-dir", str(tmp_path / "g"), "--beta", "0.001", "--loss-agg", "token-mean", *flags)
-    run_inprocess("ep_grpo.py", "--output-dir", str(tmp_path / "e"), "--gate-alpha", "0", "--process-coef", "0", *flags)
+    run_inprocess("ep_grpo.py", "--output-dir", str(tmp_path / "e"), "--gate-alpha", "0", "--process-coef", "0",
+                  "--outcome-std", "unbiased", *flags)
     grpo, ep = read_metrics(tmp_path / "g"), read_metrics(tmp_path / "e")
     assert any(r["grad_norm"] > 0 for r in grpo[1:])
     for key in ("reward", "policy_loss", "grad_norm", "kl", "entropy"):
@@ -314,3 +314,16 @@ def test_moving_anchor(tmp_path, monkeypatch, anchor, flags, moved):
     assert all(r["grad_norm"] > 0 for r in rows) and all(v == v for r in rows for v in r.values())
     assert all("kl" not in r for r in rows)  # beta 0 with a moving anchor: the reference forward is skipped
     assert [r["ep/process_abs_mixed"] + r["ep/process_abs_zero_var"] > 0 for r in rows] == moved
+
+
+def test_outcome_advantage_uses_the_population_std_by_default():
+    """Spec: A_out = (r - mean) / (std_pop + 1e-6); at G = 8 the unbiased std (grpo.py) would scale A_out by
+    sqrt(7/8) = 0.935 against the process term. Hand value: rewards 1,1,0,0,0,0,0,0 -> mean 1/4, std_pop sqrt(3)/4."""
+    r = torch.tensor([1.0, 1, 0, 0, 0, 0, 0, 0])
+    mask = torch.ones(8, 3)
+    zero = torch.zeros(8, 3)
+    a = ep_advantages(zero + 1.0, zero, zero, mask, r, 8, gate="none", process_coef=0.0)
+    want = torch.tensor([0.75, 0.75] + [-0.25] * 6) / (3**0.5 / 4 + 1e-6)
+    assert torch.allclose(a, want[:, None].expand(-1, 3), atol=1e-6)
+    u = ep_advantages(zero + 1.0, zero, zero, mask, r, 8, gate="none", process_coef=0.0, outcome_std="unbiased")
+    assert torch.allclose(u / a, torch.full_like(a, (7 / 8) ** 0.5), atol=1e-3)

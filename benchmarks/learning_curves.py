@@ -1,30 +1,43 @@
-"""Benchmark: eval accuracy of every method against step and generated tokens on the built-in task.
+"""Benchmark: eval accuracy of every method against step and against generated tokens, with 95% intervals.
 
-Each method runs as a user would run it (a subprocess with its defaults: bundled tiny model, 8
-prompts x 8 trained trajectories per step), for --steps steps and each seed, with an evaluation every
---eval-every steps. Writes benchmarks/out/learning_curves.json and .csv and prints a markdown table of
-eval accuracy (mean ± standard error over seeds) at the start and at the end, the step at which each
-method first reaches GRPO's final accuracy, and generated tokens per step.
+Two parts, so that hours of runs can be done in pieces and the report rebuilt from the raw metrics:
 
-    python benchmarks/learning_curves.py --quick                    # a few minutes: 1 seed, 20 steps, 100 eval prompts
-    python benchmarks/learning_curves.py                            # 3 seeds, 150 steps (about 2 hours on 2 CPU cores)
+    python benchmarks/learning_curves.py run --setting headroom --seeds 1 2 3 4 5      # the runs (hours on 2 cores)
+    python benchmarks/learning_curves.py report --setting headroom                     # table + plots from the results
 
-Also writes benchmarks/out/learning_curves.png (eval accuracy against step and against generated tokens,
-mean ± standard error bands; needs matplotlib: pip install -r benchmarks/requirements.txt) and
-benchmarks/out/learning_curves.md (the table).
+`run` starts each (method, seed) as a user would (a subprocess of the script with its defaults, plus the
+setting's flags), `--workers` at a time with `--threads` torch threads each, and keeps each run's whole
+metrics.jsonl as benchmarks/results/<setting>/<method>/seed<k>.jsonl, beside a meta.json naming the flags and the
+git commit. A run whose file is complete is skipped, so an interrupted `run` continues where it stopped.
+
+`report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds, 95%
+bootstrap interval over seeds), the first evaluated step at which each method's mean curve reaches GRPO's final
+mean accuracy (and the same in generated tokens), and plots of accuracy against step and against generated tokens
+(mean and 95% bootstrap band) in docs/img/ (needs matplotlib: pip install -r benchmarks/requirements.txt).
+
+Settings (the bundled tiny model, the built-in arith task):
+  default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
+  headroom  6 operations, running values <= 150, 80 new tokens: GRPO starts near 0.4 and is still rising at 150 steps
+            (the model was trained on 2-6 operations and values <= 99, so the larger values are what RL must teach)
 """
 
 import argparse
-import csv
 import json
-import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SETTINGS = {
+    "default": [],
+    "headroom": ["--arith-steps", "6", "--arith-max-value", "150", "--max-new-tokens", "80"],
+}
 METHODS = {
     "grpo": ["grpo.py"],
     "sc_grpo": ["sc_grpo.py"],
@@ -36,78 +49,132 @@ METHODS = {
 }
 
 
-def run(method: str, steps: int, eval_every: int, seed: int, extra: list[str]) -> list[dict]:
-    script, *flags = METHODS[method]
+def result_path(setting: str, name: str, seed: int, results: Path = RESULTS) -> Path:
+    return results / setting / name / f"seed{seed}.jsonl"
+
+
+def complete(path: Path, steps: int) -> bool:
+    if not path.exists():
+        return False
+    rows = [json.loads(line) for line in path.open() if line.strip()]
+    return bool(rows) and rows[-1].get("step") == steps and "eval/accuracy" in rows[-1]
+
+
+def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> str:
+    """One training run in a subprocess; its metrics.jsonl is copied to the results (atomically)."""
+    out = result_path(setting, name, seed, Path(a.results))
+    if complete(out, a.steps):
+        return f"{name} seed {seed}: done already"
+    script, *flags = script_flags
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / script), *flags, "--total-steps", str(steps), "--eval-every", str(eval_every),
-               "--seed", str(seed), "--output-dir", tmp, *extra]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        if out.returncode:
-            sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+        cmd = [sys.executable, str(ROOT / script), *flags, *SETTINGS[setting], "--total-steps", str(a.steps),
+               "--eval-every", str(a.eval_every), "--seed", str(seed), "--output-dir", tmp, *a.extra.split()]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(a.threads))
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            return f"{name} seed {seed}: FAILED ({' '.join(cmd)})\n{proc.stderr[-2000:]}"
         (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_out = out.with_suffix(".tmp")
+        tmp_out.write_text((run_dir / "metrics.jsonl").read_text())
+        os.replace(tmp_out, out)
+    return f"{name} seed {seed}: {time.time() - t0:.0f} s"
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else 0.0
-    return m, se
+def cmd_run(a) -> None:
+    names = a.methods or list(METHODS)
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        sys.exit(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    tag = f"@{a.tag}" if a.tag else ""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    for m in names:
+        meta = Path(a.results) / a.setting / (m + tag) / "meta.json"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({"command": METHODS[m] + SETTINGS[a.setting] + a.extra.split(), "steps": a.steps,
+                                    "eval_every": a.eval_every, "threads": a.threads, "commit": commit}, indent=1))
+    jobs = [(m + tag, METHODS[m], seed) for seed in a.seeds for m in names]
+    with ThreadPoolExecutor(max_workers=a.workers) as pool:
+        for line in pool.map(lambda j: run_one(a.setting, j[0], j[1], j[2], a), jobs):
+            print(line, flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--methods", nargs="*", default=list(METHODS))
-    ap.add_argument("--extra", default="", help="extra flags for every script, one string")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
-    ap.add_argument("--quick", action="store_true", help="1 seed, 20 steps, eval every 10 on 100 prompts")
-    a = ap.parse_args()
-    if a.quick:
-        a.steps, a.eval_every, a.seeds, a.extra = 20, 10, 1, (a.extra + " --num-eval 100").strip()
-    curves = {}  # method -> seed -> [(step, generated tokens so far, eval accuracy)]
-    for seed in range(1, a.seeds + 1):
-        for m in a.methods:
-            rows = run(m, a.steps, a.eval_every, seed, a.extra.split())
-            tokens, points = 0, []
-            for r in rows:
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def load(setting: str, results: Path) -> dict:
+    """name -> seed -> list of (step, generated tokens so far, eval accuracy)."""
+    curves = {}
+    for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
+        for f in sorted(d.glob("seed*.jsonl")):
+            tokens, points = 0.0, []
+            for r in (json.loads(line) for line in f.open() if line.strip()):
                 tokens += r.get("reset/generated_tokens", r.get("num_tokens", 0))
                 if "eval/accuracy" in r:
                     points.append((r["step"], tokens, r["eval/accuracy"]))
-            curves.setdefault(m, {})[seed] = points
-            print(f"seed {seed} {m}: " + " ".join(f"{s}:{acc:.3f}" for s, _, acc in points), flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learning_curves.json").write_text(json.dumps({"args": vars(a), "curves": curves}, indent=1))
-    with open(out / "learning_curves.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["method", "seed", "step", "generated_tokens", "eval_accuracy"])
-        for m, by_seed in curves.items():
-            for seed, pts in by_seed.items():
-                w.writerows([m, seed, *p] for p in pts)
-    grpo_final = mean_se([pts[-1][2] for pts in curves["grpo"].values()])[0] if "grpo" in curves else None
-    lines = [f"| method | eval acc at step 0 | at step {a.steps} (mean ± SE, {a.seeds} seed(s)) | first step ≥ GRPO's final | generated tokens / step |",
-             "|---|---|---|---|---|"]
-    bands = {}
-    for m, by_seed in curves.items():
-        s0 = mean_se([pts[0][2] for pts in by_seed.values()])
-        s1 = mean_se([pts[-1][2] for pts in by_seed.values()])
-        steps = sorted({p[0] for pts in by_seed.values() for p in pts})
-        at = {s: mean_se([p[2] for pts in by_seed.values() for p in pts if p[0] == s]) for s in steps}
-        toks = {s: mean_se([p[1] for pts in by_seed.values() for p in pts if p[0] == s])[0] for s in steps}
-        bands[m] = [(s, toks[s], *at[s]) for s in steps]
-        reach = next((s for s in steps if grpo_final is not None and at[s][0] >= grpo_final), None)
-        tok = mean_se([pts[-1][1] / a.steps for pts in by_seed.values()])[0]
-        lines.append(f"| {m} | {s0[0]:.3f} ± {s0[1]:.3f} | {s1[0]:.3f} ± {s1[1]:.3f} | {reach if reach is not None else '–'} | {tok:.0f} |")
+            curves.setdefault(d.name, {})[int(f.stem[4:])] = points
+    return curves
+
+
+def bootstrap_ci(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean and 95% percentile-bootstrap interval of the mean, resampling seeds with replacement."""
+    rng = random.Random(seed)
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, m, m
+    means = sorted(sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(n))
+    return m, means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def mean_curve(by_seed: dict) -> list[tuple[int, float, float, float, float]]:
+    """(step, mean generated tokens, mean accuracy, 95% low, 95% high) at the steps every seed evaluated."""
+    steps = sorted(set.intersection(*({p[0] for p in pts} for pts in by_seed.values())))
+    out = []
+    for s in steps:
+        acc = [p[2] for pts in by_seed.values() for p in pts if p[0] == s]
+        tok = [p[1] for pts in by_seed.values() for p in pts if p[0] == s]
+        out.append((s, sum(tok) / len(tok), *bootstrap_ci(acc)))
+    return out
+
+
+def first_reach(curve, target: float):
+    """(step, tokens) of the first evaluation whose mean accuracy is >= target, or (None, None)."""
+    return next(((s, t) for s, t, m, _, _ in curve if m >= target - 1e-9), (None, None))
+
+
+def cmd_report(a) -> None:
+    curves = load(a.setting, Path(a.results))
+    if not curves:
+        sys.exit(f"no results under {Path(a.results) / a.setting}: run `learning_curves.py run --setting {a.setting}` first")
+    means = {m: mean_curve(by_seed) for m, by_seed in curves.items()}
+    base = means.get("grpo")
+    target = base[-1][2] if base else None
+    final_step = base[-1][0] if base else None
+    lines = [f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
+             "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.", "",
+             "| method | seeds | step 0 | final (step) | final, 95% CI | steps to GRPO's final | speed-up | tokens to GRPO's final "
+             "| tokens / step |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, curve in means.items():
+        by_seed = curves[m]
+        finals = [pts[-1][2] for pts in by_seed.values()]
+        mean, lo, hi = bootstrap_ci(finals)
+        s, tok = first_reach(curve, target) if target is not None else (None, None)
+        speed = f"{final_step / s:.2f}x" if s else ("–" if s is None else "at step 0")
+        tok_step = curve[-1][1] / curve[-1][0] if curve[-1][0] else 0
+        lines.append(f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | "
+                     f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
+                     f"{tok_step:.0f} |")
     table = "\n".join(lines)
-    print("\n" + table)
-    (out / "learning_curves.md").write_text(f"`python benchmarks/learning_curves.py {' '.join(sys.argv[1:])}`\n\n{table}\n")
-    plot(bands, out / "learning_curves.png", f"{a.seeds} seed(s), {a.steps} steps, mean ± SE")
+    print(table)
+    out = Path(a.results) / a.setting
+    (out / "report.md").write_text(f"`python benchmarks/learning_curves.py report --setting {a.setting}`\n\n{table}\n")
+    plot(means, Path(a.img) / f"learning_curves_{a.setting}.png",
+         f"arith '{a.setting}', tiny model: mean of {max(len(v) for v in curves.values())} seeds, 95% bootstrap band")
+    print(f"report: {out / 'report.md'}")
 
 
-def plot(bands: dict, path: Path, title: str) -> None:
-    """Eval accuracy against step and against generated tokens, with standard-error bands."""
+def plot(means: dict, path: Path, title: str) -> None:
     try:
         import matplotlib
 
@@ -116,22 +183,47 @@ def plot(bands: dict, path: Path, title: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -r benchmarks/requirements.txt)")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for m, pts in bands.items():
-        step, tok, mean, se = (list(x) for x in zip(*pts))
-        for ax, x in zip(axes, (step, tok)):
-            ax.plot(x, mean, marker="o", ms=3, label=m)
-            ax.fill_between(x, [u - e for u, e in zip(mean, se)], [u + e for u, e in zip(mean, se)], alpha=0.2)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for m, curve in means.items():
+        step, tok, mean, lo, hi = (list(x) for x in zip(*curve))
+        for ax, x in zip(axes, (step, [t / 1e3 for t in tok])):
+            ax.plot(x, mean, marker="o", ms=2.5, label=m)
+            ax.fill_between(x, lo, hi, alpha=0.15)
     axes[0].set_xlabel("optimizer step")
-    axes[1].set_xlabel("generated tokens")
+    axes[1].set_xlabel("generated tokens (thousands; SRPO's include localization and parent search)")
     for ax in axes:
         ax.set_ylabel("eval accuracy (greedy pass@1)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Built-in arith task, bundled tiny model: {title}")
+    fig.suptitle(title)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train the (method, seed) runs that are not complete yet")
+    r.add_argument("--setting", choices=list(SETTINGS), default="headroom")
+    r.add_argument("--methods", nargs="*", help=f"default: all of {list(METHODS)}")
+    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
+    r.add_argument("--steps", type=int, default=150)
+    r.add_argument("--eval-every", type=int, default=10)
+    r.add_argument("--extra", default="", help="extra flags for every script, one string (with --tag)")
+    r.add_argument("--tag", default="", help="results go to <method>@<tag>/ (for sweeps with --extra)")
+    r.add_argument("--workers", type=int, default=1, help="runs at a time")
+    r.add_argument("--threads", type=int, default=1, help="torch threads per run (results depend on it)")
+    r.add_argument("--results", default=str(RESULTS))
+    p = sub.add_parser("report", help="table and plots from the results")
+    p.add_argument("--setting", default="headroom")
+    p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    a = ap.parse_args()
+    if a.cmd == "run" and a.extra and not a.tag:
+        sys.exit("--extra changes the runs: give them a --tag so they do not mix with the defaults")
+    cmd_run(a) if a.cmd == "run" else cmd_report(a)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 3. Progress windows: K windows holding equal shares of a response's cumulative entropy; the window sums are
    z-scored across the group inside each window (P), so responses are compared at the same progress.
 4. A = gate * (GRPO advantage + lambda * P): groups whose rewards are all equal still get a gradient from P.
-5. PPO-clipped surrogate, token-mean, k3 KL to the frozen reference (always loaded: delta needs it).
+5. PPO-clipped surrogate, token-mean, k3 KL to the frozen reference (loaded when delta needs it, --process-anchor
+   ref, or when --beta > 0).
 RECONSTRUCTION: the paper's full text and code were not public; this method is rebuilt from its abstract
 (docs/ep_grpo.md lists what is known). Every guessed choice is a flag below, with the spec's default.
 Paper: Yu, Li, Zhao, Yang 2026, EP-GRPO (arXiv 2605.04960). Docs: docs/ep_grpo.md.
@@ -29,6 +30,9 @@ import tyro
 from tqdm import trange
 
 import common
+import distributed
+import engines
+import tasks
 
 
 @dataclasses.dataclass
@@ -54,11 +58,11 @@ class Args:
 
     # model and task
     model: str = common.DEFAULT_MODEL
-    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
     task: str = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
-    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
     eval_data_path: str | None = None
     """local eval file; without it the first --num-eval training rows are held out"""
     arith_steps: int = 4
@@ -105,7 +109,7 @@ class Args:
     """upper clip (DAPO's clip-higher uses 0.28); default: same as --epsilon"""
     # ALGO LOGIC: EP-GRPO's loss defaults (guessed, verl's GRPO): k3 KL 1e-3, token-mean
     beta: float = 1e-3
-    """k3 KL coefficient to the frozen initial policy (EP-GRPO loads the reference even at 0: the process signal needs it)"""
+    """k3 KL coefficient to the frozen initial policy (with --process-anchor ref the reference is loaded even at 0: delta needs it)"""
     loss_agg: str = "token-mean"
     """token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
     scale_rewards: str = "group"
@@ -369,7 +373,7 @@ if __name__ == "__main__":
     run_dir = Path(args.output_dir) / run_name
 
     # seeding, model, task
-    dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     # ALGO LOGIC: the frozen reference is loaded even at --beta 0: delta = log pi_old - log pi_ref needs it. A moving
@@ -377,13 +381,13 @@ if __name__ == "__main__":
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.process_anchor == "ref" or args.beta > 0 else None
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     anchor = ref_model if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
-    task = common.load_task(
+    task = tasks.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
         eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    common.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
     dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
                f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
@@ -445,7 +449,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
                 A = token_adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
+                per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
                     kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl

@@ -25,6 +25,9 @@ import tyro
 from tqdm import trange
 
 import common
+import distributed
+import engines
+import tasks
 
 
 @dataclasses.dataclass
@@ -48,11 +51,11 @@ class Args:
 
     # model and task
     model: str = common.DEFAULT_MODEL
-    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
     task: str = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
-    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
     eval_data_path: str | None = None
     """local eval file; without it the first --num-eval training rows are held out"""
     arith_steps: int = 4
@@ -260,18 +263,18 @@ if __name__ == "__main__":
     run_dir = Path(args.output_dir) / run_name
 
     # seeding, model, task
-    dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(
+    task = tasks.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
         eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    common.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
     dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
                f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
@@ -334,7 +337,7 @@ if __name__ == "__main__":
                     logp, old, A, m, args.lam, args.gamma, args.trace_style, args.trace_apply, args.epsilon,
                     args.epsilon_high, args.max_log_ratio,
                 )
-                per_token_loss = per_token_loss * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
+                per_token_loss = per_token_loss * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
                     kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl

@@ -24,7 +24,11 @@ import torch
 import tyro
 from tqdm import trange
 
+import arith
 import common
+import distributed
+import engines
+import tasks
 
 
 @dataclasses.dataclass
@@ -48,11 +52,11 @@ class Args:
 
     # model and task
     model: str = common.DEFAULT_MODEL
-    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
     task: str = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
-    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
     eval_data_path: str | None = None
     """local eval file; without it the first --num-eval training rows are held out"""
     arith_steps: int = 4
@@ -156,6 +160,12 @@ GUIDE = ("Below is a verified correct solution to this problem. Use it as a refe
          "the problem.\n\nReference solution:\n")  # chat models: the teacher's system message, then tau (spec §6.1)
 
 
+def arith_reference_prompt(problem: arith.ArithProblem, reference: str) -> str:
+    """The teacher's plain-text prompt on the built-in task: the verified reference before the problem (the block the
+    bundled tiny model was trained on, tools/train_tiny_model.py)."""
+    return f"Reference solution:\n{reference.strip()}\nSolve: {problem.text}\n"
+
+
 def group_rows(group_ids: torch.Tensor) -> list[torch.Tensor]:
     """Row indices of each group (the rows sharing a group id), groups in order of first appearance."""
     ids = group_ids.tolist()
@@ -193,20 +203,20 @@ def route_groups(correct: torch.Tensor, group_size: int, generator: torch.Genera
     return modes, ref
 
 
-def teacher_prompt(tokenizer, task: str, example: common.Example, tau: str) -> list[int]:
+def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
     """Token ids of the teacher's prompt: the reference tau, then the unchanged problem. Chat models: GUIDE + tau is
     the system message and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the
-    student's prompt (for arith, common.arith_reference_prompt: the block the tiny model was trained on)."""
+    student's prompt (for arith, arith_reference_prompt: the block the tiny model was trained on)."""
     tau = tau.strip()
-    if common.has_chat_template(tokenizer):
+    if tasks.has_chat_template(tokenizer):
         if not example.user:
             raise ValueError(f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's")
-        text = common.render_prompt(tokenizer, example.user, example.prompt, system=GUIDE + tau)
+        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=GUIDE + tau)
     elif task == "arith":
-        text = common.arith_reference_prompt(common.parse_arith_problem(example.question), tau)
+        text = arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
     else:
         text = f"Reference solution:\n{tau}\n{example.prompt}"
-    return common.encode_prompt(tokenizer, text)
+    return tasks.encode_prompt(tokenizer, text)
 
 
 def build_teachers(tokenizer, task: str, ro: common.Rollouts, row_examples, correct, ref, limit: int, max_ref_tokens: int,
@@ -324,20 +334,20 @@ if __name__ == "__main__":
     run_dir = Path(args.output_dir) / run_name
 
     # seeding, model, task
-    dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     if args.fsdp and dist.world > 1:  # FSDP needs every rank to run the same forwards; its teacher passes differ in size per rank
         raise SystemExit("sc_grpo.py does not support --fsdp yet: use DDP (the default under torchrun)")
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(
+    task = tasks.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
         eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    common.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
     dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
                f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
@@ -426,7 +436,7 @@ if __name__ == "__main__":
                 ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
                 A = adv[mb]
                 surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate * weights[mb] * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
+                per_token_loss = -surrogate * weights[mb] * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
                     per_token_loss = per_token_loss + args.kl_loss_coef * D * active
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)

@@ -26,7 +26,12 @@ import torch
 import tyro
 from tqdm import trange
 
+import arith
 import common
+import distributed
+import engines
+import tasks
+from rewards import last_boxed
 
 
 @dataclasses.dataclass
@@ -50,11 +55,11 @@ class Args:
 
     # model and task
     model: str = common.DEFAULT_MODEL
-    """Hugging Face hub id or local directory of the policy (default: the bundled tiny model)"""
+    """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
     task: str = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
-    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math)"""
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
     eval_data_path: str | None = None
     """local eval file; without it the first --num-eval training rows are held out"""
     arith_steps: int = 4
@@ -164,6 +169,13 @@ LOCALIZATION_PROMPT = (
 )
 
 
+def arith_localization_prompt(problem: arith.ArithProblem, thoughts: list[str]) -> str:
+    """The localization prompt on the built-in task for a model without a chat template: the failed solution one
+    step per line, answered with `\\boxed{N}` (the format the bundled tiny model was trained on)."""
+    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
+    return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
+
+
 def split_thoughts(text: str, delimiter: str) -> list[str]:
     """The thoughts of a response: pieces between delimiters, whitespace-stripped, empty ones dropped."""
     if not delimiter:
@@ -190,7 +202,7 @@ def parse_error_step(text: str, num_thoughts: int) -> int:
     if num_thoughts < 1:
         raise ValueError("a parent needs at least one thought")
     text = text or ""
-    boxed = common.last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed):
         v = int(boxed)
         if 1 <= v <= num_thoughts:
@@ -207,7 +219,7 @@ def localization_reply_kind(text: str, num_thoughts: int) -> str:
     """For the logs: ok, empty, no_error (boxed 0), out_of_range or unparsable."""
     if not (text or "").strip():
         return "empty"
-    boxed = common.last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed):
         v = int(boxed)
         return "ok" if 1 <= v <= num_thoughts else "no_error" if v == 0 else "out_of_range"
@@ -311,12 +323,12 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     if args.reset == "self" and parents:
         loc_prompts = []
         for (e, p, _), th in zip(parents, thoughts):
-            if task.name == "arith" and not common.has_chat_template(tokenizer):
-                plain = common.arith_localization_prompt(common.parse_arith_problem(e.question), th)
+            if task.name == "arith" and not tasks.has_chat_template(tokenizer):
+                plain = arith_localization_prompt(arith.parse_arith_problem(e.question), th)
             else:
                 steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(th, 1))
                 plain = LOCALIZATION_PROMPT.format(question=e.question, steps=steps, n=len(th))
-            loc_prompts.append(common.encode_prompt(tokenizer, common.render_prompt(tokenizer, plain, plain)))
+            loc_prompts.append(tasks.encode_prompt(tokenizer, tasks.render_prompt(tokenizer, plain, plain)))
         max_new = args.localization_max_new_tokens or (192 if task.name == "arith" else 1024)
         _, ro = sample(loc_prompts, 1, max_new, max(args.localization_temperature, 1e-5))
         replies = ro.texts
@@ -326,7 +338,7 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     for (e, p, _), th, reply in zip(parents, thoughts, replies):
         oracle = None
         if task.name == "arith":
-            oracle = common.arith_first_error(e.question, p[1])
+            oracle = arith.arith_first_error(e.question, p[1])
             oracle_ks.append(min(max(oracle or len(th), 1), len(th)))
         elif args.reset == "oracle":
             raise SystemExit(f"--reset oracle needs a task with a first-wrong-step oracle (arith), not {task.name!r}")
@@ -386,7 +398,7 @@ if __name__ == "__main__":
     run_dir = Path(args.output_dir) / run_name
 
     # seeding, model, task
-    dist, device = common.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     rng = random.Random(args.seed)
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
@@ -394,13 +406,13 @@ if __name__ == "__main__":
     if args.fsdp and dist.world > 1:  # FSDP needs every rank to run the same forwards; its sampling rounds differ in size per rank
         raise SystemExit("srpo.py does not support --fsdp yet: use DDP (the default under torchrun)")
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(
+    task = tasks.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
         eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    common.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
     dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
                f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
@@ -455,7 +467,7 @@ if __name__ == "__main__":
                     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
                 else:
                     surrogate = logp * A
-                per_token_loss = -surrogate * common.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
+                per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
                 if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
                     kl = common.k3_kl(logp, ref_logp[mb])
                     per_token_loss = per_token_loss + args.beta * kl

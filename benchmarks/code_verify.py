@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import sandbox
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,10 +31,10 @@ if __name__ == "__main__":
     rates = []
     for _ in range(a.rounds):
         t0 = time.time()
-        rewards = common.code_rewards(progs, [r["test"] for r in rows], [r["entry_point"] for r in rows], workers=a.workers)
+        rewards = sandbox.code_rewards(progs, [r["test"] for r in rows], [r["entry_point"] for r in rows], workers=a.workers)
         rates.append(len(rows) / (time.time() - t0))
         assert sum(rewards) == len(rows), f"only {sum(rewards)} of {len(rows)} canonical solutions passed"
-    probe = common.run_code_tests(progs[0], rows[0]["test"], rows[0]["entry_point"])
+    probe = sandbox.run_code_tests(progs[0], rows[0]["test"], rows[0]["entry_point"])
     out = dict(completions=len(rows), workers=a.workers, cpus=os.cpu_count(), per_second=rates,
                median_per_second=statistics.median(rates), network_isolated=probe.network_isolated, uid=probe.uid)
     print(json.dumps(out))

@@ -18,6 +18,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import engines
+import tasks
 import torch  # noqa: E402
 
 if __name__ == "__main__":
@@ -29,13 +31,13 @@ if __name__ == "__main__":
     a = ap.parse_args()
     device = common.pick_device("auto")
     model, tok = common.load_policy(a.model, device)
-    prompts = [e.prompt_ids for e in common.load_task("arith", tok, num_eval=64).eval]
+    prompts = [e.prompt_ids for e in tasks.load_task("arith", tok, num_eval=64).eval]
     out = {"device": str(device)}
-    engines = ["hf"] + (["vllm"] if common.vllm_available() else [])
+    engines = ["hf"] + (["vllm"] if engines.vllm_available() else [])
     for name in engines:
         t0 = time.time()
         if name == "vllm":
-            common.attach_engine("vllm", model, torch.optim.SGD(model.parameters(), lr=0.0), a.model, a.vllm_gpu_memory_utilization)
+            engines.attach_engine("vllm", model, torch.optim.SGD(model.parameters(), lr=0.0), a.model, a.vllm_gpu_memory_utilization)
         startup = time.time() - t0
         rates = []
         for r in range(a.rounds + 1):

@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import tasks
 
 PROMPTS, G, MAX_NEW = 8, 8, 48
 
@@ -59,7 +60,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     torch.manual_seed(0)
     model, tok = common.load_policy(common.DEFAULT_MODEL, torch.device("cpu"))
-    task = common.load_task("arith", tok, seed=1, num_eval=8)
+    task = tasks.load_task("arith", tok, seed=1, num_eval=8)
     ex = task.train[:PROMPTS]
     prompts = [e.prompt_ids for e in ex]
     ids, mask = common.pad_left([p for p in prompts for _ in range(G)], tok.pad_token_id)

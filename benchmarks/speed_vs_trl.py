@@ -40,16 +40,18 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+import arith
 import common
+import tasks
 
 torch.manual_seed({seed})
 tok = common._load_tokenizer(common.DEFAULT_MODEL)
 model = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL)
-task = common.load_task("arith", tok, seed={seed}, num_eval=8)
+task = tasks.load_task("arith", tok, seed={seed}, num_eval=8)
 data = Dataset.from_list([dict(prompt=e.prompt, gold=e.gold) for e in task.train[:2000]])
 
 def reward(prompts, completions, gold, **kw):
-    return [common.arith_reward(c, g) for c, g in zip(completions, gold)]
+    return [arith.arith_reward(c, g) for c, g in zip(completions, gold)]
 
 times = []
 class Clock(TrainerCallback):

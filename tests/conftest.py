@@ -6,7 +6,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
+SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))  # the one setting for real data
+
+
+def shared_file(name: str) -> Path:
+    """A real data file (GSM8K, HumanEval) from SHARED_DATA; the test is skipped, saying why, when it is absent
+    (the repository never holds a copy)."""
+    path = SHARED_DATA / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent: real data is not part of the repository (set SHARED_DATA to its folder)")
+    return path
 TINY_MODEL = ROOT / "assets" / "tiny-arith"
 
 

@@ -16,12 +16,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import arith
+import distributed
+import logprob_kernels
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):
     flat, texts = [], []
     for p, g in zip(prompts, group_ids):
-        problem = common.parse_arith_problem(tokenizer.decode(p).split("Solve:")[-1])
+        problem = arith.parse_arith_problem(tokenizer.decode(p).split("Solve:")[-1])
         for j in range(num_generations):  # lengths differ by prompt, so ranks hold different token counts
             right = "x\n" * (g % 7) + problem.solution()
             texts.append([right, right.replace("####", "#### 1"), right.split("\n")[0]][(g + j) % 3])
@@ -54,18 +57,18 @@ if __name__ == "__main__":
         common.generate_rollouts = fixed_rollouts
         rest = rest[1:]
     if os.environ.get("DRIVER_LOCAL_COUNTS"):  # the bug the equivalence test must catch: per-rank normalization
-        common.Dist.loss_counts = lambda self, mask, num_seqs=None: (mask.sum().item(), len(mask))
+        distributed.Dist.loss_counts = lambda self, mask, num_seqs=None: (mask.sum().item(), len(mask))
     if os.environ.get("DRIVER_DIE_AT_STEP") and os.environ.get("RANK") == "1":  # rank 1 dies in its first rollout
         common.generate_rollouts = lambda *a, **k: os._exit(3) if k.get("do_sample", True) else _generate(*a, **k)
     if os.environ.get("DRIVER_BAD_FLAGS") and os.environ.get("RANK") == "1":
         rest = rest + ["--learning-rate", "0.5"]  # rank 1 disagrees with rank 0
-    close, common.Dist.close = common.Dist.close, lambda self: None  # keep the group for the FSDP gather below
+    close, distributed.Dist.close = distributed.Dist.close, lambda self: None  # keep the group for the FSDP gather below
     sys.argv = [str(ROOT / rest[0]), *rest[1:]]
     g = runpy.run_path(str(ROOT / rest[0]), run_name="__main__")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     model = g["model"]
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
-    fused = common.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
+    fused = logprob_kernels.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
     torch.save({"params": state, "grads": FIRST_GRADS, "fused": fused}, out / f"world{world}_rank{rank}.pt")
     close(g["dist"])

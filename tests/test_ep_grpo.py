@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import tasks
 from ep_grpo import cell_zscore, entropy_gate, ep_advantages, ep_metrics, progress_windows, row_quantile
 from helpers import read_metrics, run_inprocess, run_script
 
@@ -277,14 +278,14 @@ def test_ep_grpo_two_steps_subprocess(tmp_path):
 
 def _alternating_reward_task(monkeypatch):
     """Rewards 1, 0, 1, 0, ... in call order: every group of 4 is mixed, whatever the model has learned."""
-    real, calls = common.load_task, itertools.count()
+    real, calls = tasks.load_task, itertools.count()
 
     def task(*a, **k):
         t = real(*a, **k)
         t.reward_fn = lambda completion, ex: float(next(calls) % 2 == 0)
         return t
 
-    monkeypatch.setattr(common, "load_task", task)
+    monkeypatch.setattr(tasks, "load_task", task)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-import common
+import tasks
 from conftest import TINY_MODEL
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 
@@ -81,14 +81,14 @@ def test_grpo_bad_input_is_a_clear_error(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_grpo_nan_loss_stops_without_checkpoint(tmp_path, monkeypatch):
-    real = common.load_task
+    real = tasks.load_task
 
     def nan_reward_task(*a, **k):
         task = real(*a, **k)
         task.reward_fn = lambda completion, ex: float("nan")
         return task
 
-    monkeypatch.setattr(common, "load_task", nan_reward_task)
+    monkeypatch.setattr(tasks, "load_task", nan_reward_task)
     with pytest.raises(SystemExit, match="non-finite loss .* at step 1"):
         run_inprocess("grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--save-model", *FAST)
     assert not (run_dir(tmp_path) / "model").exists()

@@ -6,11 +6,13 @@ import itertools
 import pytest
 import torch
 
+import arith
 import common
+import tasks
 import sc_grpo
 from helpers import read_metrics, run_inprocess, run_script
 
-REAL_LOAD_TASK, REAL_CLIP = common.load_task, torch.nn.utils.clip_grad_norm_
+REAL_LOAD_TASK, REAL_CLIP = tasks.load_task, torch.nn.utils.clip_grad_norm_
 NEW_METRICS = ("sc/kl_mean", "sc/kl_p75", "sc/kl_p95", "sc/weight_mean", "sc/groups_partial", "sc/groups_none",
                "sc/groups_plain", "time/teacher", "sc/tau_truncated", "sc/no_reference", "sc/empty_completions")
 
@@ -97,7 +99,7 @@ def test_token_kl_is_the_full_vocabulary_kl():
 
 # --- the teacher pass on the bundled model ------------------------------------------------------------
 def _batch(tokenizer, texts_per_prompt, prompts):
-    prompt_ids = [common.encode_prompt(tokenizer, p) for p in prompts for _ in texts_per_prompt]
+    prompt_ids = [tasks.encode_prompt(tokenizer, p) for p in prompts for _ in texts_per_prompt]
     comps = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts_per_prompt] * len(prompts)
     p_ids, p_mask = common.pad_left(prompt_ids, tokenizer.pad_token_id)
     T = max(map(len, comps))
@@ -129,7 +131,7 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     with torch.no_grad():
         _, _, D_same, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
-        teach = [common.encode_prompt(tok, common.arith_reference_prompt(common.parse_arith_problem("12+3-4"), comps[0]))] * 2
+        teach = [tasks.encode_prompt(tok, sc_grpo.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
         _, _, D, cost = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
         # direct: one unpadded forward each, full log-softmax
@@ -144,16 +146,16 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
 
 def test_teacher_prompt_plain_and_chat(tiny):
     _, tok = tiny
-    ex = common.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], common.ARITH_INSTRUCTION + "12+3-4")
+    ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], arith.ARITH_INSTRUCTION + "12+3-4")
     got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
     assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
     chat = copy.deepcopy(tok)
     chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}<assistant>{% endif %}")
-    student = common.render_prompt(chat, common.ARITH_INSTRUCTION + ex.question, ex.prompt)
+    student = tasks.render_prompt(chat, arith.ARITH_INSTRUCTION + ex.question, ex.prompt)
     teacher = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
     want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
-    assert teacher == common.encode_prompt(chat, want)
+    assert teacher == tasks.encode_prompt(chat, want)
     with pytest.raises(ValueError, match="user turn"):  # an example without its user turn cannot be rebuilt
         sc_grpo.teacher_prompt(chat, "arith", dataclasses.replace(ex, user=""), "12+3=15")
 
@@ -169,7 +171,7 @@ def _rollouts(tok, texts, group_size):
 
 def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     _, tok = tiny
-    ex = common.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
+    ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
     short, long_ = "12+3=15\n15-4=11\n#### 11", "12+3=15\n" * 6 + "15-4=11\n#### 11"
     texts = [short, long_, "oops", ""]  # n_c = 2 (rows 0, 1); row 3 is an empty completion
     ro = _rollouts(tok, texts, 4)
@@ -209,7 +211,7 @@ def _run_capturing_grads(monkeypatch, tmp_path, script, *flags):
         grads.append([p.grad.clone() for p in params])
         return REAL_CLIP(params, max_norm, *a, **k)
 
-    monkeypatch.setattr(common, "load_task", load_task)
+    monkeypatch.setattr(tasks, "load_task", load_task)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     out = tmp_path / f"{script}-{len(list(tmp_path.iterdir()))}"
     run_inprocess(script, "--total-steps", "1", "--output-dir", str(out), "--num-eval", "2", "--eval-every", "0",

@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
+import arith
 import common
+import tasks
 import srpo
 from helpers import read_metrics, run_inprocess, run_script
 
@@ -72,13 +74,13 @@ def test_reset_index_modes():
 def test_oracle_picks_true_first_error_on_arith():
     rng = random.Random(3)
     for _ in range(200):
-        p = common.make_arith_problem(rng)
+        p = arith.make_arith_problem(rng)
         lines = p.solution().split("\n")
         k = rng.randint(1, len(lines))
         lines[k - 1] = lines[k - 1] + "1"  # corrupt line k
         parent = "\n".join(lines)
         th = srpo.split_thoughts(parent, "\n")
-        assert srpo.reset_index("oracle", len(th), oracle_step=common.arith_first_error(p, parent)) == k
+        assert srpo.reset_index("oracle", len(th), oracle_step=arith.arith_first_error(p, parent)) == k
 
 
 def test_suffix_mask():
@@ -101,7 +103,7 @@ def _args(**kw):
 
 
 def _task(tok, n=3):
-    task = common.load_task("arith", tok, seed=5, num_eval=4, arith_num_train=200)
+    task = tasks.load_task("arith", tok, seed=5, num_eval=4, arith_num_train=200)
     return task, task.train[:n]
 
 
@@ -121,7 +123,7 @@ def test_collect_rollouts_oracle_batch(tiny):
             s = int(suffix_start[i])
             if s:
                 prefix = tok.decode(ro.completion_ids[i, :s].tolist())
-                e = next(x for x in examples if common.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1)
+                e = next(x for x in examples if arith.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1)
                 assert e is not None
     groups = torch.unique(ro.group_ids, return_counts=True)[1]
     assert set(groups.tolist()) <= {4, 8}

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-import common
+import arith
+import rewards
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -15,11 +16,11 @@ import train_tiny_model as ttm  # noqa: E402
 
 
 def test_completion_weights_mark_the_decisions():
-    reply = common.arith_localization_target(common.parse_arith_problem("23+7-5+9"), ["23+7=30", "30-5=24"])
+    reply = ttm.arith_localization_target(arith.parse_arith_problem("23+7-5+9"), ["23+7=30", "30-5=24"])
     w = ttm.completion_weights(reply, 5.0)
     heavy = [reply[i] if i < len(reply) else "<eos>" for i, x in enumerate(w) if x == 5.0]
     assert heavy == ["?", "2"] and len(w) == len(reply) + 1
-    solution = common.parse_arith_problem("23+7").solution()
+    solution = arith.parse_arith_problem("23+7").solution()
     assert ttm.completion_weights(solution, 5.0) == [1.0] * (len(solution) + 1)
 
 
@@ -31,10 +32,10 @@ def test_localization_examples_match_the_oracle():
         prompt, target, kind = ttm.sample_example(rng, args)
         if kind != 1:
             continue
-        problem = common.parse_arith_problem(prompt.split("\n")[0].removeprefix("Problem: "))
+        problem = arith.parse_arith_problem(prompt.split("\n")[0].removeprefix("Problem: "))
         lines = [ln.split(": ", 1)[1] for ln in prompt.split("\n") if ln.startswith("Step ")]
-        first = common.arith_first_error(problem, "\n".join(lines))
-        assert common.last_boxed(target) == str(first or 0)
+        first = arith.arith_first_error(problem, "\n".join(lines))
+        assert rewards.last_boxed(target) == str(first or 0)
         seen[first is None] += 1
     assert seen[0] > 50 and seen[1] > 3  # both wrong and (about 10%) correct solutions are shown
 
@@ -43,7 +44,7 @@ def test_bundled_model_localizes_above_chance(tiny):
     """Greedy first-wrong-step localization on synthetic wrong solutions, measured here on 100 problems
     the training report did not use: clearly above a uniform guess (the target of issue 2)."""
     model, tok = tiny
-    problems = [common.make_arith_problem(random.Random(50_000 + i), steps=4) for i in range(100)]
+    problems = [arith.make_arith_problem(random.Random(50_000 + i), steps=4) for i in range(100)]
     ev = ttm.evaluate(model, tok, problems, rng_seed=3, own=False)
     assert ev["localization"] >= 1.5 * ev["localization_chance"], ev
 
@@ -65,3 +66,47 @@ def test_trainer_runs_and_saves(tmp_path):
     r = subprocess.run(warm, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tmp_path / "m2" / "training_report.json").read_text())["init_from_report"]["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (["23+7=30", "30-5=24", "24+9=33", "#### 33"], "Step 1: 23+7=30\nStep 2: 30-5=2? wrong\n\\boxed{2}"),
+        (["23+7=30", "30+5=35", "35+9=44", "#### 44"], "Step 1: 23+7=30\nStep 2: 30? wrong\n\\boxed{2}"),
+        (["23+7=3", "3-5=-2"], "Step 1: 23+7=3? wrong\n\\boxed{1}"),  # a line ending early
+        (["23+7=300", "300-5=295"], "Step 1: 23+7=30? wrong\n\\boxed{1}"),  # a line running on
+        (["23+7=30", "30-5=25"], "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: ? wrong\n\\boxed{3}"),  # missing line
+        ([" 23+7=30 ", "30-5=25", "25+9=34", "#### 34"],
+         "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: 25+9=34\nStep 4: #### 34\n\\boxed{0}"),
+    ],
+)
+def test_arith_localization_target_hand_cases(given, expected):
+    assert ttm.arith_localization_target(arith.parse_arith_problem("23+7-5+9"), given) == expected
+
+
+def test_arith_localization_target_names_the_first_error():
+    """The boxed step of the training reply is arith_first_error's answer, and the reply is the given
+    solution's text up to the first character that differs from the correct solution."""
+    rng = random.Random(2)
+    for _ in range(500):
+        p = arith.make_arith_problem(rng, steps=rng.randint(1, 6))
+        lines = p.solution().split("\n")
+        k = rng.randint(1, len(lines))
+        bad = list(lines)
+        a, rest = bad[k - 1].split("=") if k <= len(p.ops) else (bad[k - 1], "")
+        if rest:  # a wrong result, operand or operator, as a sampler would write
+            bad[k - 1] = rng.choice([f"{a}={int(rest) + rng.choice([-11, -1, 1, 10])}",
+                                     a.replace("+", "#").replace("-", "+").replace("#", "-") + "=" + rest,
+                                     a[:-1] + str(int(a[-1]) % 9 + 1) + "=" + rest])
+        else:
+            bad[k - 1] = f"#### {p.answer + rng.choice([-3, 1, 20])}"
+        first = arith.arith_first_error(p, "\n".join(bad))
+        reply = ttm.arith_localization_target(p, bad)
+        assert rewards.last_boxed(reply) == str(first)
+        body = reply.rsplit("\n", 1)[0].split("? wrong")[0]
+        copied = "\n".join(ln.split(": ", 1)[1] for ln in body.split("\n"))
+        assert "\n".join(bad).startswith(copied) and "\n".join(lines).startswith(copied)
+        nxt = len(copied)
+        assert "\n".join(bad)[nxt:nxt + 1] != "\n".join(lines)[nxt:nxt + 1]
+        assert ttm.arith_localization_target(p, lines).endswith("\\boxed{0}")
+

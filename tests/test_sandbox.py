@@ -1,5 +1,5 @@
-"""The code task: extraction, program assembly, the sandboxed runner (real HumanEval, hostile programs,
-fake-pass tricks), task loading, and srpo.py / sc_grpo.py running on a local code problem file."""
+"""The code task's sandbox (sandbox.py, sandbox_harness.py): extraction, program assembly, the sandboxed runner (real
+HumanEval, hostile programs, fake-pass tricks)."""
 import gzip
 import json
 import os
@@ -8,18 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import common
-from helpers import read_metrics, run_script
+import sandbox
+from conftest import shared_file
 
-HUMANEVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.jsonl.gz"
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"
 
 
 def humaneval_rows():
-    if not HUMANEVAL.exists():
-        pytest.skip(f"{HUMANEVAL} is absent (the real HumanEval file is not part of the repository)")
-    with gzip.open(HUMANEVAL, "rt") as f:
+    with gzip.open(shared_file("HumanEval.jsonl.gz"), "rt") as f:
         return [json.loads(line) for line in f]
 
 
@@ -33,57 +30,57 @@ def humaneval_rows():
     ("    return a + b\n", "    return a + b\n"),  # raw text: a base model's continuation
 ])
 def test_extract_code(completion, want):
-    assert common.extract_code(completion) == want
+    assert sandbox.extract_code(completion) == want
 
 
 def test_code_program_standalone_and_continuation():
     prompt = "from typing import List\nimport math\n\ndef add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n"
     full = "```python\ndef add(a, b):\n    return a + b\n```"
-    assert common.code_program(prompt, full, "add") == "from typing import List\nimport math\ndef add(a, b):\n    return a + b\n"
+    assert sandbox.code_program(prompt, full, "add") == "from typing import List\nimport math\ndef add(a, b):\n    return a + b\n"
     body = "    return a + b\n\ndef unrelated():\n    pass\n"  # cut at the next top-level def, as HumanEval does
-    assert common.code_program(prompt, body, "add") == prompt + "    return a + b\n"
-    assert common.code_program(prompt, "    return a + b\nprint(add(1, 2))\n", "add") == prompt + "    return a + b"
+    assert sandbox.code_program(prompt, body, "add") == prompt + "    return a + b\n"
+    assert sandbox.code_program(prompt, "    return a + b\nprint(add(1, 2))\n", "add") == prompt + "    return a + b"
 
 
 # --- the runner ---------------------------------------------------------------------------------
 def test_runner_pass_fail_and_fraction():
-    assert common.code_reward(ADD, ADD_TEST, "add") == 1.0
-    assert common.code_reward("def add(a, b):\n    return a - b\n", ADD_TEST, "add") == 0.0
-    assert common.code_reward("def add(a, b) return\n", ADD_TEST, "add") == 0.0  # syntax error
-    assert common.code_reward(ADD, ADD_TEST, "plus") == 0.0  # the entry point is missing
+    assert sandbox.run_code_tests(ADD, ADD_TEST, "add").reward == 1.0
+    assert sandbox.run_code_tests("def add(a, b):\n    return a - b\n", ADD_TEST, "add").reward == 0.0
+    assert sandbox.run_code_tests("def add(a, b) return\n", ADD_TEST, "add").reward == 0.0  # syntax error
+    assert sandbox.run_code_tests(ADD, ADD_TEST, "plus").reward == 0.0  # the entry point is missing
     mbpp = ["assert add(1, 2) == 3", "assert add(1, 1) == 3", "assert add(2, 2) == 4"]
-    r = common.run_code_tests(ADD, mbpp, "add")
+    r = sandbox.run_code_tests(ADD, mbpp, "add")
     assert (r.passed, r.total, r.status) == (2, 3, "ok") and r.reward == pytest.approx(2 / 3)
-    assert common.run_code_tests(ADD, ["assert add(1, 2) == K"], "add", setup="K = 3").reward == 1.0
-    assert common.code_rewards([ADD, "def add(a, b):\n    return 0\n"], [ADD_TEST, mbpp], ["add", "add"]) == [1.0, 0.0]
+    assert sandbox.run_code_tests(ADD, ["assert add(1, 2) == K"], "add", setup="K = 3").reward == 1.0
+    assert sandbox.code_rewards([ADD, "def add(a, b):\n    return 0\n"], [ADD_TEST, mbpp], ["add", "add"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="programs"):
-        common.code_rewards([ADD], [ADD_TEST, ADD_TEST], ["add"])
+        sandbox.code_rewards([ADD], [ADD_TEST, ADD_TEST], ["add"])
 
 
 def test_runner_accepts_plain_nested_values_and_rejects_lookalikes():
     """Returned values must be exact builtin types all the way down; equal plain values pass as before."""
     nested = "def f(x):\n    return [(1, 'a'), {'k': {2.5, None}}, frozenset({b'x'}), True, 1j]\n"
     want = "assert f(0) == [(1, 'a'), {'k': {2.5, None}}, frozenset({b'x'}), True, 1j]"
-    assert common.run_code_tests(nested, [want], "f").reward == 1.0
+    assert sandbox.run_code_tests(nested, [want], "f").reward == 1.0
     cyclic = "def f(x):\n    a = []\n    a.append(a)\n    return a\n"
-    assert common.run_code_tests(cyclic, ["r = f(0)\nassert r[0] is r"], "f").reward == 0.0
+    assert sandbox.run_code_tests(cyclic, ["r = f(0)\nassert r[0] is r"], "f").reward == 0.0
     nested_hack = ("class E:\n    __eq__ = lambda s, o: True\ndef f(x):\n    return [E()]\n"
                    "import builtins\nbuiltins.type = lambda x: int\n")  # and the check's own type() patched
-    assert common.run_code_tests(nested_hack, ["assert f(0) == [5]"], "f").reward == 0.0
+    assert sandbox.run_code_tests(nested_hack, ["assert f(0) == [5]"], "f").reward == 0.0
     rebind = ("class E:\n    __eq__ = lambda s, o: True\ndef cheat(a, b):\n    return E()\n"
               "def add(a, b):\n    globals()['add'] = globals()['candidate'] = cheat\n    return a + b\n")
-    r = common.run_code_tests(rebind, ["assert add(1, 2) == 3", "assert add(1, 1) == 7", "assert candidate(0, 0) == 5"], "add")
+    r = sandbox.run_code_tests(rebind, ["assert add(1, 2) == 3", "assert add(1, 1) == 7", "assert candidate(0, 0) == 5"], "add")
     assert r.passed == 1  # the first call is honest; rebinding its own globals does not reach the tests' names
     shared = "def f(n):\n    return [[0] * n] * n\n"  # the same row object n times is not a cycle
-    assert common.run_code_tests(shared, ["assert f(3) == [[0, 0, 0]] * 3"], "f").reward == 1.0
+    assert sandbox.run_code_tests(shared, ["assert f(3) == [[0, 0, 0]] * 3"], "f").reward == 1.0
     recursive = "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n"
-    assert common.run_code_tests(recursive, ["assert fact(5) == 120", "assert candidate(4) == 24"], "fact").reward == 1.0
+    assert sandbox.run_code_tests(recursive, ["assert fact(5) == 120", "assert candidate(4) == 24"], "fact").reward == 1.0
 
 
 def test_runner_is_isolated_where_the_os_allows():
     """What the harness reports about itself: network namespace and user where available."""
     probe = ADD + "import os\nCWD = os.getcwd()\n"
-    r = common.run_code_tests(probe, ["assert CWD.startswith(os.environ['TMPDIR'])", "import socket\nsocket.socket()"], "add")
+    r = sandbox.run_code_tests(probe, ["assert CWD.startswith(os.environ['TMPDIR'])", "import socket\nsocket.socket()"], "add")
     assert r.passed == 1  # it runs in its own temporary directory; creating a socket is refused
     assert r.status == "ok" and r.uid >= 0
 
@@ -91,9 +88,9 @@ def test_runner_is_isolated_where_the_os_allows():
 def test_humaneval_canonical_solutions_pass_and_empty_bodies_fail():
     rows = humaneval_rows()
     tests, entries = [r["test"] for r in rows], [r["entry_point"] for r in rows]
-    canonical = common.code_rewards([r["prompt"] + r["canonical_solution"] for r in rows], tests, entries)
+    canonical = sandbox.code_rewards([r["prompt"] + r["canonical_solution"] for r in rows], tests, entries)
     assert [r["task_id"] for r, x in zip(rows, canonical) if x != 1.0] == []
-    empty = common.code_rewards([r["prompt"] + "    pass\n" for r in rows], tests, entries)
+    empty = sandbox.code_rewards([r["prompt"] + "    pass\n" for r in rows], tests, entries)
     assert [r["task_id"] for r, x in zip(rows, empty) if x != 0.0] == []
 
 
@@ -153,7 +150,7 @@ def test_hostile_programs_score_zero_end_in_time_and_leave_nothing(name):
         os.remove(OUTSIDE)
     timeout = 2.0
     t0 = time.time()
-    r = common.run_code_tests(HOSTILE[name], ADD_TEST, "add", timeout=timeout)
+    r = sandbox.run_code_tests(HOSTILE[name], ADD_TEST, "add", timeout=timeout)
     assert r.reward == 0.0, r
     assert time.time() - t0 < timeout + 2.0
     assert _group_alive(r.pid) == []
@@ -161,81 +158,17 @@ def test_hostile_programs_score_zero_end_in_time_and_leave_nothing(name):
 
 
 # --- the task ----------------------------------------------------------------------------------
-MBPP_ROWS = [
-    {"text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
-     "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]},
-    {"text": "Write a function to double a number.", "code": "def double(x):\n    return 2 * x",
-     "test_list": ["assert double(2) == 4", "assert double(0) == 0"]},
-    {"text": "Write a function to negate a number.", "code": "def neg(x):\n    return -x",
-     "test_list": ["assert neg(2) == -2", "assert neg(-1) == 1"]},
-    {"text": "Write a function returning the first item.", "code": "def first(xs):\n    return xs[0]",
-     "test_list": ["assert first([1, 2]) == 1", "assert first('ab') == 'a'"]},
-    {"text": "Write a function returning the last item.", "code": "def last(xs):\n    return xs[-1]",
-     "test_list": ["assert last([1, 2]) == 2", "assert last('ab') == 'b'"]},
-    {"text": "No tests here.", "code": "", "test_list": []},
-]
 
 
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+def test_harness_keeps_its_state_out_of_reach_of_the_program():
+    """The program runs in the harness's process: everything the harness relies on (captured builtins, the nonce, the
+    pipe) must live inside _run(), not in module globals a program could reach through sys.modules['__main__']."""
+    import ast
 
-
-def test_code_task_mbpp_format_and_rewards(tiny, tmp_path):
-    _, tok = tiny
-    task = common.load_task("code", tok, data_path=str(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS)), num_eval=2)
-    assert task.skipped["no_tests_or_entry_point"] == 1
-    assert len(task.train) + len(task.eval) == 5 and task.eval
-    ex = {e.meta["entry_point"]: e for e in task.train + task.eval}
-    assert set(ex) == {"add", "double", "neg", "first", "last"}
-    add = ex["add"]
-    assert add.prompt.startswith('"""\nWrite a function to add') and "assert add(1, 2) == 3" in add.prompt
-    texts = ["```python\ndef add(a, b):\n    return a + b\n```", "def add(a, b):\n    return a * b\n", "nonsense"]
-    assert task.rewards(texts, [add] * 3) == [1.0, 0.5, 0.0]  # fraction of tests passed (0 * 0 == 0 passes)
-    assert task.reward_fn(texts[0], add) == 1.0
-
-
-def test_code_task_timeout_reaches_the_sandbox(tiny, tmp_path):
-    """load_task's code_timeout (the scripts' --code-timeout) bounds each program's run."""
-    _, tok = tiny
-    data = str(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS))
-    slow = "import time\ndef add(a, b):\n    time.sleep(1.5)\n    return a + b\n"
-    ex = lambda task: next(e for e in task.train + task.eval if e.meta["entry_point"] == "add")  # noqa: E731
-    short = common.load_task("code", tok, data_path=data, num_eval=2, code_timeout=0.5)
-    assert short.reward_fn(slow, ex(short)) == 0.0
-    long = common.load_task("code", tok, data_path=data, num_eval=2, code_timeout=10.0)
-    assert long.reward_fn(slow, ex(long)) == 1.0
-    with pytest.raises(ValueError, match="code-timeout"):
-        common.load_task("code", tok, data_path=data, code_timeout=0)
-
-
-def test_code_task_humaneval_file(tiny):
-    humaneval_rows()  # skips when absent
-    _, tok = tiny
-    task = common.load_task("code", tok, data_path=str(HUMANEVAL), num_eval=20, max_prompt_length=100_000)
-    assert (len(task.train), len(task.eval)) == (144, 20)
-    e = task.eval[0]
-    assert e.prompt == e.meta["prompt_code"] and e.user.startswith(common.CODE_INSTRUCTION)
-    assert task.rewards([e.gold, "    pass\n"], [e, e]) == [1.0, 0.0]
-
-
-def test_code_task_missing_field_is_named(tiny, tmp_path):
-    _, tok = tiny
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "def f():\n", "test": "def check(c):\n    pass\n"}] * 10)
-    with pytest.raises(KeyError, match="entry_point"):
-        common.load_task("code", tok, data_path=str(bad))
-    bad = write_jsonl(tmp_path / "bad2.jsonl", [{"description": "x", "test_list": ["assert f() == 1"]}] * 10)
-    with pytest.raises(KeyError, match="'text'"):
-        common.load_task("code", tok, data_path=str(bad))
-
-
-@pytest.mark.parametrize("script, extra", [("srpo.py", ["--reset", "random"]), ("sc_grpo.py", [])])
-def test_scripts_run_on_the_code_task(script, extra, tmp_path):
-    data = write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS[:5] * 4)
-    out = run_script(script, "--task", "code", "--data-path", str(data), "--total-steps", "2", "--num-eval", "4",
-                     "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "48",
-                     "--code-timeout", "3", "--output-dir", str(tmp_path / "runs"), *extra)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = read_metrics(tmp_path / "runs")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(0.0 <= r.get("reward", 0.0) <= 1.0 for r in rows)
+    tree = ast.parse(sandbox.HARNESS)
+    names = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    defs = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert names == set() and defs == {"_run"}, (names, defs)
+    r = sandbox.run_code_tests("import sys\nm = sys.modules['__main__']\nleak = [k for k in vars(m) if not k.startswith('__')]\n"
+                               "def f():\n    return leak\n", ["assert f() == ['json', 'os', 'resource', 'sys', '_run']"], "f")
+    assert r.passed == 1, r  # what a program sees of the harness: its imports and _run, nothing else

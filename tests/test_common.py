@@ -1,30 +1,13 @@
-"""token_logprobs, group_advantages, aggregate_loss and the rollout helpers against references."""
+"""common.py against references: token log-probs (and the training layout), group advantages, loss aggregation, rollouts,
+checkpoints, gradient checkpointing."""
 import math
 
 import pytest
 import torch
 
 import common
-
-
-def _random_model(seed=0, vocab=61):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return Qwen2ForCausalLM(cfg).eval()
-
-
-def _padded_batch(prompts, completions, pad=0):
-    p_ids, p_mask = common.pad_left(prompts, pad)
-    T = max(len(c) for c in completions)
-    c_ids = torch.full((len(completions), T), pad)
-    c_mask = torch.zeros((len(completions), T), dtype=torch.long)
-    for i, c in enumerate(completions):
-        c_ids[i, : len(c)] = torch.tensor(c)
-        c_mask[i, : len(c)] = 1
-    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), c_mask, T
+import logprob_kernels
+from helpers import padded_batch, random_model
 
 
 def _reference(model64, prompt, completion, temperature):
@@ -42,15 +25,15 @@ def _reference(model64, prompt, completion, temperature):
 @pytest.mark.parametrize("chunk_size", [1, 3, 16])
 def test_token_logprobs_matches_float64_reference(temperature, chunk_size, fused):
     g = torch.Generator().manual_seed(1)
-    model = _random_model()
-    model64 = _random_model().double()
+    model = random_model()
+    model64 = random_model().double()
     prompts = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (5, 2, 7, 3, 1)]  # left padding
     completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (4, 9, 1, 6, 9)]  # right padding
-    ids, attn, cmask, T = _padded_batch(prompts, completions)
+    ids, attn, cmask, T = padded_batch(prompts, completions)
     with torch.no_grad():
         logp, ent = common.token_logprobs(model, ids, attn, T, temperature, chunk_size=chunk_size, with_entropy=True, fused=fused)
         logp_only, none = common.token_logprobs(model, ids, attn, T, temperature, chunk_size=chunk_size, fused=fused)
-    assert common.fused_logprobs_ok(model)  # a Qwen2 model: the default is the fused path
+    assert logprob_kernels.fused_logprobs_ok(model)  # a Qwen2 model: the default is the fused path
     assert none is None and logp.shape == (5, T) and ent.shape == (5, T)
     assert torch.equal(logp, logp_only)
     for i, (p, c) in enumerate(zip(prompts, completions)):
@@ -60,131 +43,9 @@ def test_token_logprobs_matches_float64_reference(temperature, chunk_size, fused
     assert torch.isfinite(logp).all()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("chunk", [1, 3, 64])
-def test_selected_logprob_forward_and_gradient_match_float64_autograd(temperature, chunk):
-    g = torch.Generator().manual_seed(2)
-    z = torch.randn(3, 7, 50, generator=g) * 3
-    y = torch.randint(0, 50, (3, 7), generator=g)
-    w = torch.randn(3, 7, generator=g)  # an arbitrary upstream gradient
-    z64 = z.double().requires_grad_(True)
-    ref = torch.log_softmax(z64 / temperature, -1).gather(-1, y[..., None]).squeeze(-1)
-    (ref * w).sum().backward()
-    z32 = z.clone().requires_grad_(True)
-    got = common.SelectedLogProb.apply(z32, y, temperature, chunk)
-    (got * w).sum().backward()
-    assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, atol=1e-5)
-    assert torch.allclose(z32.grad.double(), z64.grad, atol=1e-6)
-    zb = z.bfloat16().requires_grad_(True)  # model-dtype logits: fp32 math inside, the gradient in that dtype
-    (common.SelectedLogProb.apply(zb, y, temperature, chunk) * w).sum().backward()
-    zb64 = zb.detach().double().requires_grad_(True)  # the reference on the same (rounded) logits
-    (torch.log_softmax(zb64 / temperature, -1).gather(-1, y[..., None]).squeeze(-1) * w).sum().backward()
-    assert zb.grad.dtype == torch.bfloat16 and torch.allclose(zb.grad.double(), zb64.grad, rtol=1e-2, atol=1e-3)
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("chunk", [1, 3, 64])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_linear_logprob_forward_entropy_and_gradients_match_float64_autograd(temperature, chunk, bias):
-    g = torch.Generator().manual_seed(3)
-    N, H, V = 11, 8, 40
-    h, W = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
-    b = torch.randn(V, generator=g) if bias else None
-    y, w = torch.randint(0, V, (N,), generator=g), torch.randn(N, generator=g)
-    h64, W64 = h.double().requires_grad_(True), W.double().requires_grad_(True)
-    b64 = b.double().requires_grad_(True) if bias else None
-    logp64 = torch.log_softmax(torch.nn.functional.linear(h64, W64, b64) / temperature, -1)
-    ref = logp64.gather(-1, y[:, None]).squeeze(-1)
-    ref_ent = -(logp64.exp() * logp64).sum(-1).detach()
-    (ref * w).sum().backward()
-    h32, W32 = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
-    b32 = b.clone().requires_grad_(True) if bias else None
-    got, ent = common.FusedLinearLogProb.apply(h32, W32, b32, y, temperature, chunk, True)
-    (got * w).sum().backward()
-    assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, atol=1e-5)
-    assert not ent.requires_grad and torch.allclose(ent.double(), ref_ent, atol=1e-5)
-    assert torch.allclose(h32.grad.double(), h64.grad, atol=1e-5)
-    assert torch.allclose(W32.grad.double(), W64.grad, atol=1e-5)
-    if bias:
-        assert torch.allclose(b32.grad.double(), b64.grad, atol=1e-5)
-    # bf16 weights: fp32 softmax inside, gradients back in bf16, against float64 on the same rounded values
-    hb, Wb = h.bfloat16().requires_grad_(True), W.bfloat16().requires_grad_(True)
-    (common.FusedLinearLogProb.apply(hb, Wb, None, y, temperature, chunk, False)[0] * w).sum().backward()
-    hb64, Wb64 = hb.detach().double().requires_grad_(True), Wb.detach().double().requires_grad_(True)
-    lp = torch.log_softmax(torch.nn.functional.linear(hb64, Wb64) / temperature, -1).gather(-1, y[:, None]).squeeze(-1)
-    (lp * w).sum().backward()
-    assert hb.grad.dtype == Wb.grad.dtype == torch.bfloat16
-    assert torch.allclose(hb.grad.double(), hb64.grad, rtol=2e-2, atol=2e-2)
-    assert torch.allclose(Wb.grad.double(), Wb64.grad, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_fused_and_unfused_token_logprobs_give_the_same_values_and_parameter_gradients(tied):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(4)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
-    ids, attn, cmask, T = _padded_batch([[1, 2, 3], [4], [5, 6]], [[7, 8], [9, 10, 11], [12]])
-    w = torch.randn(3, T)
-    grads = {}
-    for fused in (True, False):
-        model.zero_grad()
-        logp, ent = common.token_logprobs(model, ids, attn, T, 0.8, chunk_size=2, with_entropy=True, fused=fused)
-        (logp * w * cmask).sum().backward()
-        grads[fused] = (logp.detach(), ent, [p.grad.clone() for p in model.parameters()])
-    (lp1, e1, g1), (lp0, e0, g0) = grads[True], grads[False]
-    assert torch.allclose(lp1, lp0, atol=1e-6) and torch.allclose(e1, e0, atol=1e-5)
-    assert len(g1) == len(g0) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g0))
-    assert any(a.abs().sum() > 0 for a in g1)
-
-
-def test_fused_path_never_runs_the_lm_head_on_a_position_and_falls_back_for_scaled_logits():
-    model = _random_model(5)
-    ids, attn, cmask, T = _padded_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
-    assert common.fused_logprobs_ok(model)
-    rows = []
-    hook = model.lm_head.register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape[1]))
-    common.token_logprobs(model, ids, attn, T)[0].sum().backward()
-    hook.remove()
-    assert rows == [0]  # the logits of no position were computed; the lm_head ran inside FusedLinearLogProb
-    # a model whose logits are not lm_head(hidden) (here: scaled, as soft-capping models do) is detected
-    from transformers import Qwen2ForCausalLM
-
-    class Scaled(Qwen2ForCausalLM):
-        def forward(self, *a, **k):
-            out = super().forward(*a, **k)
-            out.logits = out.logits * 2
-            return out
-
-    scaled = Scaled(model.config).eval()
-    scaled.load_state_dict(model.state_dict())
-    assert not common.fused_logprobs_ok(scaled)
-    with torch.no_grad():
-        got = common.token_logprobs(scaled, ids, attn, T)[0]
-        want = torch.log_softmax(scaled(input_ids=ids, attention_mask=attn).logits[:, -T - 1 : -1], -1)
-    want = want.gather(-1, ids[:, -T:, None]).squeeze(-1)
-    assert torch.allclose(got[0], want[0], atol=1e-5)  # row 0 has no left padding: positions agree
-    # a quantized-style Linear subclass (int8 weight + scale) that F.linear cannot use directly: fallback, no crash
-
-    class Int8Linear(torch.nn.Linear):
-        def forward(self, x):
-            return torch.nn.functional.linear(x, self.weight.float() * self.scale)
-
-    q = _random_model(5)
-    w = q.lm_head.weight.detach()
-    lin = Int8Linear(w.shape[1], w.shape[0], bias=False)
-    lin.scale = w.abs().max() / 127
-    lin.weight = torch.nn.Parameter((w / lin.scale).round().to(torch.int8), requires_grad=False)
-    q.lm_head = lin
-    assert not common.fused_logprobs_ok(q)
-    with torch.no_grad():
-        assert torch.isfinite(common.token_logprobs(q, ids, attn, T)[0]).all()
-
-
 def test_token_logprobs_gradient_flows_and_entropy_chunks():
-    model = _random_model()
-    ids, attn, cmask, T = _padded_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
+    model = random_model()
+    ids, attn, cmask, T = padded_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
     logp, ent = common.token_logprobs(model, ids, attn, T, with_entropy=True, entropy_chunk=1)
     (logp * cmask).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
@@ -200,7 +61,7 @@ def test_token_logprobs_agree_with_generate_scores():
     class Tok:
         pad_token_id, eos_token_id = 0, 60
 
-    model = _random_model(3)
+    model = random_model(3)
     model.generation_config.eos_token_id = 60
     prompts = [[5, 6, 7, 8], [9, 10], [11]]
     torch.manual_seed(0)
@@ -311,7 +172,7 @@ def test_save_model_atomic_refuses_nan_and_replaces(tmp_path):
         def save_pretrained(self, d):
             (d / "tokenizer.json").write_text("{}")
 
-    model = _random_model()
+    model = random_model()
     out = common.save_model_atomic(model, Tok(), tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
@@ -389,10 +250,10 @@ def test_no_attention_query_row_is_fully_masked_on_a_left_padded_batch(monkeypat
     import sc_grpo
 
     g = torch.Generator().manual_seed(3)
-    model = _random_model()
+    model = random_model()
     prompts = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (2, 7, 4, 7)]
     completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (5, 1, 3, 5)]
-    ids, attn, cmask, T = _padded_batch(prompts, completions)
+    ids, attn, cmask, T = padded_batch(prompts, completions)
     seen = _spy_sdpa(monkeypatch)
     common.token_logprobs(model, ids, attn, T, fused=fused)[0].sum().backward()
     teacher = [[5, 6, 7], None, [8], [9, 10, 11, 12, 13, 14, 15, 16]]
@@ -435,7 +296,7 @@ def test_eager_and_sdpa_attention_give_the_same_log_probs_on_a_padded_batch():
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (1, 6, 3)]
     completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (4, 2, 6)]
-    ids, attn, cmask, T = _padded_batch(prompts, completions)
+    ids, attn, cmask, T = padded_batch(prompts, completions)
     for fused in (True, False):
         a = common.token_logprobs(sdpa, ids, attn, T, fused=fused)[0]
         b = common.token_logprobs(eager, ids, attn, T, fused=fused)[0]
@@ -456,7 +317,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
     hook = layer.register_forward_pre_hook(lambda *a: calls.append(1))
     prompts = [tok("Solve: 1+2\n").input_ids, tok("Solve: 12+3-4\n").input_ids]
     completions = [tok("1+2=3\n#### 3").input_ids, tok("12+3=15").input_ids]
-    ids, attn, cmask, T = _padded_batch(prompts, completions, pad=tok.pad_token_id)
+    ids, attn, cmask, T = padded_batch(prompts, completions, pad=tok.pad_token_id)
     grads = []
     for m in (model, ck):
         m.zero_grad(set_to_none=True)

@@ -1,0 +1,127 @@
+"""The two autograd functions behind `common.token_logprobs`: log p(y) = z[y]/tau - logsumexp(z/tau) in fp32 without
+the [B, T, V] fp32 tensors autograd would keep.
+
+  SelectedLogProb     from the model's logits (any dtype), a few positions at a time (the unfused path)
+  FusedLinearLogProb  straight from the final hidden states and the lm_head weight: no [B, T, V] logits at all
+  fused_logprobs_ok   whether a model may take the fused path (checked once per model against its own logits)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SelectedLogProb(torch.autograd.Function):
+    """log p(y_t) = z_t[y_t]/tau - logsumexp(z_t/tau) from logits z [b, T, V] in any dtype, computed in fp32
+    `chunk` positions at a time. It keeps only z (the model's own output, in its dtype) and the [b, T]
+    logsumexp for the backward, which rebuilds softmax chunk by chunk: d log p / d z_j = (1[j = y] - p_j) / tau.
+    Autograd's gather - logsumexp would keep an fp32 copy of z per op instead."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+        b, T, _ = logits.shape
+        out = torch.empty(b, T, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for t in range(0, T, chunk):
+            z = logits[:, t : t + chunk].float() / temperature
+            lse[:, t : t + chunk] = torch.logsumexp(z, -1)
+            out[:, t : t + chunk] = z.gather(-1, target[:, t : t + chunk, None]).squeeze(-1) - lse[:, t : t + chunk]
+        ctx.save_for_backward(logits, target, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)
+        for t in range(0, logits.shape[1], chunk):
+            g_out = grad_out[:, t : t + chunk, None].float()
+            g = torch.exp(logits[:, t : t + chunk].float() / tau - lse[:, t : t + chunk, None]).mul_(-g_out)
+            g.scatter_add_(-1, target[:, t : t + chunk, None], g_out)
+            grad[:, t : t + chunk] = g.div_(tau).to(grad.dtype)
+        return grad, None, None, None
+
+
+class FusedLinearLogProb(torch.autograd.Function):
+    """log p(y_n) = z_n[y_n]/tau - logsumexp(z_n/tau) with z_n = W h_n (+ b), computed straight from the final
+    hidden states h [N, H] and the lm_head W [V, H], `chunk` positions at a time: no [N, V] logits tensor
+    ever exists, forward or backward (only a [chunk, V] one). The backward recomputes each chunk's logits
+    (one extra lm_head matmul) and forms dz = (1[j = y] - p_j) g / tau, then dh = dz W and dW += dz^T h
+    (accumulated in fp32). Optionally returns each position's entropy (no gradient) from the same logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, temperature: float, chunk: int, with_entropy: bool):
+        N = hidden.shape[0]
+        out = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        ent = torch.empty_like(out) if with_entropy else out.new_empty(0)
+        for s in range(0, N, chunk):
+            z = torch.nn.functional.linear(hidden[s : s + chunk], weight, bias).float().div_(temperature)
+            lse[s : s + chunk] = torch.logsumexp(z, -1)
+            out[s : s + chunk] = z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - lse[s : s + chunk]
+            if with_entropy:
+                p = torch.exp(z - lse[s : s + chunk, None])
+                ent[s : s + chunk] = lse[s : s + chunk] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_ent):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        for s in range(0, hidden.shape[0], chunk):
+            h, g_out = hidden[s : s + chunk], grad_out[s : s + chunk, None].float()
+            z = torch.nn.functional.linear(h, weight, bias).float().div_(tau)
+            g = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g_out)  # in place: -p g
+            g.scatter_add_(-1, target[s : s + chunk, None], g_out).div_(tau)  # (1[j = y] - p) g / tau
+            if need_h:
+                grad_h[s : s + chunk] = g.to(weight.dtype) @ weight
+            if need_w:
+                grad_w.addmm_(g.t(), h.float())
+            if need_b:
+                grad_b += g.sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+def unwrap(model):
+    return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
+
+
+def fused_logprobs_ok(model) -> bool:
+    """Whether `token_logprobs` may use `FusedLinearLogProb` for this model: its output embedding is a plain
+    Linear whose output *is* the logits. Checked once per model against the model's own logits on a short
+    random sequence (this catches soft-capped or scaled logits, e.g. Gemma-2's); never under FSDP, whose
+    lm_head weight is sharded outside the forward. The answer is cached on the model."""
+    inner = unwrap(model)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()
+    if isinstance(inner, FSDPModule):  # checked on every call: a model can be sharded after its first use
+        return False
+    cached = getattr(inner, "_rlvr_fused_ok", None)
+    if cached is not None:
+        return cached
+    ok = False
+    lm = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if isinstance(lm, torch.nn.Linear):
+        ids = torch.randint(0, lm.out_features, (1, 12), generator=torch.Generator().manual_seed(0)).to(lm.weight.device)
+        try:  # e.g. a quantized Linear subclass whose weight F.linear cannot use: the unfused path
+            with torch.no_grad():
+                out = inner(input_ids=ids, output_hidden_states=True)
+                want = out.logits[0].float()
+                got = torch.nn.functional.linear(out.hidden_states[-1][0], lm.weight, lm.bias).float()
+            ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item() + 1e-6))
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            ok = False
+    inner._rlvr_fused_ok = ok
+    return ok
+

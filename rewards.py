@@ -1,0 +1,186 @@
+"""Rewards of the text tasks: GSM8K (numbers) and MATH (LaTeX answers through math-verify).
+
+A reward is 1.0 or 0.0 for a completion against its gold answer. A gold answer that cannot be parsed is an error
+(ValueError), never a reward: the task loaders skip and count such rows before training (tasks.py). The built-in
+arith task's reward and oracle are in arith.py; the code task's sandbox in sandbox.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from typing import Callable
+
+# ----------------------------------------------------------------------------------------------
+# GSM8K: the last `#### N`, else the last \boxed{}, else the last number
+# ----------------------------------------------------------------------------------------------
+_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
+
+
+def _normalize_number(s: str) -> str | None:
+    """'$1,234.00' -> '1234'; '-3.50' -> '-3.5'; '.5' -> '0.5'; None when not a number."""
+    s = s.strip().replace(",", "").replace("$", "").replace(" ", "")
+    s = s.rstrip(".")  # a sentence's full stop: "is 72."
+    if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
+        return None
+    neg = s.startswith("-")
+    s = s.lstrip("-")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    s = s.lstrip("0") or "0"
+    if s.startswith("."):
+        s = "0" + s
+    return ("-" + s) if neg and s != "0" else s
+
+
+def extract_hash_answer(text: str) -> str | None:
+    """The normalized number after the last `####` in `text`, or None."""
+    hits = re.findall(r"####\s*([^\n]*)", text)
+    for h in reversed(hits):
+        m = _NUMBER_RE.search(h)
+        if m:
+            return _normalize_number(m.group(0))
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (brace-balanced) or `\\boxed x`, or None."""
+    idx = text.rfind("\\boxed")
+    if idx < 0:
+        return None
+    i = idx + len("\\boxed")
+    if i < len(text) and text[i] == " ":
+        m = re.match(r" ([^\s$]+)", text[i:])
+        return m.group(1) if m else None
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth, j = 0, i
+    while j < len(text):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+        j += 1
+    return None  # unbalanced
+
+
+def gsm8k_gold(answer_field: str) -> str | None:
+    """The gold number of a GSM8K answer field (`... #### 72`) or of a bare number; None if none."""
+    if "####" in answer_field:
+        return extract_hash_answer(answer_field)
+    return _normalize_number(answer_field)
+
+
+def gsm8k_extract(completion: str) -> str | None:
+    """The completion's final answer: last `#### N`, else last `\\boxed{}`, else last number."""
+    ans = extract_hash_answer(completion)
+    if ans is not None:
+        return ans
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        boxed = re.sub(r"\\(?:text|mathrm)\{[^}]*\}|\\!|\\,|\\\$|\\%|%", "", boxed)
+        m = _NUMBER_RE.findall(boxed)
+        return _normalize_number(m[-1]) if m else None
+    nums = _NUMBER_RE.findall(completion)
+    return _normalize_number(nums[-1]) if nums else None
+
+
+def gsm8k_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's final answer equals the gold number, else 0.0.
+
+    `gold` is a whole GSM8K answer field (`... #### 72`) or the bare number. The completion's answer
+    is its last `#### N`, else its last `\\boxed{}`, else its last number; commas, `$` and trailing
+    `.0`/`.00` are normalized. A gold that is not a number raises ValueError (never rewarded).
+    """
+    g = gsm8k_gold(gold)
+    if g is None:
+        raise ValueError(f"GSM8K gold answer is not a number: {gold!r}")
+    pred = gsm8k_extract(completion)
+    if pred is None:
+        return 0.0
+    try:  # 3.50 == 3.5; 1e-9 tolerance for decimals written differently
+        return 1.0 if abs(float(pred) - float(g)) < 1e-9 else 0.0
+    except ValueError:
+        return 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# MATH: math-verify on the last \boxed{}
+# ----------------------------------------------------------------------------------------------
+def _run_with_timeout(fn: Callable, timeout: float):
+    """Run fn() in a daemon thread and give up after `timeout` seconds (works off the main thread,
+    unlike math-verify's signal.alarm)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - reported to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"math-verify took more than {timeout}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+@functools.lru_cache(maxsize=65536)
+def parse_math_gold(gold: str, timeout: float = 5.0):
+    """math-verify parse of a LaTeX gold answer; [] when it cannot be parsed. Cached: a gold answer is parsed once
+    (at load time, by the task loader's check), not at every reward."""
+    from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # we enforce the timeout ourselves
+    text = gold if "\\boxed" in gold or "$" in gold else f"${gold}$"
+    try:
+        parsed = _run_with_timeout(
+            lambda: parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None),
+            timeout,
+        )
+    except Exception:  # noqa: BLE001 - an unparsable gold is counted by the caller
+        return []
+    # math-verify falls back to the raw string as its only candidate when nothing parses: accept
+    # that only for plain text answers (non-empty, balanced braces), never for broken LaTeX.
+    if parsed and all(isinstance(x, str) for x in parsed):
+        depth_ok = gold.count("{") == gold.count("}") and gold.strip() and not gold.rstrip().endswith(("\\", "^", "_"))
+        if not depth_ok or re.search(r"\\(frac|sqrt|dfrac)\b", gold):
+            return []
+    return parsed
+
+
+def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
+    """math-verify on the completion's last `\\boxed{}` against the LaTeX gold (gold first).
+
+    A gold that cannot be parsed raises ValueError (never a reward; tasks.py skips and counts such rows at load
+    time). The timeout is enforced by a thread, so it works outside the main thread. A completion with no
+    `\\boxed{}` scores 0.0.
+    """
+    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.parser import NormalizationConfig
+
+    gold_parsed = parse_math_gold(gold, timeout)
+    if not gold_parsed:
+        raise ValueError(f"MATH gold answer cannot be parsed: {gold!r}")
+    boxed = last_boxed(completion)
+    if boxed is None:
+        return 0.0
+    cfg = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0)
+    try:
+        pred = _run_with_timeout(
+            lambda: parse(f"\\boxed{{{boxed}}}", extraction_config=[cfg], parsing_timeout=None), timeout
+        )
+        if not pred:
+            return 0.0
+        ok = _run_with_timeout(lambda: verify(gold_parsed, pred, timeout_seconds=None), timeout)
+    except Exception:  # noqa: BLE001 - a timeout or a parser crash is a wrong answer, not a crash
+        return 0.0
+    return 1.0 if ok else 0.0
+

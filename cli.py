@@ -8,9 +8,11 @@ types in each script's Args, so tyro lists and checks them. Each script's own fl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -24,6 +26,23 @@ def usage_error(message: str) -> NoReturn:
     """One line on stderr, exit code 2 (as for tyro's own parse errors)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def parse(args_type):
+    """`tyro.cli(args_type)`, with tyro's parse errors (a framed panel) turned into the same one line as ours."""
+    import tyro
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(args_type)
+    except SystemExit as e:
+        text = captured.getvalue()
+        if e.code in (0, None):
+            sys.stderr.write(text)
+            raise
+        inner = [line.strip().strip("│").strip() for line in text.splitlines() if line.strip().startswith("│")]
+        usage_error(" ".join(x for x in inner if x and not x.startswith(("─", "For full helptext"))) or text.strip())
 
 
 def need(ok: bool, message: str) -> None:
@@ -130,14 +149,15 @@ def check_common(args) -> None:
         usage_error("--save-every and --resume do not support --fsdp yet (use DDP, the default under torchrun)")
 
 
-RUNTIME_FLAGS = ("resume", "total_steps", "save_every", "threads", "track", "wandb_project", "eval_every",
+RUNTIME_FLAGS = ("resume", "total_steps", "save_every", "save_model", "threads", "track", "wandb_project", "eval_every",
                  "device", "dist_timeout")  # may differ between a run and its resumption
 
 
 def resume_args(args, args_type):
     """`--resume RUN_DIR` continues a run with the flags it was started with (its config.json). A flag given on this
-    command line that differs from the run's is an error, except the runtime flags above (e.g. --total-steps to
-    extend a run). Returns the merged args."""
+    command line that differs from the run's is an error, except the runtime flags above, which may be given anew
+    (e.g. --total-steps to extend a run; --threads changes the floating-point order, so a bit-for-bit continuation
+    keeps the run's). Returns the merged args."""
     run_dir = Path(args.resume)
     need((run_dir / "config.json").is_file(), f"--resume {args.resume}: not a run directory (no config.json)")
     need((run_dir / "checkpoint" / "trainer.pt").is_file(), f"--resume {args.resume}: no checkpoint in it "
@@ -146,12 +166,15 @@ def resume_args(args, args_type):
     merged = {}
     for f in dataclasses.fields(args_type):
         given, default = getattr(args, f.name), getattr(defaults, f.name)
-        if f.name in RUNTIME_FLAGS or f.name not in saved:
+        if f.name not in saved:
             merged[f.name] = given
             continue
         old = tuple(saved[f.name]) if isinstance(default, tuple) and isinstance(saved[f.name], list) else saved[f.name]
+        if f.name in RUNTIME_FLAGS:  # given on this command line, or else the run's own
+            merged[f.name] = given if given != default or f.name == "resume" else old
+            continue
         need(given == default or given == old, f"--{f.name.replace('_', '-')} {given}: the run in {run_dir} was started "
-             f"with {old}; a resumed run keeps its flags (only {', '.join(RUNTIME_FLAGS[1:])} may change)")
+             f"with {old}; a resumed run keeps its flags (only {', '.join('--' + f.replace('_', '-') for f in RUNTIME_FLAGS[1:])} may change)")
         merged[f.name] = old
     return dataclasses.replace(args, **merged)
 

@@ -1,5 +1,6 @@
-"""What every algorithm script uses: seeding and atomic checkpoints, model loading, rollouts, token log-probs,
-group advantages, loss aggregation, evaluation, logging, the non-finite guard, metrics and prompt batches.
+"""What every algorithm script uses: seeding, model loading, prompt batches, rollouts and their rewards (with DAPO's
+dynamic sampling and overlong penalty), token log-probs, group advantages, mini-batches, loss aggregation, update
+diagnostics, evaluation, logging, the non-finite guard and metrics.
 
 Nothing here is an algorithm: each `<algo>.py` keeps its credit assignment and loss inline, so
 `diff grpo.py <algo>.py` shows only the method. Everything else lives in a sibling module named for its topic:
@@ -7,7 +8,9 @@ Nothing here is an algorithm: each `<algo>.py` keeps its credit assignment and l
     arith.py            the built-in arithmetic task, its verifier and first-wrong-step oracle
     rewards.py          GSM8K and MATH (math-verify) rewards
     sandbox.py          the code task: running programs against unit tests (harness: sandbox_harness.py)
-  logprob_kernels.py  the autograd functions behind token_logprobs
+  logprob_kernels.py  what token_logprobs is built on: the padded batch's layout, the fused and unfused kernels
+  checkpoints.py      atomic model saves, resumable checkpoints (--save-every, --resume), Ctrl-C
+  cli.py              flag checks before anything loads (one-line errors), --resume's flags, --threads
   distributed.py      torchrun: DDP / FSDP2, sharded prompts, global loss normalization
   engines.py          the colocated vLLM rollout engine
 
@@ -22,15 +25,15 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
+from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
-from logprob_kernels import FusedLinearLogProb, SelectedLogProb, fused_logprobs_ok, unwrap
+from logprob_kernels import (FusedLinearLogProb, SelectedLogProb, completion_hidden, completion_logits, entropy_from_logits,
+                             fused_logprobs_ok, unwrap)
 
 if TYPE_CHECKING:
     from distributed import Dist
@@ -41,7 +44,7 @@ DEFAULT_MODEL = str(REPO_DIR / "assets" / "tiny-arith")
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Seeding and checkpoints
+# 1. Seeding (checkpoints and resumable runs: checkpoints.py)
 # ----------------------------------------------------------------------------------------------
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA)."""
@@ -50,36 +53,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
-    """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
-    over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights.
-    `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state)."""
-    named = state_dict.items() if state_dict is not None else model.named_parameters()
-    bad = [n for n, p in named if torch.is_floating_point(p) and not torch.isfinite(p).all()]
-    if bad:
-        raise ValueError(f"refusing to save a checkpoint with non-finite weights in {bad[:3]}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
-    try:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +105,10 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gr
         tokenizer.pad_token = tokenizer.eos_token
     disable_dropout(model)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # transformers checkpoints a layer only in train mode
     return model, tokenizer
 
@@ -198,6 +174,7 @@ class Rollouts:
     group_ids: torch.Tensor  # [N] long: the prompt's Example.id
     texts: list[str]  # decoded completions, special tokens removed
     engine_logp: torch.Tensor | None = None  # [N, T] the vLLM engine's log-probs of the sampled tokens (None with HF)
+    scores: torch.Tensor | None = None  # [N] the verifier's rewards (before any shaping), from rollouts_with_rewards
     engine_released_gb: float = 0.0  # GPU memory the engine released by sleeping after this generation
 
     @property
@@ -296,8 +273,50 @@ def generate_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], group_
                          [g for _, g in flat], stops, device)
 
 
+def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, args, keep_group=None):
+    """Steps 1-2 of the GRPO-style scripts: the next prompt batch (this rank's share), `args.num_generations`
+    completions per prompt, and their rewards. `args.dynamic_sampling` (DAPO): groups whose verifier scores are all
+    equal are dropped (unless `keep_group(scores)`) and more batches are sampled, for at most `args.max_sampling_rounds`
+    rounds; surplus groups are cut and, if the rounds run out, dropped groups fill the batch (they carry no
+    advantage). `args.overlong_buffer` > 0 subtracts DAPO's overlong penalty from the reward.
+    Returns the Rollouts (`.scores`: the verifier's rewards), the rewards [N] to train on, and sampling metrics."""
+    G, want, kept, dropped, drawn, generated = args.num_generations, args.prompts_per_step // dist.world, [], [], 0, 0
+    for rnd in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
+        examples = dist.shard(next(batches))
+        ro = generate_rollouts(model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G,
+                               args.max_new_tokens, args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size)
+        ro.scores = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]), dtype=torch.float32)
+        drawn, generated = drawn + len(examples), generated + int(ro.completion_mask.sum())
+        for rows in torch.arange(len(ro)).split(G):
+            s = ro.scores[rows]
+            useful = not args.dynamic_sampling or s.max() > s.min() or (keep_group is not None and keep_group(s))
+            (kept if useful else dropped).append((ro, rows))
+        if dist.sum([float(len(kept) < want)])[0] == 0:  # every rank's batch is full (a collective: ranks stay in step)
+            break
+    if args.dynamic_sampling:  # one batch of the groups, re-padded
+        groups = (kept + dropped)[:want]
+        ids = [(r, int(i)) for r, rows in groups for i in rows]
+        ro = make_rollouts(tokenizer, [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids],
+                           [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids],
+                           [int(r.group_ids[i]) for r, i in ids], stop_token_ids(model, tokenizer), ro.completion_ids.device)
+        ro.truncated, ro.scores = torch.stack([r.truncated[i] for r, i in ids]), torch.stack([r.scores[i] for r, i in ids])
+        if groups[0][0].engine_logp is not None:
+            T = ro.completion_ids.shape[1]
+            ro.engine_logp = torch.stack([torch.nn.functional.pad(r.engine_logp[i, :T], (0, T - min(T, r.engine_logp.shape[1])))
+                                          for r, i in ids])
+    out = {"num_tokens": float(ro.completion_mask.sum()), "sampling/generated_tokens": float(generated)}
+    if args.dynamic_sampling:
+        out.update({"sampling/prompts_drawn": drawn, "sampling/rounds": rnd + 1, "sampling/groups_kept": min(len(kept), want) / want})
+    rewards = ro.scores.clone()
+    if args.overlong_buffer:  # DAPO's soft overlong punishment: 0 up to max - buffer tokens, then linearly down to -factor
+        penalty = ((args.max_new_tokens - args.overlong_buffer - ro.completion_mask.sum(1).cpu().float()) / args.overlong_buffer)
+        rewards = rewards + penalty.clamp(-1.0, 0.0) * args.overlong_penalty_factor
+        out["reward/overlong_penalty"] = (rewards - ro.scores).mean().item()
+    return ro, rewards, out
+
+
 # ----------------------------------------------------------------------------------------------
-# 4. Token log-probs (kernels: logprob_kernels.py)
+# 4. Token log-probs (the layout and kernels: logprob_kernels.py)
 # ----------------------------------------------------------------------------------------------
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
                    temperature: float = 1.0, chunk_size: int = 8, with_entropy: bool = False, entropy_chunk: int = 128,
@@ -342,66 +361,6 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 ents.append(entropy_from_logits(logits, entropy_chunk, temperature))
             del logits
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
-
-
-def right_padded(ids: torch.Tensor, mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The training-forward layout of a left-padded batch: each row rotated so that its left padding moves to
-    the end (prompt + completion first, then every pad), and columns that are padding in every row dropped.
-
-    Why: a left-pad position is a query row that may attend to no key at all (causal mask + padding mask).
-    Fused attention kernels may return NaN for such a row in bf16/fp16 (cuDNN's backward did, at some
-    lengths), and a NaN at a pad position reaches the real ones through the next layer's values. After the
-    rotation every query row sees at least the row's first token, whatever the attention implementation.
-    Position ids come from the mask, so every real token keeps the position `generate` gave it.
-
-    ids, mask: [b, L], each row [left pads][tokens, possibly followed by pads]. Returns ids and mask [b, L'],
-    position ids [b, L'] and keep [b, T]: the columns whose outputs predict each row's last T tokens of the
-    original layout (the last prompt token and completion tokens 0..T-2)."""
-    L = ids.shape[1]
-    shift = (mask.long().cumsum(1) == 0).sum(1)  # [b] leading pads
-    if bool((shift == L).any()):
-        raise ValueError("a row of the batch has no token (its attention mask is all 0)")
-    cols = torch.arange(L, device=ids.device)
-    idx = (cols[None, :] + shift[:, None]) % L  # rotate left by the row's number of leading pads
-    width = L - int(shift.min())  # the longest row: later columns are padding in every row
-    ids, mask = ids.gather(1, idx)[:, :width], mask.gather(1, idx)[:, :width]
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    keep = (L - T - 1 - shift)[:, None] + cols[None, :T]
-    return ids, mask, pos, keep
-
-
-def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens of each row
-    (rows laid out by `right_padded`); the lm_head runs on no position at all."""
-    ids, mask, pos, keep = right_padded(ids, mask, T)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False,
-                logits_to_keep=keep[0, :0])
-    h = out.hidden_states[-1]
-    return h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1]))
-
-
-def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Logits [b, T, V] (model dtype) predicting the last T tokens of each row (rows laid out by
-    `right_padded`): the lm_head runs only on the columns from the first to the last kept one
-    (`logits_to_keep`; exactly T columns when the rows' prompts have the same length, as within a group)."""
-    ids, mask, pos, keep = right_padded(ids, mask, T)
-    lo, hi = int(keep[:, 0].min()), int(keep[:, -1].max()) + 1
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                   logits_to_keep=torch.arange(lo, hi, device=ids.device)).logits
-    if hi - lo == T:  # every row's window starts at the same column: no copy
-        return logits
-    return logits.gather(1, (keep - lo)[:, :, None].expand(-1, -1, logits.shape[-1]))
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, chunk: int = 128, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy [b, T] (nats, no gradient) of softmax(logits [b, T, V] / temperature) in fp32, `chunk`
-    positions at a time so only a [b, chunk, V] softmax exists at once."""
-    out = []
-    for t in range(0, logits.shape[1], chunk):
-        z = logits[:, t : t + chunk].detach().float() / temperature
-        out.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
-    return torch.cat(out, dim=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,6 +457,52 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_c
     raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {LOSS_AGG_MODES}")
 
 
+def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Tensor]:
+    """Row indices [n] of each mini-batch: the groups (prompts) in order of first appearance, split into
+    `num_minibatches` runs of equally many whole groups (one optimizer step each)."""
+    ids = group_ids.tolist()
+    groups = list(dict.fromkeys(ids))
+    if len(groups) % num_minibatches:
+        raise ValueError(f"--num-minibatches {num_minibatches} must divide the {len(groups)} prompts of this rank's batch")
+    per = len(groups) // num_minibatches
+    where = {g: i // per for i, g in enumerate(groups)}
+    return [torch.tensor([r for r, g in enumerate(ids) if where[g] == k], device=group_ids.device) for k in range(num_minibatches)]
+
+
+class UpdateStats:
+    """The update's diagnostics, TRL's names: clip fractions and kl as token means over every pass, entropy over the
+    first pass, policy_loss and grad_norm as means over optimizer steps, and the vLLM engine's mismatch (`engine`)."""
+
+    def __init__(self, mask: torch.Tensor, passes: int):
+        self.tokens, self.passes = max(float(mask.sum()), 1.0), passes
+        self.sums, self.losses, self.norms, self.loss, self.engine_stats = defaultdict(float), [], [], 0.0, {}
+
+    def engine(self, it: int) -> dict | None:
+        return self.engine_stats if it == 0 else None  # the engine metrics describe the rollouts: once
+
+    def add(self, m, ratio, adv, eps_low, eps_high, entropy=None, kl=None, loss=None) -> None:
+        low, high = ((ratio < 1 - eps_low) & (adv < 0)).float() * m, ((ratio > 1 + eps_high) & (adv > 0)).float() * m
+        self.sums["clip_ratio/low_mean"] += low.sum().item()
+        self.sums["clip_ratio/high_mean"] += high.sum().item()
+        self.sums["clip_ratio/region_mean"] += (low + high).sum().item()
+        if entropy is not None:
+            self.sums["entropy"] += (entropy * m).sum().item()
+        if kl is not None:
+            self.sums["kl"] += (kl.detach() * m).sum().item()
+        self.loss += loss.item() if loss is not None else 0.0
+
+    def step(self, grad_norm) -> None:
+        """After each optimizer step: the mini-batch's loss and gradient norm."""
+        self.losses.append(self.loss)
+        self.norms.append(float(grad_norm))
+        self.loss = 0.0
+
+    def metrics(self) -> dict:
+        out = {k: v / (self.tokens * (1 if k == "entropy" else self.passes)) for k, v in self.sums.items()}
+        out.update(self.engine_stats, policy_loss=sum(self.losses) / len(self.losses), grad_norm=sum(self.norms) / len(self.norms))
+        return out
+
+
 # ----------------------------------------------------------------------------------------------
 # 6. Evaluation, logging, metrics
 # ----------------------------------------------------------------------------------------------
@@ -524,28 +529,41 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int 
 
 
 class Logger:
-    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`."""
+    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`. `resume_step` k > 0
+    (--resume): the rows after step k are dropped from metrics.jsonl and TensorBoard before the run goes on.
+    `last_eval`: the latest evaluation metrics logged (or read back from metrics.jsonl when resuming)."""
 
     def __init__(self, run_dir: str | os.PathLike, config: dict, track: bool = False, wandb_project: str = "credit-rlvr",
-                 enabled: bool = True):
-        self.enabled = enabled  # False on every torchrun rank but 0: nothing is written
+                 enabled: bool = True, resume_step: int = 0):
+        self.enabled, self.run_dir, self.last_eval = enabled, Path(run_dir), None  # enabled: False on torchrun ranks > 0
+        if resume_step:
+            rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").open() if line.strip()]
+            rows = [r for r in rows if r["step"] <= resume_step]
+            self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
+            if enabled:
+                tmp = self.run_dir / "metrics.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                os.replace(tmp, self.run_dir / "metrics.jsonl")
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(self.run_dir))
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
-        (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=resume_step + 1 if resume_step else None)
+        if not resume_step:
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.wandb = None
         if track:
             import wandb
 
-            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, config=config, dir=str(self.run_dir))
+            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=self.run_dir.name, resume="allow",
+                                    config=config, dir=str(self.run_dir))
 
     def log(self, metrics: dict, step: int) -> None:
+        if "eval/accuracy" in metrics:
+            self.last_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if not self.enabled:
             return
         for k, v in metrics.items():

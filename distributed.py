@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+import checkpoints
 import common
 
 
@@ -77,7 +78,7 @@ class Dist:
         else:
             train_model.require_backward_grad_sync = enabled
 
-    def reduce_metrics(self, metrics: dict, sum_keys: Sequence[str] = ("num_tokens", "tokens_per_second")) -> dict:
+    def reduce_metrics(self, metrics: dict, sum_keys: Sequence[str] = ("num_tokens", "tokens_per_second", "sampling/generated_tokens")) -> dict:
         """Mean over the ranks that report each metric (`sum_keys`: sum over ranks)."""
         if self.world == 1:
             return metrics
@@ -96,7 +97,7 @@ class Dist:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        out = common.save_model_atomic(model, tokenizer, path, state) if self.main else None
+        out = checkpoints.save_model_atomic(model, tokenizer, path, state) if self.main else None
         self.barrier()
         return out
 

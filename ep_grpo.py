@@ -26,9 +26,10 @@ import typing
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import trange
 
+import checkpoints
+import cli
 import common
 import distributed
 import engines
@@ -44,22 +45,29 @@ class Args:
     seed: int = 1
     """seed of the experiment (prompts, sampling, initialization)"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard"""
+    """log to Weights & Biases as well as TensorBoard (needs pip install wandb)"""
     wandb_project: str = "credit-rlvr"
     """wandb project name (with --track)"""
     output_dir: str = "runs"
     """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
     save_model: bool = False
     """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    save_every: int = 0
+    """write a resumable checkpoint (<run-dir>/checkpoint: model, optimizer, RNG states, data position) every this
+    many steps and at the end; 0: only when the run is stopped with Ctrl-C"""
+    resume: str | None = None
+    """continue the run in this run directory from its checkpoint, with the flags it was started with (--total-steps may grow)"""
     device: str = "auto"
-    """cuda when available, else cpu"""
-    dtype: str = "auto"
-    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype: auto is bfloat16 on cuda, float32 on cpu"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default, one per core)"""
 
     # model and task
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
-    task: str = "arith"
+    task: Literal["arith", "gsm8k", "math", "code"] = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
@@ -78,11 +86,11 @@ class Args:
 
     # rollouts
     total_steps: int = 150
-    """optimizer steps of the run (each samples a new batch of prompts)"""
+    """training steps; each samples a new batch of prompts and makes num-iterations x num-minibatches optimizer steps"""
     prompts_per_step: int = 8
     """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets --num-generations completions"""
     num_generations: int = 8
-    """G: completions per prompt (the group)"""
+    """G: completions per prompt (the group; at least 2)"""
     max_new_tokens: int = 48
     """completion length cap (tokens); completions that hit it count as clipped"""
     temperature: float = 1.0
@@ -93,6 +101,17 @@ class Args:
     """top-k sampling (0 = off)"""
     gen_batch_size: int = 64
     """sequences per generate() call"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full again"""
+    max_sampling_rounds: int = 3
+    """with --dynamic-sampling: at most this many sampling rounds per step (then groups that were dropped fill the batch)"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a completion longer than max-new-tokens minus this loses reward linearly, up to
+    --overlong-penalty-factor at max-new-tokens (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the largest overlong penalty (with --overlong-buffer)"""
+    mask_truncated_completions: bool = False
+    """completions that hit --max-new-tokens get no loss (DAPO's overlong filtering)"""
 
     # optimization
     learning_rate: float = 1e-4
@@ -102,7 +121,10 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     num_iterations: int = 1
-    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    """mu: passes over each batch (with one mini-batch and mu = 1 the update is on-policy: the ratio is exactly 1)"""
+    num_minibatches: int = 1
+    """each pass splits the batch into this many mini-batches of whole prompts, one optimizer step each (CleanRL's
+    name; DAPO/verl: 4); only the first step is on-policy, so the ratio leaves 1 and clipping acts"""
     epsilon: float = 0.2
     """lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = None
@@ -110,14 +132,14 @@ class Args:
     # ALGO LOGIC: EP-GRPO's loss defaults (guessed, verl's GRPO): k3 KL 1e-3, token-mean
     beta: float = 1e-3
     """k3 KL coefficient to the frozen initial policy (with --process-anchor ref the reference is loaded even at 0: delta needs it)"""
-    loss_agg: str = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
-    scale_rewards: str = "group"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     outcome_std: Literal["population", "unbiased"] = "population"
     """std of the outcome advantage: population + 1e-6 (the spec, verl-style) or unbiased + 1e-4 (grpo.py, TRL)"""
     micro_batch_size: int = 16
-    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch)"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
@@ -131,7 +153,7 @@ class Args:
     """0 = greedy pass@1"""
 
     # rollout engine
-    engine: str = "auto"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
     vllm when it is importable and a GPU is present, else hf"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -363,16 +385,27 @@ def ep_metrics(adv, parts, entropy, mask) -> dict:
     }
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
-    if args.anchor_lag < 1 or not 0 <= args.anchor_ema_decay <= 1:  # ALGO LOGIC
-        raise SystemExit(f"need --anchor-lag >= 1 (got {args.anchor_lag}) and --anchor-ema-decay in [0, 1] (got {args.anchor_ema_decay})")
-    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
+def validate(args: Args) -> Args:
+    """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
+    args = cli.resume_args(args, Args) if args.resume else args
+    cli.check_common(args)
+    cli.need(args.num_generations >= 2, f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), "
+             f"got {args.num_generations}")
+    cli.need(args.anchor_lag >= 1 and 0 <= args.anchor_ema_decay <= 1, f"need --anchor-lag >= 1 (got {args.anchor_lag}) and "  # ALGO LOGIC
+             f"--anchor-ema-decay in [0, 1] (got {args.anchor_ema_decay})")
+    cli.need(args.num_buckets >= 1 and 0 <= args.pivot_quantile <= 1, f"need --num-buckets >= 1 (got {args.num_buckets}) and "
+             f"--pivot-quantile in [0, 1] (got {args.pivot_quantile})")
+    cli.need(args.gate_temp > 0 and args.process_clip > 0 and args.process_std_min >= 0, "need --gate-temp > 0, --process-clip > 0 "
+             f"and --process-std-min >= 0 (got {args.gate_temp}, {args.process_clip}, {args.process_std_min})")
+    return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)
 
-    # seeding, model, task
+
+if __name__ == "__main__":
+    args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
+    cli.set_threads(args.threads)
+    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    # seeding, model, task; a resumed run then restores its checkpoint into them
     dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
@@ -387,38 +420,36 @@ if __name__ == "__main__":
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
+    ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
+    moving = {} if anchor is ref_model else {"anchor": anchor}  # ALGO LOGIC: a moving anchor is part of the checkpoint
+    start = ckpt.restore(model, optimizer, batches, moving) if args.resume else 0
     engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
-    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
-    dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
-               f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
-    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
+    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
     G = args.num_generations
     # ALGO LOGIC: every EP-GRPO flag goes to ep_advantages under its own name (--gate -> gate=..., and so on)
     ep_flags = {k: getattr(args, k) for k in inspect.signature(ep_advantages).parameters if hasattr(args, k)}
     ep_flags["return_parts"] = True
 
-    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
-    logger.log(eval_metrics, 0)
-    metrics = dict(eval_metrics)
-    bar = trange(1, args.total_steps + 1, desc="ep_grpo", dynamic_ncols=True, disable=not dist.main)
+    if not start:  # a resumed run has its evaluations in its metrics.jsonl already
+        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+    eval_metrics = metrics = logger.last_eval
+    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc="ep_grpo", dynamic_ncols=True,
+                 disable=not dist.main)
     for step in bar:
-        # 1. rollouts: G completions per prompt
+        # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
+        #      DAPO's dynamic sampling and overlong penalty when asked
         t0 = time.time()
         common.reset_peak_memory(device)
-        examples = dist.shard(next(batches))
-        ro = common.generate_rollouts(
-            model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
-            args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
-        )
+        ro, rewards, sampling = common.rollouts_with_rewards(model, tokenizer, task, batches, dist, args)
+        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
+        T = mask.shape[1]
         t_gen = time.time() - t0
 
-        # 2. rewards, one per completion (the verifier sees the decoded text)
-        rewards = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]))
-        mask = ro.completion_mask
-        T = mask.shape[1]
-
         # 3. ALGO LOGIC: old log-probs and the rollout entropy (one no-grad pass: both from the same logits), and the
-        #    reference's (and the anchor's) log-probs. Credit assignment needs them, so this pass runs even at mu = 1.
+        #    reference's (and the anchor's) log-probs. Credit assignment needs them, so this pass runs even on-policy.
         t0 = time.time()
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
@@ -433,42 +464,36 @@ if __name__ == "__main__":
         ep_stats = ep_metrics(token_adv, parts, old_entropy, mask)
         t_adv = time.time() - t0
 
-        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
+        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         t0 = time.time()
-        N, (num_tokens, num_seqs) = len(ro), dist.loss_counts(mask)  # global counts / world size
-        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for s in range(0, N, args.micro_batch_size):
-                mb = slice(s, s + args.micro_batch_size)
-                dist.sync_grads(train_model, s + args.micro_batch_size >= N)
-                m = mask[mb].float()
-                logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
-                old = old_logp[mb] if old_logp is not None else logp.detach()
-                # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
-                A = token_adv[mb]
-                surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
-                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = common.k3_kl(logp, ref_logp[mb])
-                    per_token_loss = per_token_loss + args.beta * kl
-                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
-                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
-                common.stop_if_nonfinite(loss, "loss", step, metrics)
-                loss.backward()
-                # diagnostics
-                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
-                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
-                stats["policy_loss"] += loss.item() / args.num_iterations
-                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
-                if entropy is not None:
-                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
-            optimizer.step()
+            for rows in common.minibatches(ro.group_ids, args.num_minibatches):
+                optimizer.zero_grad(set_to_none=True)
+                num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
+                micro = rows.split(args.micro_batch_size)
+                for k, mb in enumerate(micro):
+                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    m = mask[mb].float()
+                    logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                    old = old_logp[mb]
+                    # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
+                    ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
+                    A = token_adv[mb]
+                    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                    per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
+                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    if kl is not None:
+                        per_token_loss = per_token_loss + args.beta * kl
+                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    common.stop_if_nonfinite(loss, "loss", step, metrics)
+                    loss.backward()
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+                optimizer.step()
+                stats.step(grad_norm)
         t_update = time.time() - t0
         # ALGO LOGIC: a moving process anchor follows the policy (--process-anchor ema / lagged)
         if args.process_anchor == "ema":
@@ -478,23 +503,26 @@ if __name__ == "__main__":
         elif args.process_anchor == "lagged" and step % args.anchor_lag == 0:
             anchor.load_state_dict(model.state_dict())
 
-        # 6. logging and evaluation
+        # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_adv + t_update  # ALGO LOGIC: + credit assignment time and EP-GRPO's logs
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **stats, **ep_stats, "time/advantages": t_adv,
-            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
-            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
-            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
-            **common.peak_memory(device),
+            **common.completion_metrics(ro, rewards, G), **sampling, **stats.metrics(), **ep_stats, "time/advantages": t_adv, "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": sampling["num_tokens"] / step_time, "time/generation": t_gen, "time/logprobs": t_logp,
+            "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
         }
-        if ref_model is None:
-            metrics.pop("kl")
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
             eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+        stopping = stop.requested(dist)  # Ctrl-C: save and leave after this step
+        if ckpt.due(step, args.total_steps) or stopping:
+            ckpt.save(step, model, tokenizer, optimizer, batches, moving)
+        if stopping:
+            logger.close()
+            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            raise SystemExit(130)
 
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")

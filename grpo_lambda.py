@@ -21,9 +21,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 from tqdm import trange
 
+import checkpoints
+import cli
 import common
 import distributed
 import engines
@@ -37,22 +38,29 @@ class Args:
     seed: int = 1
     """seed of the experiment (prompts, sampling, initialization)"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard"""
+    """log to Weights & Biases as well as TensorBoard (needs pip install wandb)"""
     wandb_project: str = "credit-rlvr"
     """wandb project name (with --track)"""
     output_dir: str = "runs"
     """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
     save_model: bool = False
     """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    save_every: int = 0
+    """write a resumable checkpoint (<run-dir>/checkpoint: model, optimizer, RNG states, data position) every this
+    many steps and at the end; 0: only when the run is stopped with Ctrl-C"""
+    resume: str | None = None
+    """continue the run in this run directory from its checkpoint, with the flags it was started with (--total-steps may grow)"""
     device: str = "auto"
-    """cuda when available, else cpu"""
-    dtype: str = "auto"
-    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype: auto is bfloat16 on cuda, float32 on cpu"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default, one per core)"""
 
     # model and task
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
-    task: str = "arith"
+    task: Literal["arith", "gsm8k", "math", "code"] = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
@@ -71,11 +79,11 @@ class Args:
 
     # rollouts
     total_steps: int = 150
-    """optimizer steps of the run (each samples a new batch of prompts)"""
+    """training steps; each samples a new batch of prompts and makes num-iterations x num-minibatches optimizer steps"""
     prompts_per_step: int = 8
     """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets --num-generations completions"""
     num_generations: int = 8
-    """G: completions per prompt (the group)"""
+    """G: completions per prompt (the group; at least 2)"""
     max_new_tokens: int = 48
     """completion length cap (tokens); completions that hit it count as clipped"""
     temperature: float = 1.0
@@ -86,6 +94,17 @@ class Args:
     """top-k sampling (0 = off)"""
     gen_batch_size: int = 64
     """sequences per generate() call"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full again"""
+    max_sampling_rounds: int = 3
+    """with --dynamic-sampling: at most this many sampling rounds per step (then groups that were dropped fill the batch)"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a completion longer than max-new-tokens minus this loses reward linearly, up to
+    --overlong-penalty-factor at max-new-tokens (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the largest overlong penalty (with --overlong-buffer)"""
+    mask_truncated_completions: bool = False
+    """completions that hit --max-new-tokens get no loss (DAPO's overlong filtering)"""
 
     # optimization
     learning_rate: float = 1e-4
@@ -95,19 +114,22 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     num_iterations: int = 1
-    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    """mu: passes over each batch (with one mini-batch and mu = 1 the update is on-policy: the ratio is exactly 1)"""
+    num_minibatches: int = 1
+    """each pass splits the batch into this many mini-batches of whole prompts, one optimizer step each (CleanRL's
+    name; DAPO/verl: 4); only the first step is on-policy, so the ratio leaves 1 and clipping acts"""
     epsilon: float = 0.2
     """lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = None
     """upper clip (DAPO's clip-higher uses 0.28); default: same as --epsilon"""
     beta: float = 0.0
     """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded)"""
-    loss_agg: str = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean (DAPO; default here, spec default), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
-    scale_rewards: str = "group"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     micro_batch_size: int = 16
-    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch)"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
@@ -121,7 +143,7 @@ class Args:
     """0 = greedy pass@1"""
 
     # rollout engine
-    engine: str = "auto"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
     vllm when it is importable and a GPU is present, else hf"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -252,17 +274,34 @@ def grpo_lambda_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torc
     return loss, ratio, z
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
-    adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
-    if not 0.0 <= args.gamma * args.lam <= 1.0 or (adv_floor is not None and adv_floor > 0):
-        raise ValueError(f"need 0 <= gamma*lam <= 1 and --adv-clamp <= 0 or none; got {args.gamma * args.lam}, {adv_floor}")
-    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
+def validate(args: Args) -> Args:
+    """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
+    args = cli.resume_args(args, Args) if args.resume else args
+    cli.check_common(args)
+    cli.need(args.num_generations >= 2, f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), "
+             f"got {args.num_generations}")
+    cli.need(0.0 <= args.gamma * args.lam <= 1.0, f"--gamma x --lam must be in [0, 1], got {args.gamma * args.lam}")  # ALGO LOGIC
+    cli.need(args.adv_clamp.lower() == "none" or _is_float(args.adv_clamp) and float(args.adv_clamp) <= 0,
+             f"--adv-clamp must be a number <= 0 or none, got {args.adv_clamp}")
+    cli.need(args.max_log_ratio > 0, f"--max-log-ratio must be > 0, got {args.max_log_ratio}")
+    return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)
 
-    # seeding, model, task
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
+    cli.set_threads(args.threads)
+    adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
+    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    # seeding, model, task; a resumed run then restores its checkpoint into them
     dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
@@ -274,114 +313,114 @@ if __name__ == "__main__":
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
+    ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
+    start = ckpt.restore(model, optimizer, batches) if args.resume else 0
     engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
-    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
-    dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
-               f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
-    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
+    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
     G = args.num_generations
 
-    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
-    logger.log(eval_metrics, 0)
-    metrics = dict(eval_metrics)
-    bar = trange(1, args.total_steps + 1, desc="grpo_lambda", dynamic_ncols=True, disable=not dist.main)
+    if not start:  # a resumed run has its evaluations in its metrics.jsonl already
+        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+    eval_metrics = metrics = logger.last_eval
+    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc="grpo_lambda", dynamic_ncols=True,
+                 disable=not dist.main)
     for step in bar:
-        # 1. rollouts: G completions per prompt
+        # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
+        #      DAPO's dynamic sampling and overlong penalty when asked
         t0 = time.time()
         common.reset_peak_memory(device)
-        examples = dist.shard(next(batches))
-        ro = common.generate_rollouts(
-            model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
-            args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
-        )
-        t_gen = time.time() - t0
-
-        # 2. rewards, one per completion (the verifier sees the decoded text)
-        rewards = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]))
-        mask = ro.completion_mask
+        ro, rewards, sampling = common.rollouts_with_rewards(model, tokenizer, task, batches, dist, args)
+        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
         T = mask.shape[1]
+        t_gen = time.time() - t0
 
         # 3. ALGO LOGIC: credit assignment. GRPO's group advantage is the critic-free TD error, its negative
         #    values clamped; the trace inside the ratio (step 5) carries it back to earlier tokens.
         advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu()).to(device)
         advantages = clamp_negative_advantages(advantages, adv_floor)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
-        c = trace_multipliers(mask.sum(1), args.lam, args.gamma, args.trace_style, T)  # on-policy credit per token
-        multiplier_mean = ((c * mask).sum() / mask.sum().clamp(min=1)).item()
 
-        # 4. old and reference log-probs (no gradient). With mu = 1 the old log-probs are the current
-        #    ones detached, so no extra forward pass is needed.
+        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
+        #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         t0 = time.time()
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
-            old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0] if args.num_iterations > 1 else None
+            on_policy = args.num_iterations == 1 and args.num_minibatches == 1
+            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
         t_logp = time.time() - t0
 
-        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
+        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         t0 = time.time()
-        N, (num_tokens, num_seqs) = len(ro), dist.loss_counts(mask)  # global counts / world size
-        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
-        stats.update({"trace/log_ratio_mean": 0.0, "trace/log_ratio_max": 0.0, "trace/clamped_frac": 0.0})  # ALGO LOGIC
+        stats = common.UpdateStats(mask, args.num_iterations)
+        trace = {"trace/log_ratio_mean": 0.0, "trace/log_ratio_max": 0.0, "trace/clamped_frac": 0.0, "credit": 0.0, "adv": 0.0}  # ALGO LOGIC
         for it in range(args.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for s in range(0, N, args.micro_batch_size):
-                mb = slice(s, s + args.micro_batch_size)
-                dist.sync_grads(train_model, s + args.micro_batch_size >= N)
-                m = mask[mb].float()
-                logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
-                old = old_logp[mb] if old_logp is not None else logp.detach()
-                # ALGO LOGIC: PPO-clipped surrogate of the traced ratio (ϵ-trace) or eligibility-weighted (ϵ-weight)
-                A = token_adv[mb]
-                per_token_loss, ratio, z = grpo_lambda_token_loss(
-                    logp, old, A, m, args.lam, args.gamma, args.trace_style, args.trace_apply, args.epsilon,
-                    args.epsilon_high, args.max_log_ratio,
-                )
-                per_token_loss = per_token_loss * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
-                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = common.k3_kl(logp, ref_logp[mb])
-                    per_token_loss = per_token_loss + args.beta * kl
-                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
-                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
-                common.stop_if_nonfinite(loss, "loss", step, metrics)
-                loss.backward()
-                # diagnostics
-                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
-                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
-                stats["policy_loss"] += loss.item() / args.num_iterations
-                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
-                z = z.detach()  # ALGO LOGIC: traced log-ratio diagnostics (max = largest |z|)
-                clamped = (z.abs() > args.max_log_ratio) * m
-                stats["trace/log_ratio_mean"] += ((z * m).sum() / num_tokens).item() / args.num_iterations
-                stats["trace/log_ratio_max"] = max(stats["trace/log_ratio_max"], (z.abs() * m).max().item())
-                stats["trace/clamped_frac"] += (clamped.sum() / num_tokens).item() / args.num_iterations
-                if entropy is not None:
-                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
-            optimizer.step()
+            for rows in common.minibatches(ro.group_ids, args.num_minibatches):
+                optimizer.zero_grad(set_to_none=True)
+                num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
+                micro = rows.split(args.micro_batch_size)
+                for k, mb in enumerate(micro):
+                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    m = mask[mb].float()
+                    logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                    old = old_logp[mb] if old_logp is not None else logp.detach()
+                    # ALGO LOGIC: PPO-clipped surrogate of the traced ratio (ϵ-trace) or eligibility-weighted (ϵ-weight)
+                    A = token_adv[mb]
+                    per_token_loss, ratio, z = grpo_lambda_token_loss(
+                        logp, old, A, m, args.lam, args.gamma, args.trace_style, args.trace_apply, args.epsilon,
+                        args.epsilon_high, args.max_log_ratio,
+                    )
+                    if it == 0:  # ALGO LOGIC: c_k = -(d loss / d log p_k) / A_k, the credit the loss gives each token
+                        g = torch.autograd.grad(per_token_loss.sum(), logp, retain_graph=True)[0]
+                        has_adv = (A != 0) * m
+                        trace["credit"] += (-g / torch.where(A != 0, A, 1.0) * has_adv).sum().item()
+                        trace["adv"] += has_adv.sum().item()
+                    per_token_loss = per_token_loss * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
+                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    if kl is not None:
+                        per_token_loss = per_token_loss + args.beta * kl
+                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    common.stop_if_nonfinite(loss, "loss", step, metrics)
+                    loss.backward()
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                    z = z.detach()  # ALGO LOGIC: traced log-ratio diagnostics (max = largest |z|)
+                    trace["trace/log_ratio_mean"] += (z * m).sum().item() / (stats.tokens * args.num_iterations)
+                    trace["trace/log_ratio_max"] = max(trace["trace/log_ratio_max"], (z.abs() * m).max().item())
+                    trace["trace/clamped_frac"] += ((z.abs() > args.max_log_ratio) * m).sum().item() / (stats.tokens * args.num_iterations)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+                optimizer.step()
+                stats.step(grad_norm)
         t_update = time.time() - t0
 
-        # 6. logging and evaluation
+        # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_update
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **stats,
-            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
-            "trace/multiplier_mean": multiplier_mean,  # ALGO LOGIC: mean c_k, the on-policy gradient scale vs GRPO
-            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
-            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
-            **common.peak_memory(device),
+            **common.completion_metrics(ro, rewards, G), **sampling, **stats.metrics(), "learning_rate": optimizer.param_groups[0]["lr"],
+            # ALGO LOGIC: the traced log-ratio, and the mean credit multiplier c_k measured on the loss over the tokens with an
+            # advantage (GRPO: 1; on-policy GRPO-λ: trace_multipliers, up to 1/(1 - γλ) early in a completion)
+            **{k: v for k, v in trace.items() if k.startswith("trace/")},
+            "trace/multiplier_mean": trace["credit"] / trace["adv"] if trace["adv"] else 0.0,
+            "tokens_per_second": sampling["num_tokens"] / step_time, "time/generation": t_gen, "time/logprobs": t_logp,
+            "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
         }
-        if ref_model is None:
-            metrics.pop("kl")
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
             eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+        stopping = stop.requested(dist)  # Ctrl-C: save and leave after this step
+        if ckpt.due(step, args.total_steps) or stopping:
+            ckpt.save(step, model, tokenizer, optimizer, batches)
+        if stopping:
+            logger.close()
+            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            raise SystemExit(130)
 
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")

@@ -1,9 +1,13 @@
-"""The two autograd functions behind `common.token_logprobs`: log p(y) = z[y]/tau - logsumexp(z/tau) in fp32 without
-the [B, T, V] fp32 tensors autograd would keep.
+"""What `common.token_logprobs` is built on: log p(y) = z[y]/tau - logsumexp(z/tau) in fp32 without the [B, T, V]
+fp32 tensors autograd would keep, on a padded batch laid out so that attention never sees an all-padding row.
 
-  SelectedLogProb     from the model's logits (any dtype), a few positions at a time (the unfused path)
+  right_padded        the training forward's layout: each row's left padding rotated to its end
+  completion_hidden   final hidden states at the positions that predict the completion (the fused path's input)
+  completion_logits   the model's own logits at those positions (the unfused path's input)
+  SelectedLogProb     log-probs from the model's logits (any dtype), a few positions at a time (the unfused path)
   FusedLinearLogProb  straight from the final hidden states and the lm_head weight: no [B, T, V] logits at all
   fused_logprobs_ok   whether a model may take the fused path (checked once per model against its own logits)
+  entropy_from_logits per-position entropy, a few positions at a time
 """
 
 from __future__ import annotations
@@ -125,3 +129,62 @@ def fused_logprobs_ok(model) -> bool:
     inner._rlvr_fused_ok = ok
     return ok
 
+
+def right_padded(ids: torch.Tensor, mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training-forward layout of a left-padded batch: each row rotated so that its left padding moves to
+    the end (prompt + completion first, then every pad), and columns that are padding in every row dropped.
+
+    Why: a left-pad position is a query row that may attend to no key at all (causal mask + padding mask).
+    Fused attention kernels may return NaN for such a row in bf16/fp16 (cuDNN's backward did, at some
+    lengths), and a NaN at a pad position reaches the real ones through the next layer's values. After the
+    rotation every query row sees at least the row's first token, whatever the attention implementation.
+    Position ids come from the mask, so every real token keeps the position `generate` gave it.
+
+    ids, mask: [b, L], each row [left pads][tokens, possibly followed by pads]. Returns ids and mask [b, L'],
+    position ids [b, L'] and keep [b, T]: the columns whose outputs predict each row's last T tokens of the
+    original layout (the last prompt token and completion tokens 0..T-2)."""
+    L = ids.shape[1]
+    shift = (mask.long().cumsum(1) == 0).sum(1)  # [b] leading pads
+    if bool((shift == L).any()):
+        raise ValueError("a row of the batch has no token (its attention mask is all 0)")
+    cols = torch.arange(L, device=ids.device)
+    idx = (cols[None, :] + shift[:, None]) % L  # rotate left by the row's number of leading pads
+    width = L - int(shift.min())  # the longest row: later columns are padding in every row
+    ids, mask = ids.gather(1, idx)[:, :width], mask.gather(1, idx)[:, :width]
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    keep = (L - T - 1 - shift)[:, None] + cols[None, :T]
+    return ids, mask, pos, keep
+
+
+def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens of each row
+    (rows laid out by `right_padded`); the lm_head runs on no position at all."""
+    ids, mask, pos, keep = right_padded(ids, mask, T)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False,
+                logits_to_keep=keep[0, :0])
+    h = out.hidden_states[-1]
+    return h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1]))
+
+
+def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    """Logits [b, T, V] (model dtype) predicting the last T tokens of each row (rows laid out by
+    `right_padded`): the lm_head runs only on the columns from the first to the last kept one
+    (`logits_to_keep`; exactly T columns when the rows' prompts have the same length, as within a group)."""
+    ids, mask, pos, keep = right_padded(ids, mask, T)
+    lo, hi = int(keep[:, 0].min()), int(keep[:, -1].max()) + 1
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                   logits_to_keep=torch.arange(lo, hi, device=ids.device)).logits
+    if hi - lo == T:  # every row's window starts at the same column: no copy
+        return logits
+    return logits.gather(1, (keep - lo)[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 128, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy [b, T] (nats, no gradient) of softmax(logits [b, T, V] / temperature) in fp32, `chunk`
+    positions at a time so only a [b, chunk, V] softmax exists at once."""
+    out = []
+    for t in range(0, logits.shape[1], chunk):
+        z = logits[:, t : t + chunk].detach().float() / temperature
+        out.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+    return torch.cat(out, dim=1)

@@ -15,17 +15,20 @@ Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no offic
 
 import copy
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
-import tyro
 from tqdm import trange
 
 import arith
+import checkpoints
+import cli
 import common
+import logprob_kernels
 import distributed
 import engines
 import tasks
@@ -38,22 +41,29 @@ class Args:
     seed: int = 1
     """seed of the experiment (prompts, sampling, initialization)"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard"""
+    """log to Weights & Biases as well as TensorBoard (needs pip install wandb)"""
     wandb_project: str = "credit-rlvr"
     """wandb project name (with --track)"""
     output_dir: str = "runs"
     """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
     save_model: bool = False
     """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    save_every: int = 0
+    """write a resumable checkpoint (<run-dir>/checkpoint: model, optimizer, RNG states, data position) every this
+    many steps and at the end; 0: only when the run is stopped with Ctrl-C"""
+    resume: str | None = None
+    """continue the run in this run directory from its checkpoint, with the flags it was started with (--total-steps may grow)"""
     device: str = "auto"
-    """cuda when available, else cpu"""
-    dtype: str = "auto"
-    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype: auto is bfloat16 on cuda, float32 on cpu"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default, one per core)"""
 
     # model and task
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
-    task: str = "arith"
+    task: Literal["arith", "gsm8k", "math", "code"] = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
@@ -72,11 +82,11 @@ class Args:
 
     # rollouts
     total_steps: int = 150
-    """optimizer steps of the run (each samples a new batch of prompts)"""
+    """training steps; each samples a new batch of prompts and makes num-iterations x num-minibatches optimizer steps"""
     prompts_per_step: int = 8
     """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets --num-generations completions"""
     num_generations: int = 8
-    """G: completions per prompt (the group)"""
+    """G: completions per prompt (the group; at least 2)"""
     max_new_tokens: int = 48
     """completion length cap (tokens); completions that hit it count as clipped"""
     temperature: float = 1.0
@@ -87,6 +97,17 @@ class Args:
     """top-k sampling (0 = off)"""
     gen_batch_size: int = 64
     """sequences per generate() call"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full again"""
+    max_sampling_rounds: int = 3
+    """with --dynamic-sampling: at most this many sampling rounds per step (then groups that were dropped fill the batch)"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a completion longer than max-new-tokens minus this loses reward linearly, up to
+    --overlong-penalty-factor at max-new-tokens (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the largest overlong penalty (with --overlong-buffer)"""
+    mask_truncated_completions: bool = False
+    """completions that hit --max-new-tokens get no loss (DAPO's overlong filtering)"""
 
     # optimization
     learning_rate: float = 1e-4
@@ -96,19 +117,22 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     num_iterations: int = 1
-    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    """mu: passes over each batch (with one mini-batch and mu = 1 the update is on-policy: the ratio is exactly 1)"""
+    num_minibatches: int = 1
+    """each pass splits the batch into this many mini-batches of whole prompts, one optimizer step each (CleanRL's
+    name; DAPO/verl: 4); only the first step is on-policy, so the ratio leaves 1 and clipping acts"""
     epsilon: float = 0.2
     """lower clip: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = None
     """upper clip (DAPO's clip-higher uses 0.28); default: same as --epsilon"""
     beta: float = 0.0
     """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded)"""
-    loss_agg: str = "seq-mean-token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """token-mean (DAPO), seq-mean-token-mean (original GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
-    scale_rewards: str = "group"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     micro_batch_size: int = 16
-    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch)"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
@@ -122,7 +146,7 @@ class Args:
     """0 = greedy pass@1"""
 
     # rollout engine
-    engine: str = "auto"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
     vllm when it is importable and a GPU is present, else hf"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -173,25 +197,29 @@ def group_rows(group_ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def route_groups(correct: torch.Tensor, group_size: int, generator: torch.Generator, group_ids: torch.Tensor | None = None,
-                 weighted: tuple[str, ...] = ("partial", "none")) -> tuple[list[str], torch.Tensor]:
+                 weighted: tuple[str, ...] = ("partial", "none"), scores: torch.Tensor | None = None) -> tuple[list[str], torch.Tensor]:
     """Each group's mode, by n_c = its number of correct rollouts, and each rollout's reference (paper §5.1).
 
     correct: [N] bool; groups share a `group_ids` value (default: consecutive blocks of `group_size`).
     Returns modes (one per group, first-appearance order) and ref [N] long: the row whose text conditions the
     rollout's teacher, -1 for none. partial (2 <= n_c < G): every rollout, correct or not, draws a correct rollout
-    other than itself uniformly. none (n_c = 0): one rollout o_r, drawn uniformly, is every other one's reference
-    (ref[o_r] = -1; it gets no loss). single (n_c = 1) and all (n_c = G), ablations, follow the partial rule. A kind
-    not in `weighted`, or a group of one, is "plain" (GRPO, f = 1). Random draws come from `generator` only.
+    other than itself uniformly. none (n_c = 0 and every score equal, the groups GRPO gets nothing from): one rollout
+    o_r, drawn uniformly, is every other one's reference (ref[o_r] = -1; it gets no loss). With graded rewards
+    (`scores`, e.g. the code task's fraction of tests passed) a group with n_c = 0 whose scores differ is "plain": its
+    GRPO advantages carry the partial credit. single (n_c = 1) and all (n_c = G), ablations, follow the partial rule. A
+    kind not in `weighted`, or a group of one, is "plain" (GRPO, f = 1). Random draws come from `generator` only.
     """
     correct, modes = correct.bool().cpu(), []
     gids = torch.arange(len(correct)) // group_size if group_ids is None else group_ids.cpu()
+    scores = correct.float() if scores is None else scores.float().cpu()
     ref = torch.full((len(correct),), -1, dtype=torch.long)
     for rows in group_rows(gids):
         if len(rows) != group_size:
             raise ValueError(f"every group must have {group_size} completions, got {len(rows)}")
         nc = int(correct[rows].sum())
         kind = "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
-        modes.append(kind if kind in weighted and len(rows) > 1 else "plain")
+        graded = kind == "none" and bool(scores[rows].max() > scores[rows].min())  # partial credit: GRPO advantages
+        modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
         if modes[-1] == "none":
             r = rows[torch.randint(len(rows), (1,), generator=generator)]
             ref[rows], ref[r] = r, -1
@@ -203,15 +231,41 @@ def route_groups(correct: torch.Tensor, group_size: int, generator: torch.Genera
     return modes, ref
 
 
+def micro_batches_of_groups(rows: torch.Tensor, group_ids: torch.Tensor, group_size: int, micro_batch_size: int,
+                            whole_groups: bool = True) -> list[torch.Tensor]:
+    """Micro-batches of a mini-batch's rows (in order): whole groups, micro_batch_size // G of them per micro-batch
+    (c is a micro-batch's percentile and a solve-none group is z-scored together); whole_groups False: grpo.py's."""
+    if not whole_groups:
+        return list(rows.split(micro_batch_size))
+    ids = group_ids[rows.cpu()].tolist()
+    units = [rows[[i for i, g in enumerate(ids) if g == u]] for u in dict.fromkeys(ids)]
+    per = max(1, micro_batch_size // group_size)
+    return [torch.cat(units[u : u + per]) for u in range(0, len(units), per)]
+
+
+def default_system_message(tokenizer) -> str:
+    """The system message a chat template puts in front of a conversation that has none (Qwen2.5's "You are Qwen,
+    created by Alibaba Cloud. ..."), '' when it adds none: the template rendered with a probe system message and
+    without one differs exactly there."""
+    probe, user = "\u2063sc-grpo-probe\u2063", [{"role": "user", "content": "x"}]
+    plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    with_probe = tokenizer.apply_chat_template([{"role": "system", "content": probe}] + user, add_generation_prompt=True, tokenize=False)
+    head = len(os.path.commonprefix([plain, with_probe]))
+    tail = len(os.path.commonprefix([plain[head:][::-1], with_probe[head:][::-1]]))
+    return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
+
+
 def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
-    """Token ids of the teacher's prompt: the reference tau, then the unchanged problem. Chat models: GUIDE + tau is
-    the system message and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the
-    student's prompt (for arith, arith_reference_prompt: the block the tiny model was trained on)."""
+    """Token ids of the teacher's prompt: the student's full context plus the reference tau (spec §1.2). Chat models:
+    the system message is the student's base system message (the template's default, if it has one) + GUIDE + tau,
+    and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's prompt (for
+    arith, arith_reference_prompt: the block the tiny model was trained on)."""
     tau = tau.strip()
     if tasks.has_chat_template(tokenizer):
         if not example.user:
             raise ValueError(f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's")
-        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=GUIDE + tau)
+        base = default_system_message(tokenizer)
+        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=(base + "\n\n" if base else "") + GUIDE + tau)
     elif task == "arith":
         text = arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
     else:
@@ -276,17 +330,17 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
     logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
-        logits = common.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, with gradient
+        logits = logprob_kernels.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, with gradient
         logps.append(logits.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
         if with_entropy:
-            ents.append(common.entropy_from_logits(logits))
+            ents.append(logprob_kernels.entropy_from_logits(logits))
         D = torch.zeros(ids.shape[0], T, device=ids.device)
         rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
         if rows:
             t0 = time.time()
             tp, tm = common.pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
             with torch.no_grad():
-                zt = common.completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
+                zt = logprob_kernels.completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
             idx, zs = torch.tensor(rows, device=ids.device), logits if kl_grad else logits.detach()
             with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
                 kl = torch.cat([token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[idx, t : t + time_chunk])
@@ -324,22 +378,30 @@ def diversity_advantage(scores: torch.Tensor, group_ids: torch.Tensor, alpha: fl
     return out
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
-    if not (0 <= args.percentile <= 100 and args.c_min > 0 and args.max_reference_tokens > 0):  # ALGO LOGIC
-        raise SystemExit("need 0 <= --percentile <= 100, --c-min > 0 and --max-reference-tokens > 0")
-    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
+def validate(args: Args) -> Args:
+    """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
+    args = cli.resume_args(args, Args) if args.resume else args
+    cli.check_common(args)
+    cli.need(args.num_generations >= 2, f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), "
+             f"got {args.num_generations}")
+    cli.need(0 <= args.percentile <= 100 and args.c_min > 0 and args.max_reference_tokens > 0,  # ALGO LOGIC
+             f"need 0 <= --percentile <= 100 (got {args.percentile}), --c-min > 0 (got {args.c_min}) and "
+             f"--max-reference-tokens > 0 (got {args.max_reference_tokens})")
+    cli.need(not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1), "sc_grpo.py does not support --fsdp yet "
+             "(its teacher passes differ in size per rank): use DDP, the default under torchrun")
+    return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)
 
-    # seeding, model, task
+
+if __name__ == "__main__":
+    args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
+    cli.set_threads(args.threads)
+    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+
+    # seeding, model, task; a resumed run then restores its checkpoint into them
     dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    if args.fsdp and dist.world > 1:  # FSDP needs every rank to run the same forwards; its teacher passes differ in size per rank
-        raise SystemExit("sc_grpo.py does not support --fsdp yet: use DDP (the default under torchrun)")
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     task = tasks.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
@@ -347,130 +409,118 @@ if __name__ == "__main__":
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
-    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
-    dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
-               f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
-    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
     G = args.num_generations
     # ALGO LOGIC: routing draws from its own generator (the sampling RNG stays grpo.py's); the teacher's context window
     route_gen = torch.Generator().manual_seed(args.seed)
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
+    solve_none = (lambda s: bool((s < 1.0).all())) if "none" in args.weighted_groups else None  # dynamic sampling keeps them
+    task_examples = {e.id: e for e in task.train}  # ALGO LOGIC: a row's example, by its group id
+    batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
+    ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
+    start = ckpt.restore(model, optimizer, batches, {"routing": route_gen}) if args.resume else 0
+    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
+    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
 
-    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
-    logger.log(eval_metrics, 0)
-    metrics = dict(eval_metrics)
-    bar = trange(1, args.total_steps + 1, desc="sc_grpo", dynamic_ncols=True, disable=not dist.main)
+    if not start:  # a resumed run has its evaluations in its metrics.jsonl already
+        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+    eval_metrics = metrics = logger.last_eval
+    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc="sc_grpo", dynamic_ncols=True,
+                 disable=not dist.main)
     for step in bar:
-        # 1. rollouts: G completions per prompt
+        # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
+        #      DAPO's dynamic sampling and overlong penalty when asked
         t0 = time.time()
         common.reset_peak_memory(device)
-        examples = dist.shard(next(batches))
-        ro = common.generate_rollouts(
-            model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G, args.max_new_tokens,
-            args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size,
-        )
-        t_gen = time.time() - t0
-
-        # 2. rewards, one per completion (the verifier sees the decoded text)
-        rewards = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]))
-        mask = ro.completion_mask
+        ro, rewards, sampling = common.rollouts_with_rewards(model, tokenizer, task, batches, dist, args, solve_none)
+        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
         T = mask.shape[1]
+        t_gen = time.time() - t0
 
         # 3. ALGO LOGIC: credit assignment. The GRPO advantage sets each token's direction. Each group is routed by its
         #    number of correct rollouts, and each routed rollout gets a teacher prompt: its reference tau before the problem.
         advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu()).to(device)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
-        gid, correct = ro.group_ids.cpu(), rewards >= 1.0
-        modes, ref = route_groups(correct, G, route_gen, gid, args.weighted_groups)
-        teacher_prompts, role, wlen, bad = build_teachers(tokenizer, args.task, ro, [e for e in examples for _ in range(G)],
-                                                          correct, ref, context - T, args.max_reference_tokens, route_gen)
+        gid, correct = ro.group_ids.cpu(), ro.scores >= 1.0  # correct: full verifier score (not the shaped reward)
+        modes, ref = route_groups(correct, G, route_gen, gid, args.weighted_groups, ro.scores)
+        row_examples = [task_examples[int(i)] for i in gid]
+        teacher_prompts, role, wlen, bad = build_teachers(tokenizer, args.task, ro, row_examples, correct, ref, context - T,
+                                                          args.max_reference_tokens, route_gen)
         role, wlen = role.to(device), wlen.to(device)
         weights, adv = torch.ones_like(mask, dtype=torch.float), token_adv.clone()  # f and A, filled per micro-batch
-        # micro-batches of whole groups (c is per micro-batch; a solve-none group is z-scored together); none: grpo.py's
-        units = group_rows(gid) if args.weight_mode == "multiply" else [torch.tensor([i]) for i in range(len(ro))]
-        per_mb = max(1, args.micro_batch_size // G) if args.weight_mode == "multiply" else args.micro_batch_size
-        micro_batches = [torch.cat(units[u : u + per_mb]).to(device) for u in range(0, len(units), per_mb)]
         kl_seen, f_seen, t_teacher, peak = [], [], 0.0, 0
 
-        # 4. old and reference log-probs (no gradient). With mu = 1 the old log-probs are the current
-        #    ones detached, so no extra forward pass is needed.
+        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
+        #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         t0 = time.time()
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
-            old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0] if args.num_iterations > 1 else None
+            on_policy = args.num_iterations == 1 and args.num_minibatches == 1
+            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
         t_logp = time.time() - t0
 
-        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
+        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         t0 = time.time()
-        N, (num_tokens, num_seqs) = len(ro), dist.loss_counts(mask)  # global counts / world size
-        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for j, mb in enumerate(micro_batches):
-                dist.sync_grads(train_model, j == len(micro_batches) - 1)
-                m = mask[mb].float()
-                # ALGO LOGIC: the student forward also gives D against each routed row's teacher (one no-grad forward).
-                #    f and the solve-none advantages come from the first pass (the teacher is then pi_old).
-                first = it == 0 and args.weight_mode == "multiply"
-                prompts = [teacher_prompts[i] for i in mb.tolist()] if first or args.kl_loss_coef > 0 else None
-                logp, entropy, D, tstat = logprobs_and_kl(train_model, input_ids[mb], attn[mb], T, args.temperature, prompts,
-                                                          tokenizer.pad_token_id, with_entropy=it == 0, kl_grad=args.kl_loss_coef > 0)
-                r = role[mb]
-                active = m * ((r == 1) | (r == 2))[:, None] * (torch.arange(T, device=device) < wlen[mb, None])
-                if first:
-                    f = kl_weights(D, active, args.percentile, args.c_min)  # c from this micro-batch's weighted tokens
-                    weights[mb] = torch.where((r == 0)[:, None], 1.0, f)  # plain rows 1; o_r and t >= L_i: 0
-                    div = r == 2
-                    if div.any():  # solve-none: s_i = mean f over the first L_i tokens, advantage alpha * zscore(s)
-                        s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
-                        adv[mb[div]] = diversity_advantage(s_div[div], gid[mb[div].cpu()], args.alpha)[:, None]
-                    adv[mb[r == 3]] = 0.0
-                    f_seen.append(f[active.bool()].cpu())
-                if it == 0 and prompts is not None:
-                    kl_seen.append(D.detach()[active.bool()].cpu())
-                t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
-                old = old_logp[mb] if old_logp is not None else logp.detach()
-                # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage, times the per-token weight f
-                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
-                A = adv[mb]
-                surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                per_token_loss = -surrogate * weights[mb] * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
-                if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
-                    per_token_loss = per_token_loss + args.kl_loss_coef * D * active
-                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = common.k3_kl(logp, ref_logp[mb])
-                    per_token_loss = per_token_loss + args.beta * kl
-                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
-                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
-                common.stop_if_nonfinite(loss, "loss", step, metrics)
-                loss.backward()
-                # diagnostics
-                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
-                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
-                stats["policy_loss"] += loss.item() / args.num_iterations
-                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
-                if entropy is not None:
-                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
-            optimizer.step()
+            for rows in common.minibatches(ro.group_ids, args.num_minibatches):
+                optimizer.zero_grad(set_to_none=True)
+                num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
+                micro = micro_batches_of_groups(rows, gid, G, args.micro_batch_size, args.weight_mode == "multiply")  # ALGO LOGIC
+                for k, mb in enumerate(micro):
+                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    m = mask[mb].float()
+                    # ALGO LOGIC: the student forward also gives D against each routed row's teacher (one no-grad forward).
+                    #    f and the solve-none advantages come from the first pass (the teacher is then the current policy).
+                    first = it == 0 and args.weight_mode == "multiply"
+                    prompts = [teacher_prompts[i] for i in mb.tolist()] if first or args.kl_loss_coef > 0 else None
+                    logp, entropy, D, tstat = logprobs_and_kl(train_model, input_ids[mb], attn[mb], T, args.temperature, prompts,
+                                                              tokenizer.pad_token_id, with_entropy=it == 0, kl_grad=args.kl_loss_coef > 0)
+                    r = role[mb]
+                    active = m * ((r == 1) | (r == 2))[:, None] * (torch.arange(T, device=device) < wlen[mb, None])
+                    if first:
+                        f = kl_weights(D, active, args.percentile, args.c_min)  # c from this micro-batch's weighted tokens
+                        weights[mb] = torch.where((r == 0)[:, None], 1.0, f)  # plain rows 1; o_r and t >= L_i: 0
+                        div = r == 2
+                        if div.any():  # solve-none: s_i = mean f over the first L_i tokens, advantage alpha * zscore(s)
+                            s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
+                            adv[mb[div]] = diversity_advantage(s_div[div], gid[mb[div].cpu()], args.alpha)[:, None]
+                        adv[mb[r == 3]] = 0.0
+                        f_seen.append(f[active.bool()].cpu())
+                    if it == 0 and prompts is not None:
+                        kl_seen.append(D.detach()[active.bool()].cpu())
+                    t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
+                    old = old_logp[mb] if old_logp is not None else logp.detach()
+                    # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage, times the per-token weight f
+                    ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
+                    A = adv[mb]
+                    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                    per_token_loss = -surrogate * weights[mb] * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
+                    if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
+                        per_token_loss = per_token_loss + args.kl_loss_coef * D * active
+                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    if kl is not None:
+                        per_token_loss = per_token_loss + args.beta * kl
+                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    common.stop_if_nonfinite(loss, "loss", step, metrics)
+                    loss.backward()
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+                optimizer.step()
+                stats.step(grad_norm)
         t_update = time.time() - t0
 
-        # 6. logging and evaluation
+        # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_update
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **stats,
-            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
-            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
-            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
-            **common.peak_memory(device),
+            **common.completion_metrics(ro, rewards, G), **sampling, **stats.metrics(), "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": sampling["num_tokens"] / step_time, "time/generation": t_gen, "time/logprobs": t_logp,
+            "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
         }
-        if ref_model is None:
-            metrics.pop("kl")
         # ALGO LOGIC: D and f over this step's weighted tokens (0 when none), group routing, teacher cost, bad inputs
         kl_all, f_all = torch.cat(kl_seen + [torch.zeros(0)]), torch.cat(f_seen + [torch.zeros(0)])
         q = np.percentile(kl_all.numpy(), [75, 95]).tolist() if len(kl_all) else [0.0, 0.0]  # (no 2^24 size limit)
@@ -486,6 +536,13 @@ if __name__ == "__main__":
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+        stopping = stop.requested(dist)  # Ctrl-C: save and leave after this step
+        if ckpt.due(step, args.total_steps) or stopping:
+            ckpt.save(step, model, tokenizer, optimizer, batches, {"routing": route_gen})
+        if stopping:
+            logger.close()
+            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            raise SystemExit(130)
 
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")

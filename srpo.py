@@ -17,16 +17,19 @@ token cap binds; the paper's 256-token thought cap and 20-thought limit are not 
 
 import copy
 import dataclasses
+import os
 import random
 import re
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
-import tyro
 from tqdm import trange
 
 import arith
+import checkpoints
+import cli
 import common
 import distributed
 import engines
@@ -41,22 +44,29 @@ class Args:
     seed: int = 1
     """seed of the experiment (prompts, sampling, initialization)"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard"""
+    """log to Weights & Biases as well as TensorBoard (needs pip install wandb)"""
     wandb_project: str = "credit-rlvr"
     """wandb project name (with --track)"""
     output_dir: str = "runs"
     """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
     save_model: bool = False
     """save the final policy as a Hugging Face directory <output-dir>/<run-name>/model (atomic write)"""
+    save_every: int = 0
+    """write a resumable checkpoint (<run-dir>/checkpoint: model, optimizer, RNG states, data position) every this
+    many steps and at the end; 0: only when the run is stopped with Ctrl-C"""
+    resume: str | None = None
+    """continue the run in this run directory from its checkpoint, with the flags it was started with (--total-steps may grow)"""
     device: str = "auto"
-    """cuda when available, else cpu"""
-    dtype: str = "auto"
-    """model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"""
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """model dtype: auto is bfloat16 on cuda, float32 on cpu"""
+    threads: int = 0
+    """torch CPU threads (0: torch's default, one per core)"""
 
     # model and task
     model: str = common.DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
-    task: str = "arith"
+    task: Literal["arith", "gsm8k", "math", "code"] = "arith"
     """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
     data_path: str | None = None
     """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
@@ -75,7 +85,7 @@ class Args:
 
     # rollouts
     total_steps: int = 150
-    """optimizer steps of the run (each samples a new batch of prompts)"""
+    """training steps; each samples a new batch of prompts and makes num-iterations x num-minibatches optimizer steps"""
     prompts_per_step: int = 8
     """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets --num-generations trained trajectories"""
     num_generations: int = 8
@@ -90,11 +100,13 @@ class Args:
     """top-k sampling (0 = off)"""
     gen_batch_size: int = 64
     """sequences per generate() call"""
+    mask_truncated_completions: bool = False
+    """completions that hit --max-new-tokens get no loss (DAPO's overlong filtering)"""
 
     # ALGO LOGIC: resets
-    reset: str = "self"
+    reset: Literal["self", "random", "oracle"] = "self"
     """where to reset a failed parent: self (SRPO, the policy localizes), random (RRPO), oracle (task's first error)"""
-    split: str = "1x4"
+    split: Literal["1x4", "2x4", "1x8"] = "1x4"
     """1x4: 4 fresh + 4 suffixes of one parent; 2x4: 2 parents x 4 suffixes; 1x8: 1 parent x 8 suffixes"""
     max_fresh_attempts: int = 12
     """fresh chains sampled per prompt while looking for failed parents; none found: plain GRPO on fresh chains"""
@@ -105,7 +117,8 @@ class Args:
     localization_max_new_tokens: int | None = None
     """token cap of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps; 1024 otherwise)"""
     clip: bool = False
-    """ablation: PPO-clipped surrogate instead of plain REINFORCE (the paper's clip ablation used token-mean)"""
+    """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official ablation also used
+    --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch, so the ratio leaves 1)"""
     no_mask: bool = False
     """ablation: train continuations on prefix tokens too (unmasked)"""
 
@@ -117,17 +130,20 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     num_iterations: int = 1
-    """mu: optimizer passes over each batch (1 = on-policy: the ratio is exactly 1)"""
+    """mu: passes over each batch (with one mini-batch and mu = 1 the update is on-policy: the ratio is exactly 1)"""
+    num_minibatches: int = 1
+    """each pass splits the batch into this many mini-batches of whole prompts, one optimizer step each (CleanRL's
+    name; DAPO/verl: 4); only the first step is on-policy, so the ratio leaves 1 and clipping acts"""
     epsilon: float = 0.2
     """lower clip (with --clip): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = None
     """upper clip (with --clip); default: same as --epsilon"""
     beta: float = 0.0
     """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded; the paper uses 0)"""
-    loss_agg: str = "seq-mean-token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """token-mean (DAPO), seq-mean-token-mean (the paper's), seq-mean-token-sum-norm (Dr. GRPO)"""
     micro_batch_size: int = 16
-    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole batch)"""
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch)"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
@@ -141,7 +157,7 @@ class Args:
     """0 = greedy pass@1"""
 
     # rollout engine
-    engine: str = "auto"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
     """hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
     vllm when it is importable and a GPU is present, else hf"""
     vllm_gpu_memory_utilization: float = 0.3
@@ -156,6 +172,8 @@ class Args:
     """seconds a collective waits for the other ranks before the run stops with an error"""
 
 
+MAX_THOUGHTS, THOUGHT_TOKENS = 20, 256  # the official chain: at most 20 thoughts; thoughts over 256 tokens are counted
+DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (a negative-advantage token's loss <= 3|A|)
 LOCALIZATION_PROMPT = (
     "Your task is to localize the first erroneous step in your own previous solution to a problem.\n\n"
     "Problem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
@@ -248,13 +266,9 @@ def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> to
     return completion_mask * (torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None])
 
 
-def prefix_token_count(tokenizer, ids: list[int], text: str, k: int, delimiter: str) -> int:
-    """Tokens of `ids` that lie before thought k (k >= 2): the longest token prefix whose decoded text
-    ends at or before thought k's first character (a token straddling the boundary is left out)."""
-    starts = thought_starts(text, delimiter)
-    if k < 2 or k > len(starts):
-        return 0
-    cut = starts[k - 1]
+def tokens_before(tokenizer, ids: list[int], cut: int) -> int:
+    """The longest token prefix of `ids` whose decoded text ends at or before character `cut` (a token straddling
+    the cut is left out). Token ids are never re-tokenized, so kept prefixes are exactly what was sampled."""
     lo, hi = 0, len(ids)
     while lo < hi:  # largest i with len(decode(ids[:i])) <= cut
         mid = (lo + hi + 1) // 2
@@ -265,58 +279,97 @@ def prefix_token_count(tokenizer, ids: list[int], text: str, k: int, delimiter: 
     return lo
 
 
-def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
-    """Fresh chains, parent search, localization and suffix sampling for one step.
+def prefix_token_count(tokenizer, ids: list[int], text: str, k: int, delimiter: str) -> int:
+    """Tokens of `ids` that lie before thought k (k >= 2; 0 for k = 1 or a k past the last thought)."""
+    starts = thought_starts(text, delimiter)
+    return tokens_before(tokenizer, ids, starts[k - 1]) if 2 <= k <= len(starts) else 0
 
-    Returns (common.Rollouts of the trained trajectories with group_ids = normalization groups,
-    rewards [N], suffix_start [N] in response-token coordinates, info dict for the logs).
+
+def protocol_cut(tokenizer, ids: list[int], text: str, delimiter: str, max_thoughts: int = MAX_THOUGHTS) -> list[int]:
+    """The official chain's stopping rules applied to a response generated in one call (spec §8(a)): it ends after
+    the first thought that contains `\\boxed{` and after `max_thoughts` thoughts. Returns the kept token ids."""
+    starts = thought_starts(text, delimiter)
+    ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
+    last = next((i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]), len(starts) - 1)
+    last = min(last, max_thoughts - 1)
+    if last < 0 or last == len(starts) - 1:
+        return ids  # nothing after the last kept thought but its own end
+    return ids[: tokens_before(tokenizer, ids, ends[last])]
+
+
+def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
+    """Fresh chains, parent search, localization and suffix sampling for one step, each stage batched over the
+    step's prompts: fresh rounds (all prompts, then the ones still without their parents), one localization call,
+    and one call for every continuation and fallback chain.
+
+    Returns common.Rollouts of the trained trajectories (group_ids = normalization groups), rewards [N], suffix_start
+    [N] in response-token coordinates, prompt_of_row [N] (the example id of each row) and an info dict for the logs.
     Parents are never among the returned trajectories.
     """
     n_parents = 2 if args.split == "2x4" else 1
     K = args.num_generations if args.split == "1x8" else args.num_generations // 2  # suffixes per parent
     n_base = args.num_generations - n_parents * K
-    delim = args.thought_delimiter
-    info = {k: 0 for k in ("loc_empty", "loc_no_error", "loc_out_of_range", "loc_unparsable", "parent_one_thought",
-                           "prefix_overflow", "generated_tokens", "fresh_chains")}
+    delim, max_new = args.thought_delimiter, args.max_new_tokens
+    info = {k: 0 for k in ("loc_empty", "loc_no_error", "loc_out_of_range", "loc_unparsable", "loc_truncated",
+                           "parent_one_thought", "prefix_overflow", "generated_tokens", "fresh_chains", "long_thoughts",
+                           "oracle_early_stop")}
 
-    def sample(prompts, n, max_new, temperature=args.temperature):
-        ro = common.generate_rollouts(model, tokenizer, prompts, list(range(len(prompts))), n, max_new, temperature,
+    def sample(prompts, max_new_tokens, temperature=args.temperature):
+        """One generate call, one completion per prompt; each response cut by the protocol, with its text and reward."""
+        ro = common.generate_rollouts(model, tokenizer, prompts, list(range(len(prompts))), 1, max_new_tokens, temperature,
                                       args.top_p, args.top_k, batch_size=args.gen_batch_size)
         info["generated_tokens"] += int(ro.completion_mask.sum())
-        return [ro.completion_ids[i][ro.completion_mask[i].bool()].tolist() for i in range(len(ro))], ro
+        out = []
+        for i in range(len(ro)):
+            ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
+            cut = protocol_cut(tokenizer, ids, ro.texts[i], delim)
+            text = ro.texts[i] if len(cut) == len(ids) else tokenizer.decode(cut, skip_special_tokens=True)
+            out.append((cut, text, bool(ro.truncated[i])))
+        return out
 
-    # 1. fresh chains, in rounds, until each prompt has its failed parents (or max_fresh_attempts)
-    chains = {e.id: [] for e in examples}  # per prompt, in sampling order: (ids, text, reward)
-    is_parent = lambda c: c[2] < 1.0 and bool(split_thoughts(c[1], delim))  # failed, with >= 1 thought  # noqa: E731
+    # 1. fresh chains in rounds until each prompt has its failed parents and its base chains (official order: the
+    #    first failures are parents, the next chains fill the base group, chains with no thought go to the base)
+    state = {e.id: {"parents": [], "base": [], "tried": 0} for e in examples}
     pending, size = list(examples), n_parents + n_base
     while pending:
-        n = min(size, args.max_fresh_attempts - len(chains[pending[0].id]))
-        ids_list, ro = sample([e.prompt_ids for e in pending], n, args.max_new_tokens)
-        rewards = task.rewards(ro.texts, [e for e in pending for _ in range(n)])
-        for i, e in enumerate(pending):
-            for j in range(n):
-                chains[e.id].append((ids_list[i * n + j], ro.texts[i * n + j], rewards[i * n + j]))
-        info["fresh_chains"] += n * len(pending)
-        pending = [e for e in pending if sum(map(is_parent, chains[e.id])) < n_parents
-                   and len(chains[e.id]) < args.max_fresh_attempts]
+        sizes = [min(size, args.max_fresh_attempts - state[e.id]["tried"]) for e in pending]
+        chains = sample([e.prompt_ids for e, n in zip(pending, sizes) for _ in range(n)], max_new)
+        scores = task.rewards([c[1] for c in chains], [e for e, n in zip(pending, sizes) for _ in range(n)])
+        info["fresh_chains"] += len(chains)
+        it = iter(zip(chains, scores))
+        for e, n in zip(pending, sizes):
+            st = state[e.id]
+            for (ids, text, trunc), r in (next(it) for _ in range(n)):
+                done = len(st["parents"]) == n_parents and len(st["base"]) == n_base
+                st["tried"] += not done  # a chain drawn after the prompt was done is surplus: ignored
+                if done:
+                    continue
+                thoughts = split_thoughts(text, delim)
+                info["long_thoughts"] += sum(len(tokenizer(t, add_special_tokens=False).input_ids) > THOUGHT_TOKENS for t in thoughts) if len(ids) > THOUGHT_TOKENS else 0
+                if thoughts and r < 1.0 and len(st["parents"]) < n_parents:
+                    st["parents"].append((ids, text, r))
+                elif len(st["base"]) < n_base:
+                    st["base"].append((ids, text, r))
+                st.setdefault("seen", []).append((ids, text, r))
+        pending = [e for e in pending if (len(state[e.id]["parents"]) < n_parents or len(state[e.id]["base"]) < n_base)
+                   and state[e.id]["tried"] < args.max_fresh_attempts]
         size = max(1, args.num_generations // 2)
 
-    rows, parents = [], []  # rows: (example, response ids, suffix_start, group key, reward)
+    rows, parents, topups = [], [], []  # rows: (example, response ids, suffix_start, group key, reward)
     for e in examples:
-        found = [c for c in chains[e.id] if is_parent(c)][:n_parents]
-        if len(found) < n_parents:  # fallback: plain GRPO on fresh chains
-            rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in chains[e.id][: args.num_generations]]
-            continue
-        base = [c for c in chains[e.id] if not any(c is p for p in found)][:n_base]
-        rows += [(e, c[0], 0, (e.id, "base"), c[2]) for c in base]
-        parents += [(e, p, j) for j, p in enumerate(found)]
-    missing = [e for e in examples if sum(r[0] is e for r in rows) + K * sum(p[0] is e for p in parents) < args.num_generations]
-    for e in missing:  # max_fresh_attempts < num_generations: top the fallback group up
-        need = args.num_generations - sum(r[0] is e for r in rows)
-        ids_list, ro = sample([e.prompt_ids], need, args.max_new_tokens)
-        rows += [(e, ids, 0, (e.id, "fresh"), r) for ids, r in zip(ids_list, task.rewards(ro.texts, [e] * need))]
+        st = state[e.id]
+        if len(st["parents"]) == n_parents:
+            rows += [(e, c[0], 0, (e.id, "base"), c[2]) for c in st["base"]]
+            parents += [(e, p, j) for j, p in enumerate(st["parents"])]
+        elif args.split == "1x8":  # official 1x8 fallback: GRPO on the chains sampled so far (then fresh ones if short)
+            rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in st["seen"][: args.num_generations]]
+            topups += [e] * (args.num_generations - len(st["seen"][: args.num_generations]))
+        else:  # official fallback: the base chains (1x4) or the failures found (2x4), topped up with fresh chains
+            kept = st["base"][:n_base] if args.split == "1x4" else st["parents"]
+            rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in kept]
+            topups += [e] * (args.num_generations - len(kept))
 
-    # 2. reset index per parent: self-localization, random, or the oracle
+    # 2. reset index per parent: self-localization (one call for every parent), random, or the oracle
     t0 = time.time()
     thoughts = [split_thoughts(p[1], delim) for _, p, _ in parents]
     replies = [None] * len(parents)
@@ -329,9 +382,11 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
                 steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(th, 1))
                 plain = LOCALIZATION_PROMPT.format(question=e.question, steps=steps, n=len(th))
             loc_prompts.append(tasks.encode_prompt(tokenizer, tasks.render_prompt(tokenizer, plain, plain)))
-        max_new = args.localization_max_new_tokens or (192 if task.name == "arith" else 1024)
-        _, ro = sample(loc_prompts, 1, max_new, max(args.localization_temperature, 1e-5))
-        replies = ro.texts
+        cap = args.localization_max_new_tokens or (192 if task.name == "arith" else 4096)
+        ro = common.generate_rollouts(model, tokenizer, loc_prompts, list(range(len(loc_prompts))), 1, cap,
+                                      max(args.localization_temperature, 1e-5), args.top_p, args.top_k, batch_size=args.gen_batch_size)
+        info["generated_tokens"] += int(ro.completion_mask.sum())
+        replies, info["loc_truncated"] = ro.texts, int(ro.truncated.sum())  # a cut-off reply usually parses to step 1
     info["time_localization"] = time.time() - t0
     ks, oracle_ks, cont_prompts, prefixes = [], [], [], []
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
@@ -339,9 +394,8 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
         oracle = None
         if task.name == "arith":
             oracle = arith.arith_first_error(e.question, p[1])
+            info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # every line right, stopped early
             oracle_ks.append(min(max(oracle or len(th), 1), len(th)))
-        elif args.reset == "oracle":
-            raise SystemExit(f"--reset oracle needs a task with a first-wrong-step oracle (arith), not {task.name!r}")
         if reply is not None:
             kind = localization_reply_kind(reply, len(th))
             if kind != "ok":
@@ -354,22 +408,25 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
             k, n_prefix = 1, 0
         ks.append((k, len(th)))
         prefixes.append(p[0][:n_prefix])
-        cont_prompts.append(e.prompt_ids + p[0][:n_prefix])
+        cont_prompts += [e.prompt_ids + p[0][:n_prefix]] * K
 
-    # 3. K continuations per parent from prompt + prefix (same sampling settings), cut to the response budget
-    if parents:
-        ids_list, _ = sample(cont_prompts, K, args.max_new_tokens)
-        new = [(e, prefix + s[: max(args.max_new_tokens - len(prefix), 1)], len(prefix), (e.id, "reset", j))
-               for i, ((e, p, j), prefix) in enumerate(zip(parents, prefixes)) for s in ids_list[i * K : (i + 1) * K]]
-        texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in new]
-        rows += [r + (reward,) for r, reward in zip(new, task.rewards(texts, [r[0] for r in new]))]
+    # 3. one call for all of it: K continuations per parent from prompt + prefix (same sampling settings, cut to
+    #    the response budget, prefix included) and the fresh chains of the fallback groups
+    chains = sample(cont_prompts + [e.prompt_ids for e in topups], max_new)
+    new = [(e, prefix + s[0][: max(max_new - len(prefix), 1)], len(prefix), (e.id, "reset", j))
+           for i, ((e, p, j), prefix) in enumerate(zip(parents, prefixes)) for s in chains[i * K : (i + 1) * K]]
+    new += [(e, c[0], 0, (e.id, "fresh")) for e, c in zip(topups, chains[len(cont_prompts):])]
+    texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in new]
+    rows += [r + (reward,) for r, reward in zip(new, task.rewards(texts, [r[0] for r in new]))]
 
     # 4. the trained batch, one group id per normalization group (base, each reset group, or the fallback)
     keys, device = {}, next(model.parameters()).device
+    rows.sort(key=lambda r: [e.id for e in examples].index(r[0].id))  # each prompt's rows together (stable)
     ro = common.make_rollouts(tokenizer, [r[0].prompt_ids for r in rows], [r[1] for r in rows],
                               [keys.setdefault(r[3], len(keys)) for r in rows], common.stop_token_ids(model, tokenizer), device)
     rewards = torch.tensor([r[4] for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r[2] for r in rows], device=device)
+    prompt_of_row = torch.tensor([r[0].id for r in rows], device=device)
     reset_rewards = [r[4] for r in rows if r[3][1] == "reset"]
     info.update(
         normalized_position=sum((k - 1) / n for k, n in ks) / len(ks) if ks else 0.0,
@@ -383,28 +440,39 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
         info["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
         info["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)
         info["oracle_after"] = sum(k > o for (k, _), o in zip(ks, oracle_ks)) / len(ks)  # the kept prefix holds the error
-    return ro, rewards, suffix_start, info
+    return ro, rewards, suffix_start, prompt_of_row, info
+
+
+def validate(args: Args) -> Args:
+    """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
+    args = cli.resume_args(args, Args) if args.resume else args
+    cli.check_common(args)
+    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[args.split]  # ALGO LOGIC: the split's groups must each hold >= 2 trajectories
+    cli.need(args.num_generations >= need_g and args.num_generations % need_g == 0, f"--num-generations must be a multiple of "
+             f"{need_g} (at least {need_g}) for --split {args.split}, got {args.num_generations}")
+    cli.need(args.max_fresh_attempts >= 1 and args.localization_temperature >= 0, f"need --max-fresh-attempts >= 1 (got "
+             f"{args.max_fresh_attempts}) and --localization-temperature >= 0 (got {args.localization_temperature})")
+    cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
+    cli.need(not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1), "srpo.py does not support --fsdp yet (its sampling "
+             "rounds differ in size per rank): use DDP, the default under torchrun")
+    cli.need(args.reset != "oracle" or args.task == "arith", f"--reset oracle needs a task with a first-wrong-step oracle "
+             f"(arith), not --task {args.task}")
+    delimiter = args.thought_delimiter if args.thought_delimiter is not None else "\n" if args.task == "arith" else "\n\n"
+    return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+                               thought_delimiter=delimiter)
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.epsilon_high is None:
-        args.epsilon_high = args.epsilon
-    if args.thought_delimiter is None:
-        args.thought_delimiter = "\n" if args.task == "arith" else "\n\n"
-    if args.split not in ("1x4", "2x4", "1x8") or args.reset not in ("self", "random", "oracle"):
-        raise SystemExit(f"--split must be 1x4, 2x4 or 1x8 and --reset self, random or oracle (got {args.split}, {args.reset})")
-    run_name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.output_dir) / run_name
+    args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
+    cli.set_threads(args.threads)
+    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
 
-    # seeding, model, task
+    # seeding, model, task; a resumed run then restores its checkpoint into them
     dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    if args.fsdp and dist.world > 1:  # FSDP needs every rank to run the same forwards; its sampling rounds differ in size per rank
-        raise SystemExit("srpo.py does not support --fsdp yet: use DDP (the default under torchrun)")
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     task = tasks.load_task(
         args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
@@ -412,102 +480,104 @@ if __name__ == "__main__":
         arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
+    ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
+    start = ckpt.restore(model, optimizer, batches, {"resets": rng}) if args.resume else 0
     engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
-    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main)
-    dist.print(f"run {run_name}: logs in {run_dir}/ (tensorboard --logdir {args.output_dir}); "
-               f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}")
-    batches = common.prompt_batches(task.train, args.prompts_per_step, args.seed)
+    logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
+    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
     G = args.num_generations
 
-    eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
-    logger.log(eval_metrics, 0)
-    metrics = dict(eval_metrics)
-    bar = trange(1, args.total_steps + 1, desc=f"srpo[{args.reset}]", dynamic_ncols=True, disable=not dist.main)
+    if not start:  # a resumed run has its evaluations in its metrics.jsonl already
+        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+    eval_metrics = metrics = logger.last_eval
+    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc=f"srpo[{args.reset}]", dynamic_ncols=True,
+                 disable=not dist.main)
     for step in bar:
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
         t0 = time.time()
         common.reset_peak_memory(device)
         examples = dist.shard(next(batches))
-        ro, rewards, suffix_start, reset_info = collect_rollouts(model, tokenizer, task, examples, args, rng)
-        t_gen = time.time() - t0
-        mask = ro.completion_mask
+        ro, rewards, suffix_start, prompt_of_row, reset_info = collect_rollouts(model, tokenizer, task, examples, args, rng)
+        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
         T = mask.shape[1]
+        t_gen = time.time() - t0
 
         # 3. ALGO LOGIC: credit assignment. Each normalization group (base, each reset group, or the fallback
         #    group) is z-scored on its own with the population std; the shared prefix is masked out.
         advantages = common.group_advantages(rewards, None, "group", eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False).to(device)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
-        loss_mask = mask if args.no_mask else suffix_mask(mask, suffix_start)
+        mask = mask if args.no_mask else suffix_mask(mask, suffix_start)
 
-        # 4. old and reference log-probs (no gradient). With mu = 1 the old log-probs are the current
-        #    ones detached, so no extra forward pass is needed.
+        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
+        #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         t0 = time.time()
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
-            old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0] if args.num_iterations > 1 else None
+            on_policy = args.num_iterations == 1 and args.num_minibatches == 1
+            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
         t_logp = time.time() - t0
 
-        # 5. update: mu passes, each one optimizer step over the whole batch in micro-batches
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
+        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         t0 = time.time()
-        N, (num_tokens, num_seqs) = len(ro), dist.loss_counts(loss_mask)  # global counts / world size
-        stats = {k: 0.0 for k in ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")}
+        stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for s in range(0, N, args.micro_batch_size):
-                mb = slice(s, s + args.micro_batch_size)
-                dist.sync_grads(train_model, s + args.micro_batch_size >= N)
-                m = loss_mask[mb].float()
-                logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
-                old = old_logp[mb] if old_logp is not None else logp.detach()
-                # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate
-                ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
-                A = token_adv[mb]
-                if args.clip:
-                    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                else:
-                    surrogate = logp * A
-                per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats if it == 0 else None, num_tokens)  # vLLM: truncated IS
-                if ref_logp is not None:  # k3 estimator of KL(pi || pi_ref)
-                    kl = common.k3_kl(logp, ref_logp[mb])
-                    per_token_loss = per_token_loss + args.beta * kl
-                    stats["kl"] += ((kl * m).sum() / num_tokens).item() / args.num_iterations
-                loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
-                common.stop_if_nonfinite(loss, "loss", step, metrics)
-                loss.backward()
-                # diagnostics
-                low = ((ratio < 1 - args.epsilon) & (A < 0)).float()
-                high = ((ratio > 1 + args.epsilon_high) & (A > 0)).float()
-                stats["policy_loss"] += loss.item() / args.num_iterations
-                stats["clip_ratio/low_mean"] += ((low * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/high_mean"] += ((high * m).sum() / num_tokens).item() / args.num_iterations
-                stats["clip_ratio/region_mean"] += (((low + high) * m).sum() / num_tokens).item() / args.num_iterations
-                if entropy is not None:
-                    stats["entropy"] += ((entropy * m).sum() / num_tokens).item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
-            optimizer.step()
+            for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # ALGO LOGIC: mini-batches of whole prompts
+                optimizer.zero_grad(set_to_none=True)
+                num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
+                micro = rows.split(args.micro_batch_size)
+                for k, mb in enumerate(micro):
+                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    m = mask[mb].float()
+                    logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                    old = old_logp[mb] if old_logp is not None else logp.detach()
+                    # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate with dual-clip 3 (verl's)
+                    ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
+                    A = token_adv[mb]
+                    if args.clip:
+                        surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                        surrogate = torch.where(A < 0, torch.max(surrogate, DUAL_CLIP * A), surrogate)  # dual-clip: loss <= -3A
+                    else:
+                        surrogate = logp * A
+                    per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
+                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    if kl is not None:
+                        per_token_loss = per_token_loss + args.beta * kl
+                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    common.stop_if_nonfinite(loss, "loss", step, metrics)
+                    loss.backward()
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
+                optimizer.step()
+                stats.step(grad_norm)
         t_update = time.time() - t0
 
-        # 6. logging and evaluation
+        # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_update
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **stats,
-            "grad_norm": grad_norm.item(), "learning_rate": optimizer.param_groups[0]["lr"],
-            "tokens_per_second": num_tokens / step_time, "num_tokens": num_tokens,
-            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time,
-            **common.peak_memory(device),
-            **{f"reset/{k}": v for k, v in reset_info.items() if k != "time_localization"},
-            "time/localization": reset_info["time_localization"],
+            **common.completion_metrics(ro, rewards, G), **stats.metrics(), "learning_rate": optimizer.param_groups[0]["lr"],
+            "num_tokens": float(ro.completion_mask.sum()), "tokens_per_second": float(ro.completion_mask.sum()) / step_time,
+            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
+            **{f"reset/{k}": v for k, v in reset_info.items() if k != "time_localization"}, "time/localization": reset_info["time_localization"],
+            "sampling/generated_tokens": reset_info["generated_tokens"],
         }
-        if ref_model is None:
-            metrics.pop("kl")
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
             eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{eval_metrics['eval/accuracy']:.3f}")
+        stopping = stop.requested(dist)  # Ctrl-C: save and leave after this step
+        if ckpt.due(step, args.total_steps) or stopping:
+            ckpt.save(step, model, tokenizer, optimizer, batches, {"resets": rng})
+        if stopping:
+            logger.close()
+            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            raise SystemExit(130)
 
     logger.close()
     dist.print(f"final eval accuracy {eval_metrics['eval/accuracy']:.3f}; metrics in {run_dir}/metrics.jsonl")

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import checkpoints
 import common
 import logprob_kernels
 from helpers import padded_batch, random_model
@@ -173,14 +174,14 @@ def test_save_model_atomic_refuses_nan_and_replaces(tmp_path):
             (d / "tokenizer.json").write_text("{}")
 
     model = random_model()
-    out = common.save_model_atomic(model, Tok(), tmp_path / "ckpt")
+    out = checkpoints.save_model_atomic(model, Tok(), tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
-    common.save_model_atomic(model, Tok(), tmp_path / "ckpt")  # overwrite in place
+    checkpoints.save_model_atomic(model, Tok(), tmp_path / "ckpt")  # overwrite in place
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
-        common.save_model_atomic(model, Tok(), tmp_path / "ckpt2")
+        checkpoints.save_model_atomic(model, Tok(), tmp_path / "ckpt2")
     assert not (tmp_path / "ckpt2").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
 
@@ -266,7 +267,7 @@ def test_right_padded_layout_keeps_tokens_positions_and_predicting_columns():
     ids = torch.tensor([[0, 0, 3, 4, 5, 6, 0], [1, 2, 3, 4, 5, 0, 0], [0, 0, 0, 9, 8, 7, 6]])
     mask = (ids != 0).long()
     T = 3  # the completion is the last 3 columns
-    r_ids, r_mask, pos, keep = common.right_padded(ids, mask, T)
+    r_ids, r_mask, pos, keep = logprob_kernels.right_padded(ids, mask, T)
     assert r_ids.shape[1] == 7  # the second row has no left padding: nothing to drop
     for b in range(3):
         n = int(mask[b].sum())
@@ -278,10 +279,10 @@ def test_right_padded_layout_keeps_tokens_positions_and_predicting_columns():
             if mask[b, -T + t]:
                 assert r_ids[b, keep[b, t] + 1] == want[t]
         assert keep[b].tolist() == [7 - T - 1 - shift + t for t in range(T)]
-    trimmed = common.right_padded(ids[[0, 2]], mask[[0, 2]], T)[0]
+    trimmed = logprob_kernels.right_padded(ids[[0, 2]], mask[[0, 2]], T)[0]
     assert trimmed.shape[1] == 5  # both rows have >= 2 left pads: two all-padding columns are dropped
     with pytest.raises(ValueError, match="no token"):
-        common.right_padded(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), 2)
+        logprob_kernels.right_padded(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), 2)
 
 
 def test_eager_and_sdpa_attention_give_the_same_log_probs_on_a_padded_batch():
@@ -333,3 +334,103 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
         common.generate_rollouts(ck, tok, [prompts[0]], [0], 2, 4)
     assert ck.training
     assert common.peak_memory(torch.device("cpu")) == {}
+
+
+class _Args:
+    """The fields rollouts_with_rewards reads."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(dict(num_generations=4, prompts_per_step=2, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
+                                  gen_batch_size=64, dynamic_sampling=False, max_sampling_rounds=3, overlong_buffer=0,
+                                  overlong_penalty_factor=1.0), **kw)
+
+
+def _scripted_task(tok, scores_by_id):
+    """A task whose reward is looked up by the example id and the completion's index in its group."""
+    import tasks
+
+    task = tasks.load_task("arith", tok, seed=0, num_eval=2, arith_num_train=50)
+    seen = {}
+
+    def reward(completion, ex):
+        seen[ex.id] = seen.get(ex.id, -1) + 1
+        return scores_by_id(ex.id, seen[ex.id])
+
+    task.reward_fn = reward
+    return task
+
+
+def test_dynamic_sampling_drops_constant_groups_and_refills(tiny):
+    """Prompts with an even id get all-equal rewards (no signal): with --dynamic-sampling they are dropped and more
+    prompts are drawn until the batch holds prompts_per_step groups with a signal."""
+    import distributed
+
+    model, tok = tiny
+    task = _scripted_task(tok, lambda i, k: 1.0 if i % 2 == 0 else float(k % 2))
+    batches = common.prompt_batches(task.train, 2, seed=3)
+    ro, rewards, info = common.rollouts_with_rewards(model, tok, task, batches, distributed.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=10))
+    assert len(ro) == 8 and all(int(g) % 2 == 1 for g in ro.group_ids)  # only groups with a signal were kept
+    assert info["sampling/groups_kept"] == 1.0 and info["sampling/prompts_drawn"] >= 2
+    assert torch.equal(rewards, ro.scores) and rewards.tolist() == [0.0, 1.0] * 4
+    assert info["sampling/generated_tokens"] >= info["num_tokens"]
+    assert list(ro.input_ids.shape) == [8, ro.prompt_ids.shape[1] + ro.completion_ids.shape[1]]
+    # without it, the first batch is trained whatever its rewards
+    ro2, _, info2 = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=3), distributed.Dist(), _Args())
+    assert "sampling/groups_kept" not in info2 and len(ro2) == 8
+
+
+def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
+    import distributed
+
+    model, tok = tiny
+    task = _scripted_task(tok, lambda i, k: 0.0)  # nothing ever has a signal
+    ro, rewards, info = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=0),
+                                                     distributed.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=2))
+    assert len(ro) == 8 and info["sampling/rounds"] == 2 and info["sampling/groups_kept"] == 0.0 and info["sampling/prompts_drawn"] == 4
+    keep = lambda s: True  # noqa: E731 - SC-GRPO keeps its solve-none groups
+    ro, _, info = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=0),
+                                               distributed.Dist(), _Args(dynamic_sampling=True), keep)
+    assert info["sampling/rounds"] == 1 and info["sampling/groups_kept"] == 1.0
+
+
+def test_overlong_penalty_is_dapos_linear_ramp(tiny):
+    """DAPO: 0 up to max - buffer tokens, then (max - buffer - L) / buffer * factor, -factor at max. Hand values with
+    max 48, buffer 16, factor 0.5: L <= 32 -> 0, L = 40 -> -0.25, L = 48 -> -0.5."""
+    import distributed
+
+    model, tok = tiny
+    task = _scripted_task(tok, lambda i, k: 1.0)
+    ro, rewards, info = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=0),
+                                                     distributed.Dist(), _Args(max_new_tokens=48, overlong_buffer=16,
+                                                                               overlong_penalty_factor=0.5))
+    L = ro.completion_mask.sum(1).float()
+    want = 1.0 + torch.where(L <= 32, 0.0, -(L - 32) / 16 * 0.5)
+    assert torch.allclose(rewards, want) and (ro.scores == 1.0).all()
+    assert ((L > 32) & (L < 48)).any()  # the tiny model's solutions (~40 tokens) land on the ramp
+    assert info["reward/overlong_penalty"] == pytest.approx((want - 1).mean().item())
+
+
+def test_minibatches_hold_whole_groups_in_order():
+    gids = torch.tensor([5, 5, 9, 9, 2, 2, 7, 7])
+    mbs = common.minibatches(gids, 2)
+    assert [m.tolist() for m in mbs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    mixed = torch.tensor([5, 9, 5, 9])  # rows of a group need not be adjacent (SRPO's)
+    assert [m.tolist() for m in common.minibatches(mixed, 2)] == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="must divide"):
+        common.minibatches(gids, 3)
+
+
+def test_update_stats_hand_values():
+    """Clip fractions and kl are token means over every pass, entropy over the first, loss and grad norm per step."""
+    st = common.UpdateStats(torch.tensor([[1, 1, 0], [1, 0, 0]]), passes=2)  # 3 tokens
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ratio = torch.tensor([[0.7, 1.0, 0.1], [1.5, 1.0, 1.0]])
+    adv = torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]])
+    st.add(m, ratio, adv, 0.2, 0.28, entropy=torch.full((2, 3), 2.0), kl=torch.full((2, 3), 0.3), loss=torch.tensor(1.0))
+    st.step(4.0)
+    st.add(m, torch.ones(2, 3), adv, 0.2, 0.28, kl=torch.zeros(2, 3), loss=torch.tensor(3.0))
+    st.step(2.0)
+    out = st.metrics()
+    assert out["clip_ratio/low_mean"] == pytest.approx(1 / 6) and out["clip_ratio/high_mean"] == pytest.approx(1 / 6)
+    assert out["clip_ratio/region_mean"] == pytest.approx(2 / 6) and out["entropy"] == pytest.approx(2.0)
+    assert out["kl"] == pytest.approx(0.9 / 6) and out["policy_loss"] == 2.0 and out["grad_norm"] == 3.0

@@ -63,23 +63,6 @@ def test_grpo_help_lists_every_flag():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--task", "chess"], "unknown task 'chess'"),
-        (["--model", "./no/such/model"], "no such directory"),
-        (["--task", "gsm8k", "--data-path", "missing.jsonl"], "no such file"),
-        (["--loss-agg", "sum"], "unknown loss aggregation"),
-        (["--prompts-per-step", "0"], "at least one prompt"),
-    ],
-)
-def test_grpo_bad_input_is_a_clear_error(tmp_path, args, message):
-    out = run_script("grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *args)
-    assert out.returncode != 0
-    assert message in out.stderr, out.stderr[-2000:]
-
-
-@pytest.mark.slow
 def test_grpo_nan_loss_stops_without_checkpoint(tmp_path, monkeypatch):
     real = tasks.load_task
 

@@ -112,7 +112,7 @@ def test_collect_rollouts_oracle_batch(tiny):
     model, tok = tiny
     torch.manual_seed(0)
     task, examples = _task(tok, 4)
-    ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="oracle"), random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="oracle"), random.Random(0))
     assert len(ro) == 8 * len(examples)  # the budget: 8 trained trajectories per prompt
     prompts = [tuple(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()) for i in range(len(ro))]
     assert all(prompts.count(tuple(e.prompt_ids)) == 8 for e in examples)
@@ -134,11 +134,34 @@ def test_collect_rollouts_fallback_when_nothing_fails(tiny):
     model, tok = tiny
     task, examples = _task(tok, 2)
     task.reward_fn = lambda completion, ex: 1.0
-    ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0))
     assert info["num_parents"] == 0 and info["fallback_share"] == 1.0
     assert info["fresh_chains"] == 6 * 2  # searched up to max_fresh_attempts, then topped up to 8 below
     assert len(ro) == 16 and (suffix_start == 0).all()
     assert torch.unique(ro.group_ids, return_counts=True)[1].tolist() == [8, 8]  # one GRPO group of 8 per prompt
+    assert sorted(prompt_of_row.tolist()) == sorted([e.id for e in examples] * 8)
+
+
+@pytest.mark.slow
+def test_easy_prompt_fallback_samples_fresh_chains_official(tiny):
+    """No failure among the searched chains: the official 1x4 fallback keeps the 4 base chains and samples 4 fresh
+    ones (it used to reuse searched chains, all correct by construction, so the group could never give a signal).
+    Here the searched chains are all right and every fresh one is wrong: the group has a signal."""
+    model, tok = tiny
+    task, examples = _task(tok, 2)
+    calls = {}
+
+    def reward(completion, ex):
+        calls[ex.id] = calls.get(ex.id, 0) + 1
+        return 1.0 if calls[ex.id] <= 6 else 0.0  # 6 = max_fresh_attempts: the search, then the top-ups
+
+    task.reward_fn = reward
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6),
+                                                                           random.Random(0))
+    assert info["num_parents"] == 0 and all(n == 6 + 4 for n in calls.values())
+    for e in examples:
+        r = rewards[prompt_of_row == e.id]
+        assert sorted(r.tolist()) == [0.0] * 4 + [1.0] * 4  # 4 kept base chains (right) + 4 fresh ones (wrong)
 
 
 @pytest.mark.slow
@@ -154,7 +177,7 @@ def test_parent_never_enters_the_batch(tiny):
         return 0.0 if seen[ex.id] == 1 else 1.0
 
     task.reward_fn = reward
-    ro, rewards, suffix_start, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="random"), random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="random"), random.Random(0))
     assert info["num_parents"] == 2
     assert len(ro) == 16 and (rewards == 1.0).all()
 
@@ -225,3 +248,27 @@ def test_srpo_ablation_flags_run(tmp_path, flags):
     run_inprocess("srpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *flags)
     rows = read_metrics(tmp_path)
     assert rows[1]["reward"] == rows[1]["reward"]  # not NaN
+
+
+def test_protocol_cut_ends_after_the_boxed_thought_and_at_twenty_thoughts(tiny):
+    _, tok = tiny
+    text = "First step.\n\nSo x = 4, \\boxed{4}.\n\nBut also 5.\n\nDone."
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(srpo.protocol_cut(tok, ids, text, "\n\n")) == "First step.\n\nSo x = 4, \\boxed{4}."
+    long = "\n".join(f"{i}+1={i + 1}" for i in range(25))
+    ids = tok(long, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    kept = tok.decode(srpo.protocol_cut(tok, ids, long, "\n"), skip_special_tokens=True)
+    assert kept == "\n".join(f"{i}+1={i + 1}" for i in range(20))
+    short = "1+1=2\n#### 2"  # nothing to cut: the ids come back unchanged (the stop token included)
+    ids = tok(short, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert srpo.protocol_cut(tok, ids, short, "\n") == ids
+
+
+@pytest.mark.slow
+def test_clip_ablation_clips_with_several_minibatch_steps(tmp_path):
+    """--clip with --num-minibatches 4: after the first optimizer step the ratio leaves 1, so the clipped surrogate and
+    its clip fractions are live (with one step per batch the ratio is exactly 1 and --clip changed nothing)."""
+    run_inprocess("srpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), *FAST, "--prompts-per-step", "4", "--clip", "--num-minibatches", "4",
+                  "--loss-agg", "token-mean", "--learning-rate", "5e-4", "--epsilon", "0.02", "--seed", "2")
+    rows = read_metrics(tmp_path)
+    assert max(r["clip_ratio/region_mean"] for r in rows[1:]) > 0

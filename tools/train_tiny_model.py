@@ -37,6 +37,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import arith  # noqa: E402
+import checkpoints  # noqa: E402
 import common  # noqa: E402
 import rewards  # noqa: E402
 from sc_grpo import arith_reference_prompt  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
@@ -287,7 +288,7 @@ def save(model, tok, args: Args, report: dict, n_params: int, history: list, ini
     """Write the model and its training report (atomically) to --out-dir; a warm start keeps the
     report of the run it started from under "init_from_report"."""
     model.eval()
-    out = common.save_model_atomic(model, tok, args.out_dir)
+    out = checkpoints.save_model_atomic(model, tok, args.out_dir)
     report = dict(report, params=n_params, args=dataclasses.asdict(args), history=history)
     if init_report is not None:
         report["init_from_report"] = init_report

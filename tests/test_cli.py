@@ -1,0 +1,106 @@
+"""Bad input ends with one line naming the flag or file and what is allowed, exit code 2, no traceback, before
+anything loads and before the run directory exists (cli.py and each script's validate)."""
+import gzip
+import importlib.util
+import json
+import time
+
+import pytest
+
+import cli
+from helpers import run_script
+
+CASES = [  # (script, flags, words the one line must hold)
+    ("grpo.py", ["--num-generations", "1"], ["--num-generations", ">= 2"]),
+    ("grpo.py", ["--num-generations", "0"], ["--num-generations", ">= 2"]),
+    ("srpo.py", ["--num-generations", "1"], ["--num-generations", "multiple of 2"]),
+    ("grpo.py", ["--prompts-per-step", "0"], ["--prompts-per-step", ">= 1"]),
+    ("grpo.py", ["--prompts-per-step", "-3"], ["--prompts-per-step", ">= 1"]),
+    ("grpo.py", ["--loss-agg", "sum"], ["--loss-agg", "token-mean", "seq-mean-token-sum-norm"]),
+    ("grpo.py", ["--scale-rewards", "x"], ["--scale-rewards", "group", "batch", "none"]),
+    ("grpo.py", ["--dtype", "fp32"], ["--dtype", "float32", "bfloat16"]),
+    ("grpo.py", ["--temperature", "0"], ["--temperature", "> 0"]),
+    ("grpo.py", ["--micro-batch-size", "0"], ["--micro-batch-size", ">= 1"]),
+    ("grpo.py", ["--model", "assets/tiny-arth"], ["--model assets/tiny-arth", "no such directory"]),
+    ("grpo.py", ["--num-minibatches", "3"], ["--num-minibatches 3", "divide", "--prompts-per-step 8"]),
+    ("sc_grpo.py", ["--percentile", "120"], ["--percentile"]),
+    ("grpo_lambda.py", ["--adv-clamp", "0.5"], ["--adv-clamp", "<= 0"]),
+    ("ep_grpo.py", ["--anchor-lag", "0"], ["--anchor-lag", ">= 1"]),
+    ("srpo.py", ["--reset", "oracle", "--task", "gsm8k", "--data-path", "DATA"], ["--reset oracle", "arith"]),
+    ("grpo.py", ["--device", "tpu"], ["--device tpu", "cuda:N"]),
+    ("grpo.py", ["--resume", "no/such/run"], ["--resume no/such/run", "not a run directory"]),
+]
+
+
+def _check_one_line(out, words, output_dir):
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not any(output_dir.iterdir()), "a run directory was created for a run that never started"
+
+
+@pytest.mark.parametrize("script, flags, words", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
+def test_bad_flag_is_one_clear_line(tmp_path, script, flags, words):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    out_dir = tmp_path / "runs"
+    out_dir.mkdir()
+    flags = [str(data) if f == "DATA" else f for f in flags]
+    t0 = time.time()
+    out = run_script(script, *flags, "--output-dir", str(out_dir), timeout=120)
+    _check_one_line(out, words, out_dir)
+    assert time.time() - t0 < 60  # before anything loads: no hub retries, no model
+
+
+def _data(tmp_path, name, text):
+    p = tmp_path / name
+    if name.endswith(".gz"):
+        with gzip.open(p, "wt") as f:
+            f.write(text)
+    else:
+        p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("name, text, task, words", [
+    ("bad.jsonl", '{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n', "gsm8k", ["bad.jsonl:2:", "not a JSON object"]),
+    ("empty.jsonl", "\n\n", "gsm8k", ["empty.jsonl", "empty"]),
+    ("list.jsonl", '[1, 2]\n', "gsm8k", ["list.jsonl:1:", "expected a JSON object"]),
+    ("missing.jsonl", '{"question": "a"}\n', "gsm8k", ["missing.jsonl: row 1", "answer"]),
+    ("code.jsonl.gz", '{"prompt": "def f():", "test": "t"}\n', "code", ["row 1", "entry_point"]),
+    ("x.csv", "a,b\n", "gsm8k", ["x.csv", ".jsonl"]),
+])
+def test_bad_data_file_is_one_clear_line(tmp_path, name, text, task, words):
+    path = _data(tmp_path, name, text)
+    out_dir = tmp_path / "runs"
+    out_dir.mkdir()
+    out = run_script("grpo.py", "--task", task, "--data-path", str(path), "--output-dir", str(out_dir), timeout=120)
+    _check_one_line(out, words, out_dir)
+
+
+def test_data_path_the_task_ignores_is_an_error(tmp_path):
+    data = _data(tmp_path, "x.jsonl", '{"question": "a", "answer": "#### 1"}\n')
+    out_dir = tmp_path / "runs"
+    out_dir.mkdir()
+    out = run_script("grpo.py", "--task", "arith", "--data-path", str(data), "--output-dir", str(out_dir), timeout=120)
+    _check_one_line(out, ["--data-path", "arith", "reads no data file"], out_dir)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here: --track would work")
+def test_track_without_wandb_says_how_to_install_it(tmp_path):
+    out = run_script("grpo.py", "--track", "--output-dir", str(tmp_path), timeout=120)
+    _check_one_line(out, ["--track", "pip install wandb"], tmp_path)
+
+
+def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
+    assert cli.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [{"x": 1}, {"x": 2}]
+    assert cli.read_rows(str(_data(tmp_path, "b.json", '[{"x": 1}]')), "--data-path") == [{"x": 1}]
+
+
+@pytest.mark.parametrize("name, local", [("assets/tiny-arth", True), ("./model", True), ("/abs/dir", True), ("a/b/c", True),
+                                         ("Qwen/Qwen2.5-0.5B", False), ("gpt2", False)])
+def test_looks_like_path(name, local):
+    assert cli.looks_like_path(name) is local

@@ -298,9 +298,12 @@ def protocol_cut(tokenizer, ids: list[int], text: str, delimiter: str, max_thoug
 
 
 def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
-    """Fresh chains, parent search, localization and suffix sampling for one step, each stage batched over the
-    step's prompts: fresh rounds (all prompts, then the ones still without their parents), one localization call,
-    and one call for every continuation and fallback chain.
+    """Fresh chains, parent search, localization and suffix sampling for one step, each stage batched over the step's
+    prompts, in at most four generate calls: (1) the first fresh chains of every prompt; (2) for the prompts still
+    without their parents, every remaining attempt plus the fresh chains a fallback group would need, and (random and
+    oracle resets) the continuations of the parents found so far; (3) SRPO's localization of every parent; (4) the
+    continuations not sampled yet. Chains are used in sampling order, so the result is the sequential protocol's;
+    chains drawn after a prompt was settled are surplus (counted in the generated tokens, never trained on).
 
     Returns common.Rollouts of the trained trajectories (group_ids = normalization groups), rewards [N], suffix_start
     [N] in response-token coordinates, prompt_of_row [N] (the example id of each row) and an info dict for the logs.
@@ -312,70 +315,101 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     delim, max_new = args.thought_delimiter, args.max_new_tokens
     info = {k: 0 for k in ("loc_empty", "loc_no_error", "loc_out_of_range", "loc_unparsable", "loc_truncated",
                            "parent_one_thought", "prefix_overflow", "generated_tokens", "fresh_chains", "long_thoughts",
-                           "oracle_early_stop")}
+                           "oracle_early_stop", "generate_calls")}
+    max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
 
     def sample(prompts, max_new_tokens, temperature=args.temperature):
         """One generate call, one completion per prompt; each response cut by the protocol, with its text and reward."""
+        if not prompts:
+            return []
         ro = common.generate_rollouts(model, tokenizer, prompts, list(range(len(prompts))), 1, max_new_tokens, temperature,
                                       args.top_p, args.top_k, batch_size=args.gen_batch_size)
         info["generated_tokens"] += int(ro.completion_mask.sum())
+        info["generate_calls"] += 1
         out = []
         for i in range(len(ro)):
             ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
             cut = protocol_cut(tokenizer, ids, ro.texts[i], delim)
-            text = ro.texts[i] if len(cut) == len(ids) else tokenizer.decode(cut, skip_special_tokens=True)
-            out.append((cut, text, bool(ro.truncated[i])))
+            out.append((cut, ro.texts[i] if len(cut) == len(ids) else tokenizer.decode(cut, skip_special_tokens=True)))
+            if len(ids) > THOUGHT_TOKENS:  # the official loop closes a thought at 256 tokens; here they are counted
+                info["long_thoughts"] += sum(len(tokenizer(t, add_special_tokens=False).input_ids) > THOUGHT_TOKENS
+                                             for t in split_thoughts(out[-1][1], delim))
         return out
 
-    # 1. fresh chains in rounds until each prompt has its failed parents and its base chains (official order: the
-    #    first failures are parents, the next chains fill the base group, chains with no thought go to the base)
-    state = {e.id: {"parents": [], "base": [], "tried": 0} for e in examples}
-    pending, size = list(examples), n_parents + n_base
-    while pending:
-        sizes = [min(size, args.max_fresh_attempts - state[e.id]["tried"]) for e in pending]
-        chains = sample([e.prompt_ids for e, n in zip(pending, sizes) for _ in range(n)], max_new)
-        scores = task.rewards([c[1] for c in chains], [e for e, n in zip(pending, sizes) for _ in range(n)])
-        info["fresh_chains"] += len(chains)
-        it = iter(zip(chains, scores))
-        for e, n in zip(pending, sizes):
-            st = state[e.id]
-            for (ids, text, trunc), r in (next(it) for _ in range(n)):
-                done = len(st["parents"]) == n_parents and len(st["base"]) == n_base
-                st["tried"] += not done  # a chain drawn after the prompt was done is surplus: ignored
-                if done:
-                    continue
-                thoughts = split_thoughts(text, delim)
-                info["long_thoughts"] += sum(len(tokenizer(t, add_special_tokens=False).input_ids) > THOUGHT_TOKENS for t in thoughts) if len(ids) > THOUGHT_TOKENS else 0
-                if thoughts and r < 1.0 and len(st["parents"]) < n_parents:
-                    st["parents"].append((ids, text, r))
-                elif len(st["base"]) < n_base:
-                    st["base"].append((ids, text, r))
-                st.setdefault("seen", []).append((ids, text, r))
-        pending = [e for e in pending if (len(state[e.id]["parents"]) < n_parents or len(state[e.id]["base"]) < n_base)
-                   and state[e.id]["tried"] < args.max_fresh_attempts]
-        size = max(1, args.num_generations // 2)
+    def scored(chains, owners):
+        return [(ids, text, r) for (ids, text), r in zip(chains, task.rewards([c[1] for c in chains], owners))]
 
-    rows, parents, topups = [], [], []  # rows: (example, response ids, suffix_start, group key, reward)
-    for e in examples:
-        st = state[e.id]
-        if len(st["parents"]) == n_parents:
-            rows += [(e, c[0], 0, (e.id, "base"), c[2]) for c in st["base"]]
-            parents += [(e, p, j) for j, p in enumerate(st["parents"])]
-        elif args.split == "1x8":  # official 1x8 fallback: GRPO on the chains sampled so far (then fresh ones if short)
-            rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in st["seen"][: args.num_generations]]
-            topups += [e] * (args.num_generations - len(st["seen"][: args.num_generations]))
-        else:  # official fallback: the base chains (1x4) or the failures found (2x4), topped up with fresh chains
-            kept = st["base"][:n_base] if args.split == "1x4" else st["parents"]
-            rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in kept]
-            topups += [e] * (args.num_generations - len(kept))
+    def assign(st, chains) -> None:
+        """The official order: a failed chain with >= 1 thought is a parent while parents are missing, any other chain
+        fills the base group while it has room; a chain drawn after the prompt is settled is surplus."""
+        for ids, text, r in chains:
+            if len(st["parents"]) == n_parents and len(st["base"]) == n_base or st["tried"] >= args.max_fresh_attempts:
+                break
+            st["tried"] += 1
+            st["seen"].append((ids, text, r))
+            if split_thoughts(text, delim) and r < 1.0 and len(st["parents"]) < n_parents:
+                st["parents"].append((ids, text, r))
+            elif len(st["base"]) < n_base:
+                st["base"].append((ids, text, r))
 
-    # 2. reset index per parent: self-localization (one call for every parent), random, or the oracle
-    t0 = time.time()
-    thoughts = [split_thoughts(p[1], delim) for _, p, _ in parents]
-    replies = [None] * len(parents)
-    if args.reset == "self" and parents:
+    def reset_point(e, parent, reply=None):
+        """(k, thoughts, prefix ids) of a parent; the oracle's k is logged against whatever chose it."""
+        th = split_thoughts(parent[1], delim)
+        oracle = arith.arith_first_error(e.question, parent[1]) if task.name == "arith" else None
+        if reply is not None:
+            kind = localization_reply_kind(reply, len(th))
+            if kind != "ok":
+                info["loc_" + kind] += 1
+        k = reset_index(args.reset, len(th), rng, reply, oracle)
+        n_prefix = prefix_token_count(tokenizer, parent[0], parent[1], k, delim)
+        if len(e.prompt_ids) + n_prefix >= max_pos - 1:  # the prefix fills the context window: reset to the start
+            info["prefix_overflow"] += 1
+            k, n_prefix = 1, 0
+        info["parent_one_thought"] += len(th) == 1
+        if task.name == "arith":
+            info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # every line right, stopped early
+            resets.append((k, len(th), min(max(oracle or len(th), 1), len(th))))
+        else:
+            resets.append((k, len(th), None))
+        return parent[0][:n_prefix]
+
+    # 1. the first fresh chains of every prompt
+    state = {e.id: {"parents": [], "base": [], "tried": 0, "seen": []} for e in examples}
+    first = n_parents + n_base
+    chains = scored(sample([e.prompt_ids for e in examples for _ in range(first)], max_new), [e for e in examples for _ in range(first)])
+    for i, e in enumerate(examples):
+        assign(state[e.id], chains[i * first : (i + 1) * first])
+    settled = lambda e: len(state[e.id]["parents"]) == n_parents  # noqa: E731
+    pending = [e for e in examples if not settled(e) and state[e.id]["tried"] < args.max_fresh_attempts]
+
+    # 2. the pending prompts' remaining attempts and spare fresh chains for their fallback groups, together with the
+    #    continuations of the parents found so far when the reset point needs no model call (random, oracle)
+    resets, continued = [], []  # (k, thoughts, oracle k) per parent; (example, parent index, prefix) with suffixes
+    t_loc = 0.0
+    if args.reset != "self":
+        continued = [(e, j, reset_point(e, p)) for e in examples if settled(e) for j, p in enumerate(state[e.id]["parents"])]
+    spare = args.num_generations - (n_base if args.split == "1x4" else 0)  # what a fallback group may need
+    extra = {e.id: (args.max_fresh_attempts - state[e.id]["tried"], spare) for e in pending}
+    cont_prompts = [e.prompt_ids + pre for e, _, pre in continued for _ in range(K)]
+    search = [e for e in pending for _ in range(sum(extra[e.id]))]
+    chains = sample(cont_prompts + [e.prompt_ids for e in search], max_new)
+    suffixes = chains[: len(cont_prompts)]
+    found = scored(chains[len(cont_prompts) :], search)
+    for e in pending:
+        n_search, n_spare = extra[e.id]
+        assign(state[e.id], found[:n_search])
+        state[e.id]["spare"], found = found[n_search : n_search + n_spare], found[n_search + n_spare :]
+    info["fresh_chains"] = sum(st["tried"] for st in state.values())
+
+    # 3. reset points of the remaining parents: SRPO's self-localization, one call for all of them
+    todo = [(e, j, p) for e in examples if settled(e) for j, p in enumerate(state[e.id]["parents"])
+            if not any(c[0] is e and c[1] == j for c in continued)]
+    replies = [None] * len(todo)
+    if args.reset == "self" and todo:
+        t0 = time.time()
         loc_prompts = []
-        for (e, p, _), th in zip(parents, thoughts):
+        for e, _, p in todo:
+            th = split_thoughts(p[1], delim)
             if task.name == "arith" and not tasks.has_chat_template(tokenizer):
                 plain = arith_localization_prompt(arith.parse_arith_problem(e.question), th)
             else:
@@ -386,38 +420,34 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
         ro = common.generate_rollouts(model, tokenizer, loc_prompts, list(range(len(loc_prompts))), 1, cap,
                                       max(args.localization_temperature, 1e-5), args.top_p, args.top_k, batch_size=args.gen_batch_size)
         info["generated_tokens"] += int(ro.completion_mask.sum())
+        info["generate_calls"] += 1
         replies, info["loc_truncated"] = ro.texts, int(ro.truncated.sum())  # a cut-off reply usually parses to step 1
-    info["time_localization"] = time.time() - t0
-    ks, oracle_ks, cont_prompts, prefixes = [], [], [], []
-    max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
-    for (e, p, _), th, reply in zip(parents, thoughts, replies):
-        oracle = None
-        if task.name == "arith":
-            oracle = arith.arith_first_error(e.question, p[1])
-            info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # every line right, stopped early
-            oracle_ks.append(min(max(oracle or len(th), 1), len(th)))
-        if reply is not None:
-            kind = localization_reply_kind(reply, len(th))
-            if kind != "ok":
-                info["loc_" + kind] += 1
-        k = reset_index(args.reset, len(th), rng, reply, oracle)
-        info["parent_one_thought"] += len(th) == 1
-        n_prefix = prefix_token_count(tokenizer, p[0], p[1], k, delim)
-        if len(e.prompt_ids) + n_prefix >= max_pos - 1:  # the prefix fills the context window: reset to the start
-            info["prefix_overflow"] += 1
-            k, n_prefix = 1, 0
-        ks.append((k, len(th)))
-        prefixes.append(p[0][:n_prefix])
-        cont_prompts += [e.prompt_ids + p[0][:n_prefix]] * K
+        t_loc = time.time() - t0
+    info["time_localization"] = t_loc
+    later = [(e, j, reset_point(e, p, reply)) for (e, j, p), reply in zip(todo, replies)]
 
-    # 3. one call for all of it: K continuations per parent from prompt + prefix (same sampling settings, cut to
-    #    the response budget, prefix included) and the fresh chains of the fallback groups
-    chains = sample(cont_prompts + [e.prompt_ids for e in topups], max_new)
-    new = [(e, prefix + s[0][: max(max_new - len(prefix), 1)], len(prefix), (e.id, "reset", j))
-           for i, ((e, p, j), prefix) in enumerate(zip(parents, prefixes)) for s in chains[i * K : (i + 1) * K]]
-    new += [(e, c[0], 0, (e.id, "fresh")) for e, c in zip(topups, chains[len(cont_prompts):])]
+    # 4. the remaining continuations (prompt + prefix, same sampling settings), then the training rows: base chains,
+    #    K continuations per parent (cut to the response budget, prefix included), or a fallback group
+    suffixes += sample([e.prompt_ids + pre for e, _, pre in later for _ in range(K)], max_new)
+    rows = []  # (example, response ids, suffix_start, group key, reward)
+    new = [(e, pre + s[0][: max(max_new - len(pre), 1)], len(pre), (e.id, "reset", j))
+           for i, (e, j, pre) in enumerate(continued + later) for s in suffixes[i * K : (i + 1) * K]]
     texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in new]
     rows += [r + (reward,) for r, reward in zip(new, task.rewards(texts, [r[0] for r in new]))]
+    for e in examples:
+        st = state[e.id]
+        if settled(e):
+            rows += [(e, c[0], 0, (e.id, "base"), c[2]) for c in st["base"]]
+            continue
+        if args.split == "1x8":  # official 1x8 fallback: GRPO on the chains sampled so far (then fresh ones if short)
+            kept = st["seen"][: args.num_generations]
+        else:  # official fallback: the base chains (1x4) or the failures found (2x4), topped up with fresh chains
+            kept = st["base"][:n_base] if args.split == "1x4" else st["parents"]
+        kept = kept + st.get("spare", [])[: args.num_generations - len(kept)]
+        rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in kept]
+    parents = continued + later
+    ks = [(k, n) for k, n, _ in resets]
+    oracle_ks = [o for _, _, o in resets if o is not None]
 
     # 4. the trained batch, one group id per normalization group (base, each reset group, or the fallback)
     keys, device = {}, next(model.parameters()).device

@@ -158,7 +158,7 @@ def test_easy_prompt_fallback_samples_fresh_chains_official(tiny):
     task.reward_fn = reward
     ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6),
                                                                            random.Random(0))
-    assert info["num_parents"] == 0 and all(n == 6 + 4 for n in calls.values())
+    assert info["num_parents"] == 0 and info["fresh_chains"] == 12 and all(n == 6 + 4 for n in calls.values())
     for e in examples:
         r = rewards[prompt_of_row == e.id]
         assert sorted(r.tolist()) == [0.0] * 4 + [1.0] * 4  # 4 kept base chains (right) + 4 fresh ones (wrong)

@@ -262,3 +262,43 @@ def test_sc_grpo_two_steps_subprocess(tmp_path):
         assert all(v == v for v in r.values())  # no NaN
         assert 0 <= r["sc/weight_mean"] < 1 and r["sc/kl_mean"] >= 0
         assert abs(sum(r[f"sc/groups_{k}"] for k in ("partial", "none", "single", "all", "plain")) - 1) < 1e-6
+
+
+TEMPLATE_WITH_DEFAULT = (  # a Qwen2.5-like chat template that adds a system message when the conversation has none
+    "{% if messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% else %}<|im_start|>system\nYou are a careful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE_WITHOUT_DEFAULT = TEMPLATE_WITH_DEFAULT.replace("{% else %}<|im_start|>system\nYou are a careful assistant.<|im_end|>\n", "{% else %}")
+
+
+def test_teacher_keeps_the_students_default_system_message(tiny):
+    """Spec §1.2: the teacher is the student's full context plus the guide and tau. With a template that adds a
+    default system message, the teacher's system message is that default + guide + tau, so the student's and the
+    teacher's prompts differ by exactly the inserted guide and reference."""
+    _, tok = tiny
+    tok = copy.deepcopy(tok)
+    tok.chat_template = TEMPLATE_WITH_DEFAULT
+    assert sc_grpo.default_system_message(tok) == "You are a careful assistant."
+    user = "What is 1+1?"
+    ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
+    student = ex.prompt
+    teacher = tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, " 1+1=2, so \\boxed{2} "))
+    inserted = "\n\n" + sc_grpo.GUIDE + "1+1=2, so \\boxed{2}"
+    head = "<|im_start|>system\nYou are a careful assistant."
+    assert student.startswith(head) and teacher == student.replace(head, head + inserted, 1)
+    tok.chat_template = TEMPLATE_WITHOUT_DEFAULT
+    assert sc_grpo.default_system_message(tok) == ""
+    ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
+    assert tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith("<|im_start|>system\n" + sc_grpo.GUIDE + "tau<|im_end|>")
+
+
+def test_graded_group_without_a_full_solve_keeps_its_grpo_advantages():
+    """Code task, partial credit: a group with no full solve but different scores is plain GRPO (its advantages carry
+    the partial credit); only a group whose scores are all equal gets the solve-none treatment."""
+    scores = torch.tensor([0.5, 0.25, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+    modes, ref = sc_grpo.route_groups(scores >= 1.0, 4, torch.Generator().manual_seed(0), scores=scores)
+    assert modes == ["plain", "none", "partial"]
+    assert (ref[:4] == -1).all() and (ref[4:8] >= 0).sum() == 3 and (ref[8:] >= 0).all()
+    modes, _ = sc_grpo.route_groups(scores >= 1.0, 4, torch.Generator().manual_seed(0))  # binary view: both "none"
+    assert modes[:2] == ["none", "none"]

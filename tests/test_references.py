@@ -1,0 +1,146 @@
+"""Each method's loss checked against an independent reference: a hand-computed value or a closed form, through the
+real training step of the script (run in-process, with common's functions wrapped to feed known values or to
+record what reaches the loss). These tests do not reuse the function under test to build their expectation."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import common
+import tasks
+from helpers import read_metrics, run_inprocess
+
+FAST = ["--num-eval", "2", "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16",
+        "--micro-batch-size", "64"]
+
+
+def _capture_loss(monkeypatch):
+    """Every (per-token loss, mask) that reaches common.aggregate_loss."""
+    seen, real = [], common.aggregate_loss
+
+    def agg(per_token, mask, *a, **k):
+        seen.append((per_token.detach().clone(), mask.detach().clone()))
+        return real(per_token, mask, *a, **k)
+
+    monkeypatch.setattr(common, "aggregate_loss", agg)
+    return seen
+
+
+def _reward_task(monkeypatch, fn):
+    """The task's reward replaced by fn(call index, example)."""
+    real, calls = tasks.load_task, itertools.count()
+
+    def load(*a, **k):
+        t = real(*a, **k)
+        t.reward_fn = lambda completion, ex: fn(next(calls), ex)
+        return t
+
+    monkeypatch.setattr(tasks, "load_task", load)
+
+
+@pytest.mark.slow
+def test_grpo_clipped_surrogate_and_k3_kl_against_hand_values(tmp_path, monkeypatch):
+    """grpo.py with mu = 2, beta = 0.1, eps 0.2 / 0.28: the log-probs are set by hand (old -1, reference -1.2, current
+    old + d with d cycling 0.5, -0.5, 0.1 along the tokens) and every row's advantage is +1 or -1 in turn. Hand values:
+      A=+1: d=.5 -> ratio e^.5=1.6487 clipped to 1.28 -> -1.28;  d=-.5 -> -0.6065;  d=.1 -> -1.1052
+      A=-1: d=.5 -> +1.6487;  d=-.5 -> ratio 0.6065 clipped to 0.8 -> +0.8;  d=.1 -> +1.1052
+      plus 0.1 * (e^x - x - 1) with x = log pi_ref - log pi = -0.2 - d."""
+    calls = []
+
+    def lp(model, ids, attn, T, temperature=1.0, with_entropy=False, **k):
+        calls.append(torch.is_grad_enabled())
+        d = torch.tensor([0.5, -0.5, 0.1]).repeat(T)[:T].expand(ids.shape[0], T)
+        if not torch.is_grad_enabled():  # the old pass, then the reference pass
+            return (torch.full((ids.shape[0], T), -1.0 if sum(not c for c in calls) == 1 else -1.2), None)
+        leaf = (-1.0 + d).clone().requires_grad_(True)
+        return leaf * 1.0, torch.zeros_like(leaf) if with_entropy else None
+
+    monkeypatch.setattr(common, "token_logprobs", lp)
+    monkeypatch.setattr(common, "group_advantages", lambda r, *a, **k: torch.tensor([1.0, -1.0]).repeat(len(r))[: len(r)])
+    seen = _capture_loss(monkeypatch)
+    run_inprocess("grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), "--num-iterations", "2", "--beta", "0.1",
+                  "--epsilon-high", "0.28", *FAST)
+    hand = {(1, 0.5): -1.28, (1, -0.5): -math.exp(-0.5), (1, 0.1): -math.exp(0.1),
+            (-1, 0.5): math.exp(0.5), (-1, -0.5): 0.8, (-1, 0.1): math.exp(0.1)}
+    assert len(seen) == 2  # one micro-batch, two passes
+    for per_token, mask in seen:
+        for i, j in itertools.product(range(per_token.shape[0]), range(per_token.shape[1])):
+            d = [0.5, -0.5, 0.1][j % 3]
+            x = -1.2 - (-1.0 + d)
+            want = hand[(1 if i % 2 == 0 else -1, d)] + 0.1 * (math.exp(x) - x - 1)
+            assert per_token[i, j].item() == pytest.approx(want, abs=1e-5), (i, j)
+
+
+@pytest.mark.slow
+def test_sc_grpo_solve_none_rows_carry_alpha_times_zscore_and_nothing_past_the_reference(tmp_path, monkeypatch):
+    """A batch of one solve-none group (every reward 0) and one partial group. On-policy the per-token loss is
+    -f * A: the reference rollout o_r gets exactly 0, tokens past L_i = min(|o_i|, |o_r|) get 0, and the solve-none
+    rows' losses are linear in alpha (alpha * z(s) reaches the loss; alpha 0 leaves nothing) while the partial group's
+    do not move."""
+    def reward(i, ex):  # training calls in order (eval prompts have ids >= 1e9): the first group of 4 all wrong, the
+        if ex.id >= 10**9:  # second mixed (2 right)
+            return 0.0
+        n = train_calls[0] = train_calls[0] + 1
+        return 0.0 if n <= 4 else float(n % 2)
+
+    losses = {}
+    for alpha in (0.1, 0.2, 0.0):
+        train_calls = [0]
+        _reward_task(monkeypatch, reward)
+        seen = _capture_loss(monkeypatch)
+        run_inprocess("sc_grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path / str(alpha)), "--alpha", str(alpha), *FAST,
+                      "--temperature", "1.5", "--max-new-tokens", "40")
+        (per_token, mask), = seen
+        losses[alpha] = (per_token, mask)
+        assert read_metrics(tmp_path / str(alpha))[1]["sc/groups_none"] == 0.5
+    per_token, mask = losses[0.1]
+    none_rows = per_token[:4] * mask[:4]
+    zero_rows = [i for i in range(4) if (none_rows[i] == 0).all()]
+    assert len(zero_rows) >= 1  # o_r
+    lengths = mask[:4].sum(1)
+    r = zero_rows[0]
+    for i in range(4):
+        if i != r:
+            assert (none_rows[i, int(min(lengths[i], lengths[r])):] == 0).all()  # nothing past L_i
+    assert torch.allclose(losses[0.2][0][:4] * mask[:4], 2 * none_rows, atol=1e-6) and none_rows.abs().sum() > 0
+    assert (losses[0.0][0][:4] * mask[:4] == 0).all()
+    assert torch.allclose(losses[0.2][0][4:], per_token[4:]) and per_token[4:].abs().sum() > 0  # the partial group
+
+
+def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
+    """G = 2, T = 2, one progress window. Entropies 0 and 1 in each response -> tau = 1 (the 0.8-quantile of
+    {0, 0, 1, 1}); soft gate 1 + sigmoid((H - 1) / 0.1) = 1.0000454 and 1.5, over their mean per response.
+    delta sums 0 and 0.6 -> P = -1, +1 (population z-score); rewards 1, 0 -> A_out = +-1 / (1 + 2e-6);
+    A = gate * (A_out + 0.5 P)."""
+    from ep_grpo import ep_advantages
+
+    H = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
+    logp_old = torch.tensor([[0.1, -0.1], [0.2, 0.4]])
+    A = ep_advantages(H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, num_buckets=1,
+                      gate="soft", gate_alpha=1.0, gate_temp=0.1, process_coef=0.5)
+    g0, g1 = 1 + 1 / (1 + math.exp(10)), 1.5
+    gate = [g0 / ((g0 + g1) / 2), g1 / ((g0 + g1) / 2)]
+    a_out = 0.5 / (0.5 + 1e-6)
+    want = [[gate[0] * (a_out - 0.5), gate[1] * (a_out - 0.5)], [gate[0] * (-a_out + 0.5), gate[1] * (-a_out + 0.5)]]
+    assert torch.allclose(A, torch.tensor(want), atol=1e-6)
+    assert abs(gate[0] - 1.0) > 0.1  # the gate is not 1 and the process term is not 0: both act
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lam", [0.99, 0.5])
+def test_grpo_lambda_logged_multiplier_is_the_losss_credit(tmp_path, monkeypatch, lam):
+    """On-policy, the gradient of GRPO-lambda's loss on log p_k is GRPO's times c_k = sum_{t>=k} w(t, k) (closed form
+    for "both": min(k, L-1-k) + 1 terms of the geometric sum plus a^k (L-1-2k)). The logged trace/multiplier_mean is
+    measured on the loss's gradient; here every advantage is +1, so it is the mean closed-form c_k over all tokens."""
+    monkeypatch.setattr(common, "group_advantages", lambda r, *a, **k: torch.ones(len(r)))
+    seen = _capture_loss(monkeypatch)
+    run_inprocess("grpo_lambda.py", "--total-steps", "1", "--output-dir", str(tmp_path), "--lam", str(lam), *FAST)
+    (_, mask), = seen
+    a, cs = lam, []
+    for L in mask.sum(1).long().tolist():
+        for k in range(L):
+            n = min(k, L - 1 - k) + 1
+            cs.append((1 - a**n) / (1 - a) + a**k * max(0, L - 1 - 2 * k))
+    logged = read_metrics(tmp_path)[1]["trace/multiplier_mean"]
+    assert logged == pytest.approx(sum(cs) / len(cs), rel=1e-4)

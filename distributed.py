@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 import checkpoints
+import cli
 import common
 
 
@@ -125,6 +126,9 @@ def init_distributed(device: str, args: dict, prompts_per_step: int, timeout_s: 
         return Dist(device=dev), dev
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
+        if local >= torch.cuda.device_count():
+            cli.usage_error(f"torchrun rank {rank} asks for cuda:{local}, but {torch.cuda.device_count()} GPU(s) are visible: "
+                            f"start at most that many ranks per node (--nproc_per_node), or use --device cpu (gloo)")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -5,6 +5,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite is a CPU suite (exact float32 comparisons, gloo under torchrun), also on a GPU host: GPUs are hidden from
+# it and from the scripts it starts. GPU runs are benchmarks (benchmarks/gpu_vs_trl.py, docs/benchmarks.md).
+if os.environ.get("RLVR_TESTS_ON_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 sys.path.insert(0, str(ROOT))
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))  # the one setting for real data
 

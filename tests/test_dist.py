@@ -18,7 +18,7 @@ FIXED = ["--total-steps", "1", "--prompts-per-step", "4", "--num-generations", "
 
 def launch(out: Path, *args: str, nproc: int = 2, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = ([*TORCHRUN, "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]) + [DRIVER, str(out), *args]
-    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    e = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))  # gloo on CPU, even on a GPU host
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=e)
 
 

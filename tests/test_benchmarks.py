@@ -1,0 +1,40 @@
+"""The benchmark scripts run (small shapes on CPU; no timing is asserted: timings are the benchmarks' output)."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.mark.slow
+def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):
+    sides = ["ours", "trl"] if importlib.util.find_spec("trl") else ["ours"]  # trl is a benchmark-only requirement
+    out = tmp_path / "gpu_vs_trl.json"
+    r = subprocess.run([sys.executable, "benchmarks/gpu_vs_trl.py", "--shapes", "tiny", "--steps", "2", "--prompts", "2",
+                        "--generations", "2", "--max-new-tokens", "8", "--micro-batch-size", "4", "--vocab", "2000",
+                        "--sides", *sides, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    for side in sides:
+        assert len(res[f"tiny/{side}"]["step_seconds"]) == 2 and res[f"tiny/{side}"]["peak_gb"] > 0
+
+
+def test_learning_curves_report_from_raw_results(tmp_path):
+    """The report is rebuilt from the raw per-run metrics: bootstrap interval, steps to GRPO's final accuracy."""
+    for method, accs in {"grpo": [[0.2, 0.4, 0.5], [0.2, 0.5, 0.6]], "srpo": [[0.2, 0.6, 0.6], [0.2, 0.5, 0.7]]}.items():
+        d = tmp_path / "headroom" / method
+        d.mkdir(parents=True)
+        for seed, acc in enumerate(accs, 1):
+            rows = [{"step": s, "num_tokens": 100, "eval/accuracy": a} for s, a in zip((0, 10, 20), acc)]
+            (d / f"seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, "benchmarks/learning_curves.py", "report", "--setting", "headroom", "--results",
+                        str(tmp_path), "--img", str(tmp_path / "img")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = (tmp_path / "headroom" / "report.md").read_text()
+    grpo = next(line for line in table.splitlines() if line.startswith("| grpo |"))
+    srpo = next(line for line in table.splitlines() if line.startswith("| srpo |"))
+    assert "0.550 (20)" in grpo and "| 20 | 1.00x |" in grpo  # GRPO's final mean 0.55, reached at its last step
+    assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast

@@ -132,6 +132,59 @@ def _run_with_timeout(fn: Callable, timeout: float):
     return box.get("value")
 
 
+_BRACED = ("\\frac", "\\dfrac", "\\tfrac", "\\sqrt")  # commands whose arguments may come without braces: \frac43
+_UNIT_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}\s*$")  # a trailing unit: \text{ degrees}
+
+
+def _argument(s: str, i: int) -> tuple[str, int]:
+    """The TeX argument at s[i:] (spaces skipped): a {...} group (returned without its braces), a \\command, or one
+    character; and the index after it."""
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i >= len(s):
+        return "", i
+    if s[i] == "{":
+        depth = 0
+        for j in range(i, len(s)):
+            depth += {"{": 1, "}": -1}.get(s[j], 0)
+            if depth == 0:
+                return s[i + 1 : j], j + 1
+        return s[i + 1 :], len(s)
+    if s[i] == "\\":
+        m = re.match(r"\\[A-Za-z]+|\\.", s[i:])
+        return m.group(0), i + len(m.group(0))
+    return s[i], i + 1
+
+
+def normalize_latex(s: str) -> str:
+    """The one normalization applied to a MATH gold answer and to a boxed prediction before math-verify: arguments of
+    \\frac, \\dfrac, \\tfrac and \\sqrt braced (\\frac43 -> \\frac{4}{3}, 5\\sqrt3 -> 5\\sqrt{3}); \\$, \\! and
+    \\left / \\right dropped; ^\\circ and ^{\\circ} dropped; a unit in a trailing \\text{...} after a value dropped
+    (\\frac{150}7\\text{ degrees}); an answer that is only \\text{(C)} is kept."""
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s.replace("\\$", "").replace("\\!", ""))
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s)
+    stripped = _UNIT_RE.sub("", s).strip()
+    if stripped and stripped != s.strip():
+        s = stripped
+    out, i = [], 0
+    while i < len(s):
+        cmd = next((c for c in _BRACED if s.startswith(c, i) and not s[i + len(c) : i + len(c) + 1].isalpha()), None)
+        if cmd is None:
+            out.append(s[i])
+            i += 1
+            continue
+        i += len(cmd)
+        out.append(cmd)
+        if cmd == "\\sqrt" and s[i : i + 1] == "[":  # \sqrt[3]{x}: the index stays, the radicand is braced
+            j = s.index("]", i) + 1 if "]" in s[i:] else len(s)
+            out.append(s[i:j])
+            i = j
+        for _ in range(1 if cmd == "\\sqrt" else 2):
+            arg, i = _argument(s, i)
+            out.append("{" + normalize_latex(arg) + "}")
+    return "".join(out).strip()
+
+
 @functools.lru_cache(maxsize=65536)
 def parse_math_gold(gold: str, timeout: float = 5.0):
     """math-verify parse of a LaTeX gold answer; [] when it cannot be parsed. Cached: a gold answer is parsed once
@@ -139,6 +192,7 @@ def parse_math_gold(gold: str, timeout: float = 5.0):
     from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # we enforce the timeout ourselves
+    gold = normalize_latex(gold)
     text = gold if "\\boxed" in gold or "$" in gold else f"${gold}$"
     try:
         parsed = _run_with_timeout(
@@ -172,6 +226,7 @@ def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
     boxed = last_boxed(completion)
     if boxed is None:
         return 0.0
+    boxed = normalize_latex(boxed)
     cfg = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0)
     try:
         pred = _run_with_timeout(

@@ -38,3 +38,19 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     srpo = next(line for line in table.splitlines() if line.startswith("| srpo |"))
     assert "0.550 (20)" in grpo and "| 20 | 1.00x |" in grpo  # GRPO's final mean 0.55, reached at its last step
     assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast
+
+
+def test_verify_math_benchmark_on_a_small_file(tmp_path):
+    golds = ["\\frac43", "\\$12,\\!500", "5\\sqrt3", "\\frac{150}7\\text{ degrees}", "\\text{(C)}", "42"]
+    rows = [{"problem": f"p{i}", "solution": f"Work. So $\\boxed{{{g}}}$."} for i, g in enumerate(golds)]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, "benchmarks/verify_math.py", "--data-path", str(data), "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["own_answer_scores_1"] == 1.0 and res["other_answer_scores_0"] == 1.0
+    r = subprocess.run([sys.executable, "benchmarks/verify_math.py", "--data-path", str(data), "--out", str(out), "--no-normalize"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert json.loads(out.read_text())["own_answer_scores_1"] < 1.0  # the shorthand is what normalize_latex fixes

@@ -97,3 +97,37 @@ def test_last_boxed_nested():
     assert rewards.last_boxed("nothing") is None
 
 
+
+
+SHORTHAND = [  # (class, gold, the same answer written another way, a different value)
+    ("brace-less fraction", "\\frac43", "\\frac{4}{3}", "\\frac{3}{4}"),
+    ("brace-less fraction, spaced", "\\frac 59", "\\dfrac{5}{9}", "\\frac{5}{8}"),
+    ("half-braced fraction", "\\frac7{12}", "\\frac{7}{12}", "\\frac{7}{13}"),
+    ("half-braced fraction", "\\frac{150}7", "\\frac{150}{7}", "\\frac{150}{8}"),
+    ("brace-less root", "5\\sqrt3", "5\\sqrt{3}", "5\\sqrt{2}"),
+    ("dollars", "\\$45", "45", "46"),
+    ("dollars and cents", "\\$12.50", "12.5", "12.05"),
+    ("dollars, thin space", "\\$12,\\!500", "12500", "12,600"),
+    ("fraction with a unit", "\\frac{150}7\\text{ degrees}", "\\frac{150}{7}", "\\frac{151}{7}\\text{ degrees}"),
+    ("degrees", "90^\\circ", "90", "80^{\\circ}"),
+    ("left/right", "\\left(-\\tfrac52, 1\\right)", "(-\\frac{5}{2}, 1)", "(-\\frac{5}{2}, 2)"),
+    ("percent (already fine)", "10\\%", "10\\%", "11\\%"),
+    ("a choice (already fine)", "\\text{(C)}", "\\text{(C)}", "\\text{(D)}"),
+    ("thousands (already fine)", "1,\\!000", "1000", "1,\\!001"),
+]
+
+
+@pytest.mark.parametrize("kind, gold, same, different", SHORTHAND, ids=[f"{c[0]}:{c[1]}" for c in SHORTHAND])
+def test_math_shorthand_latex_verifies_both_ways_and_a_different_value_does_not(kind, gold, same, different):
+    box = lambda s: "so the answer is $\\boxed{" + s + "}$."  # noqa: E731
+    assert rewards.math_reward(box(gold), gold) == 1.0  # character for character the gold
+    assert rewards.math_reward(box(same), gold) == 1.0  # an equivalent form
+    assert rewards.math_reward(box(gold), same) == 1.0  # ... both ways
+    assert rewards.math_reward(box(different), gold) == 0.0  # a different value never passes
+    assert rewards.math_reward(box(gold), different) == 0.0
+
+
+def test_normalize_latex_leaves_other_commands_alone():
+    assert rewards.normalize_latex("\\leftarrow \\rightarrow \\left(x\\right)") == "\\leftarrow \\rightarrow (x)"
+    assert rewards.normalize_latex("\\sqrt[3]2 + \\frac{\\sqrt3}{2}") == "\\sqrt[3]{2} + \\frac{\\sqrt{3}}{2}"
+    assert rewards.normalize_latex("\\text{(C)}") == "\\text{(C)}"

@@ -8,7 +8,9 @@ Two parts, so that hours of runs can be done in pieces and the report rebuilt fr
 `run` starts each (method, seed) as a user would (a subprocess of the script with its defaults, plus the
 setting's flags), `--workers` at a time with `--threads` torch threads each, and keeps each run's whole
 metrics.jsonl as benchmarks/results/<setting>/<method>/seed<k>.jsonl, beside a meta.json naming the flags and the
-git commit. A run whose file is complete is skipped, so an interrupted `run` continues where it stopped.
+git commit. A run whose file is complete is skipped, so an interrupted `run` continues where it stopped, and
+several `run` processes may share the work (each (method, seed) is claimed with a lock file; remove stale
+*.lock files after an interruption).
 
 `report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds, 95%
 bootstrap interval over seeds), the first evaluated step at which each method's mean curve reaches GRPO's final
@@ -65,6 +67,11 @@ def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> s
     out = result_path(setting, name, seed, Path(a.results))
     if complete(out, a.steps):
         return f"{name} seed {seed}: done already"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:  # another `run` process may work on the same results: each (method, seed) is claimed once
+        os.close(os.open(out.with_suffix(".lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return f"{name} seed {seed}: claimed by another process ({out.with_suffix('.lock')})"
     script, *flags = script_flags
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / script), *flags, *SETTINGS[setting], "--total-steps", str(a.steps),
@@ -72,6 +79,7 @@ def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> s
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(a.threads))
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        out.with_suffix(".lock").unlink(missing_ok=True)
         if proc.returncode:
             return f"{name} seed {seed}: FAILED ({' '.join(cmd)})\n{proc.stderr[-2000:]}"
         (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir()]

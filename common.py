@@ -14,8 +14,8 @@ Nothing here is an algorithm: each `<algo>.py` keeps its credit assignment and l
   distributed.py      torchrun: DDP / FSDP2, sharded prompts, global loss normalization
   engines.py          the colocated vLLM rollout engine
 
-Sections: 1. seeding and checkpoints  2. models  3. prompt batches and rollouts  4. token log-probs
-5. advantages and losses  6. evaluation, logging, metrics
+Sections: 1. seeding  2. models  3. prompt batches and rollouts  4. token log-probs  5. advantages and losses
+6. evaluation, logging, metrics
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from logprob_kernels import (FusedLinearLogProb, SelectedLogProb, completion_hidden, completion_logits, entropy_from_logits,
-                             fused_logprobs_ok, unwrap)
+from logprob_kernels import FusedLinearLogProb, SelectedLogProb, completion_hidden, completion_logits, entropy_from_logits, \
+    fused_logprobs_ok, unwrap
 
 if TYPE_CHECKING:
     from distributed import Dist
@@ -77,14 +77,11 @@ def _load_tokenizer(name_or_path: str):
 
 
 def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
-    """`from_pretrained` a causal LM and its tokenizer (left padding for generation).
-
-    dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an unreachable hub id
-    is a clear error that names it. Dropout is switched off (log-probs must be the sampling
-    distribution's). `gradient_checkpointing`: each decoder layer's activations are recomputed in the
-    backward (non-reentrant); the model is then kept in train mode, which only that needs, since no
-    dropout is left (generation switches to eval mode and back).
-    """
+    """`from_pretrained` a causal LM and its tokenizer (left padding for generation). dtype "auto": bfloat16 on CUDA,
+    float32 on CPU. A missing local path or an unreachable hub id is a clear error that names it. Dropout is off
+    (log-probs must be the sampling distribution's). `gradient_checkpointing`: each decoder layer is recomputed in
+    the backward (non-reentrant); the model is then kept in train mode, which that needs (generation switches to
+    eval mode and back)."""
     from transformers import AutoModelForCausalLM
 
     looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
@@ -125,8 +122,7 @@ def disable_dropout(model) -> None:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
 
 
 def peak_memory(device: torch.device) -> dict:
@@ -323,20 +319,17 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
 
-    input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded).
-    Returns logp [B, T] and, when `with_entropy`, the per-token entropy [B, T] (nats, no gradient)
-    of the same distribution, else None. Values at padded completion positions are finite but
-    meaningless: multiply by the completion mask.
-
-    Memory: rows are processed `chunk_size` at a time, and no [B, T, V] log-softmax or fp32 copy of
-    the logits exists, forward or backward. `fused` (default: when `fused_logprobs_ok(model)`): the
-    model returns its final hidden states with no logits at all (`logits_to_keep` = no position) and
-    `FusedLinearLogProb` applies the lm_head a few positions at a time, so not even the [b, T, V]
-    logits exist. `fused=False`: the lm_head produces logits for completion positions only
-    (`logits_to_keep`) and `SelectedLogProb` computes log p = z[y] - logsumexp(z) in fp32 a few
-    positions at a time (logits divided by the sampling temperature). Both are the same function.
-    Rows are rotated so that no attention query sees only padding (`right_padded`); position ids come
-    from the attention mask, so every token keeps the position `generate` gave it.
+    input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded). Returns logp [B, T] and, when
+    `with_entropy`, the per-token entropy [B, T] (nats, no gradient) of the same distribution, else None. Values at
+    padded completion positions are finite but meaningless: multiply by the completion mask.
+    Memory: rows are processed `chunk_size` at a time, and no [B, T, V] log-softmax or fp32 copy of the logits
+    exists, forward or backward. `fused` (default: when `fused_logprobs_ok(model)`): the model returns its final
+    hidden states with no logits at all and `FusedLinearLogProb` applies the lm_head a few positions at a time, so
+    not even the [b, T, V] logits exist. `fused=False`: the lm_head produces logits for completion positions only
+    (`logits_to_keep`) and `SelectedLogProb` computes log p = z[y] - logsumexp(z) in fp32 a few positions at a
+    time (logits over the sampling temperature). Both are the same function. Rows are rotated so that no attention
+    query sees only padding (`right_padded`); position ids come from the attention mask, so every token keeps the
+    position `generate` gave it.
     """
     T = num_completion_tokens
     fused = fused_logprobs_ok(model) if fused is None else fused
@@ -381,14 +374,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int | None, scale: str =
                      group_ids: torch.Tensor | None = None, unbiased: bool = True) -> torch.Tensor:
     """GRPO's outcome advantage per completion: reward minus its group's mean, scaled.
 
-    rewards: [N]. Groups are the completions sharing a `group_ids` value (the prompt id); without
-    `group_ids`, consecutive blocks of `group_size`. Every group must have `group_size` members
-    (group_size=None with group_ids allows groups of different sizes).
-    scale: "group" divides by the group's std (original GRPO), "batch" by the std of all rewards
-    in the batch (Lite PPO), "none" does not divide (Dr. GRPO).
-    Std convention: unbiased (Bessel-corrected, as TRL and verl; `unbiased=False` for the
-    population std), then (r - mean) / (std + eps), eps = 1e-4 as TRL. A group whose rewards are
-    all equal gets exactly 0 (never NaN), whatever the scale. Returns [N] float32.
+    rewards: [N]. Groups are the completions sharing a `group_ids` value (the prompt id); without `group_ids`,
+    consecutive blocks of `group_size`. Every group must have `group_size` members (group_size=None with group_ids
+    allows groups of different sizes). scale: "group" divides by the group's std (original GRPO), "batch" by the
+    std of all rewards in the batch (Lite PPO), "none" does not divide (Dr. GRPO). Std convention: unbiased
+    (Bessel-corrected, as TRL and verl; `unbiased=False` for the population std), then (r - mean) / (std + eps),
+    eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0 (never NaN). Returns [N] float32.
     """
     r = rewards.float()
     N = r.shape[0]

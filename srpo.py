@@ -8,8 +8,9 @@ is z-scored on its own; the loss is REINFORCE on suffix tokens only (the shared 
 Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md.
 
 Project simplification: thought boundaries are found by splitting each fully generated response on
-`--thought-delimiter` (the same sampling distribution as one call per thought when no per-thought
-token cap binds; the paper's 256-token thought cap and 20-thought limit are not applied).
+`--thought-delimiter` and applying the official chain's stops after the fact (cut after the thought holding
+`\\boxed{`, at most 20 thoughts): the same sampling distribution as one call per thought as long as no thought
+runs past the official 256-token cap (such thoughts are counted in reset/long_thoughts, not split).
 
     python srpo.py                        # SRPO on the bundled tiny model and the built-in task
     python srpo.py --reset random         # RRPO

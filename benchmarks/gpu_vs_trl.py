@@ -5,6 +5,7 @@ checkpointing setting on both sides. One invocation runs both, alternating, each
 
     python benchmarks/gpu_vs_trl.py --shapes 0.5b 1.5b                          # GPU (bf16), the setting
     python benchmarks/gpu_vs_trl.py --shapes tiny --steps 2 --prompts 2 --generations 2 --max-new-tokens 8   # CPU
+    python benchmarks/gpu_vs_trl.py --shapes 1.5b --build /tmp/qwen1.5b-shaped   # the model alone, for any script
 
 The prompts are the built-in arith task's, tokenized with the bundled character tokenizer; token ids beyond its
 vocabulary decode to nothing, so every reward is 0 and neither side is sped up by a stop token (a random model never
@@ -129,7 +130,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_vs_trl.json"))
+    ap.add_argument("--build", metavar="DIR", help="only save the first --shapes model to DIR (for running any script on it)")
     a = ap.parse_args()
+    if a.build:
+        print(f"saved a random-init {a.shapes[0]} model to {build_model(a.shapes[0], Path(a.build), a.vocab)}")
+        return
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (peak RSS instead of GPU memory)"

@@ -43,3 +43,11 @@ def test_every_project_module_attribute_used_exists():
                 if not hasattr(importlib.import_module(node.value.id), node.attr):
                     missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not missing, missing
+
+
+def test_shared_modules_stay_small():
+    """DESIGN.md: common.py (what every script uses) at most 600 lines, each topic sibling at most 400."""
+    scripts = {"grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"}
+    sizes = {p.name: len(p.read_text().splitlines()) for p in ROOT.glob("*.py") if p.name not in scripts}
+    assert sizes.pop("common.py") <= 600
+    assert all(n <= 400 for n in sizes.values()), sizes

@@ -13,9 +13,11 @@ several `run` processes may share the work (each (method, seed) is claimed with 
 *.lock files after an interruption).
 
 `report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds, 95%
-bootstrap interval over seeds), the first evaluated step at which each method's mean curve reaches GRPO's final
+bootstrap interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems), the mean
+accuracy over all evaluations (area under the curve, a less noisy view of speed), the first evaluated step at which each method's mean curve reaches GRPO's final
 mean accuracy (and the same in generated tokens), and plots of accuracy against step and against generated tokens
-(mean and 95% bootstrap band) in docs/img/ (needs matplotlib: pip install -r benchmarks/requirements.txt).
+(mean and 95% bootstrap band) in docs/img/: one for the methods at their defaults, one for the `--tag` sweeps beside
+their method (needs matplotlib: pip install -r benchmarks/requirements.txt).
 
 Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
@@ -161,24 +163,37 @@ def cmd_report(a) -> None:
     final_step = base[-1][0] if base else None
     lines = [f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
              "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.", "",
-             "| method | seeds | step 0 | final (step) | final, 95% CI | steps to GRPO's final | speed-up | tokens to GRPO's final "
-             "| tokens / step |", "|---|---|---|---|---|---|---|---|---|"]
-    for m, curve in means.items():
+             "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI | mean over evals, 95% CI "
+             "| steps to GRPO's final | speed-up | tokens to GRPO's final | tokens / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, curve in sorted(means.items(), key=lambda kv: ("@" in kv[0], kv[0] != "grpo")):  # defaults, then sweeps
         by_seed = curves[m]
         finals = [pts[-1][2] for pts in by_seed.values()]
         mean, lo, hi = bootstrap_ci(finals)
+        # same seed = same held-out problems and same first batches: the paired difference is the sharper test
+        paired = [pts[-1][2] - curves["grpo"][k][-1][2] for k, pts in by_seed.items() if k in curves.get("grpo", {})]
+        d = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*bootstrap_ci(paired)) if paired else "–"
+        auc = bootstrap_ci([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # area under the curve
         s, tok = first_reach(curve, target) if target is not None else (None, None)
         speed = f"{final_step / s:.2f}x" if s else ("–" if s is None else "at step 0")
         tok_step = curve[-1][1] / curve[-1][0] if curve[-1][0] else 0
-        lines.append(f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | "
+        lines.append(f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | {d} | "
+                     f"{auc[0]:.3f} [{auc[1]:.3f}, {auc[2]:.3f}] | "
                      f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
                      f"{tok_step:.0f} |")
     table = "\n".join(lines)
     print(table)
     out = Path(a.results) / a.setting
     (out / "report.md").write_text(f"`python benchmarks/learning_curves.py report --setting {a.setting}`\n\n{table}\n")
-    plot(means, Path(a.img) / f"learning_curves_{a.setting}.png",
-         f"arith '{a.setting}', tiny model: mean of {max(len(v) for v in curves.values())} seeds, 95% bootstrap band")
+    main = {m: c for m, c in means.items() if "@" not in m}  # the methods at their defaults
+    plot(main, Path(a.img) / f"learning_curves_{a.setting}.png",
+         f"arith '{a.setting}', tiny model: mean of {max(len(curves[m]) for m in main)} seeds, 95% bootstrap band")
+    sweeps = {m: c for m, c in means.items() if "@" in m}  # --tag runs: each beside its method at the defaults
+    if sweeps:
+        bases = {m.split("@")[0] for m in sweeps} | {"grpo"}
+        plot({m: c for m, c in means.items() if m in sweeps or m in bases},
+             Path(a.img) / f"learning_curves_{a.setting}_sweeps.png",
+             f"arith '{a.setting}': flag sweeps (name@tag) beside the defaults; mean over their seeds")
     print(f"report: {out / 'report.md'}")
 
 

@@ -24,7 +24,8 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):
 
 def test_learning_curves_report_from_raw_results(tmp_path):
     """The report is rebuilt from the raw per-run metrics: bootstrap interval, steps to GRPO's final accuracy."""
-    for method, accs in {"grpo": [[0.2, 0.4, 0.5], [0.2, 0.5, 0.6]], "srpo": [[0.2, 0.6, 0.6], [0.2, 0.5, 0.7]]}.items():
+    runs = {"srpo@lr": [[0.2, 0.1, 0.0]], "grpo": [[0.2, 0.4, 0.5], [0.2, 0.5, 0.6]], "srpo": [[0.2, 0.6, 0.6], [0.2, 0.5, 0.7]]}
+    for method, accs in runs.items():
         d = tmp_path / "headroom" / method
         d.mkdir(parents=True)
         for seed, acc in enumerate(accs, 1):
@@ -38,6 +39,10 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     srpo = next(line for line in table.splitlines() if line.startswith("| srpo |"))
     assert "0.550 (20)" in grpo and "| 20 | 1.00x |" in grpo  # GRPO's final mean 0.55, reached at its last step
     assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast
+    assert "| +0.100 [+0.100, +0.100] |" in srpo  # paired by seed: 0.6 - 0.5 and 0.7 - 0.6
+    assert "| 0.400 [0.367, 0.433] |" in grpo  # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3
+    names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "seeds" not in line]
+    assert names == ["grpo", "srpo", "srpo@lr"]  # GRPO first, the --tag sweeps after the defaults
 
 
 def test_verify_math_benchmark_on_a_small_file(tmp_path):

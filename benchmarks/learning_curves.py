@@ -16,8 +16,8 @@ several `run` processes may share the work (each (method, seed) is claimed with 
 bootstrap interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems), the mean
 accuracy over all evaluations (area under the curve, a less noisy view of speed), the first evaluated step at which each method's mean curve reaches GRPO's final
 mean accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and against generated tokens
-(mean and 95% bootstrap band) in docs/img/: one for the methods at their defaults, one for the `--tag` sweeps beside
-their method (needs matplotlib: pip install -r benchmarks/requirements.txt).
+(mean and 95% bootstrap band) in docs/img/: one for the methods at their defaults, one per swept method for its `--tag` sweeps
+beside it (needs matplotlib: pip install -r benchmarks/requirements.txt).
 
 Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
@@ -191,11 +191,10 @@ def cmd_report(a) -> None:
     plot(main, Path(a.img) / f"learning_curves_{a.setting}.png",
          f"arith '{a.setting}', tiny model: mean of {max(len(curves[m]) for m in main)} seeds, 95% bootstrap band")
     sweeps = {m: c for m, c in means.items() if "@" in m}  # --tag runs: each beside its method at the defaults
-    if sweeps:
-        bases = {m.split("@")[0] for m in sweeps} | {"grpo"}
-        plot({m: c for m, c in means.items() if m in sweeps or m in bases},
-             Path(a.img) / f"learning_curves_{a.setting}_sweeps.png",
-             f"arith '{a.setting}': flag sweeps (name@tag) beside the defaults; mean over their seeds")
+    for base in sorted({m.split("@")[0] for m in sweeps}):  # one plot per swept method
+        plot({m: c for m, c in means.items() if m.split("@")[0] == base or m == "grpo"},
+             Path(a.img) / f"learning_curves_{a.setting}_{base}_sweeps.png",
+             f"arith '{a.setting}': {base} flag sweeps ({base}@tag) beside its defaults and GRPO; mean over their seeds")
     print(f"report: {out / 'report.md'}")
 
 

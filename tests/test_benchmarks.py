@@ -43,6 +43,9 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     assert "| 0.400 [0.367, 0.433] |" in grpo  # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3
     names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "seeds" not in line]
     assert names == ["grpo", "srpo", "srpo@lr"]  # GRPO first, the --tag sweeps after the defaults
+    if importlib.util.find_spec("matplotlib"):  # a benchmark-only requirement
+        assert sorted(p.name for p in (tmp_path / "img").iterdir()) == ["learning_curves_headroom.png",
+                                                                        "learning_curves_headroom_srpo_sweeps.png"]
 
 
 def test_verify_math_benchmark_on_a_small_file(tmp_path):

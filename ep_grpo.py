@@ -193,7 +193,8 @@ class Args:
     process_coef: float = 0.5
     """lambda: weight of the process signal P in groups with mixed rewards (0 turns it off)"""
     process_coef_zero_var: float | None = None
-    """lambda_0: weight of P in groups whose rewards are all equal (default: --process-coef)"""
+    """lambda_0: weight of P in groups whose rewards are all equal (default: --process-coef); 0 where many groups
+    are all-equal: there P is the only gradient and can run away (docs/ep_grpo.md, Results)"""
     process_clip: float = 3.0
     """c: P is clipped to [-c, c]"""
     process_std_min: float = 1e-3

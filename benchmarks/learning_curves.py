@@ -14,7 +14,7 @@ several `run` processes may share the work (each (method, seed) is claimed with 
 
 `report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds, 95%
 bootstrap interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems), the mean
-accuracy over all evaluations (area under the curve, a less noisy view of speed), the first evaluated step at which each method's mean curve reaches GRPO's final
+accuracy over all evaluations (step 0 included; a less noisy view of speed than one crossing), the first evaluated step at which each method's mean curve reaches GRPO's final
 mean accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and against generated tokens
 (mean and 95% bootstrap band) in docs/img/: one for the methods at their defaults, one per swept method for its `--tag` sweeps
 beside it (needs matplotlib: pip install -r benchmarks/requirements.txt).
@@ -119,7 +119,11 @@ def load(setting: str, results: Path) -> dict:
     for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
         for f in sorted(d.glob("seed*.jsonl")):
             tokens, points = 0.0, []
-            for r in (json.loads(line) for line in f.open() if line.strip()):
+            rows = [json.loads(line) for line in f.open() if line.strip()]
+            if not rows or "eval/accuracy" not in rows[-1]:  # a run that stopped early (run_one writes only finished ones)
+                print(f"skipped {f}: it does not end with an evaluation")
+                continue
+            for r in rows:
                 tokens += r.get("reset/generated_tokens", r.get("num_tokens", 0))
                 if "eval/accuracy" in r:
                     points.append((r["step"], tokens, r["eval/accuracy"]))
@@ -168,12 +172,15 @@ def cmd_report(a) -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, curve in sorted(means.items(), key=lambda kv: ("@" in kv[0], kv[0] != "grpo")):  # defaults, then sweeps
         by_seed = curves[m]
+        if len({pts[-1][0] for pts in by_seed.values()}) > 1:
+            sys.exit(f"{m}: its seeds end at different steps {sorted({pts[-1][0] for pts in by_seed.values()})}; "
+                     "rerun or remove the short ones")
         finals = [pts[-1][2] for pts in by_seed.values()]
         mean, lo, hi = bootstrap_ci(finals)
         # same seed = same held-out problems and same first batches: the paired difference is the sharper test
         paired = [pts[-1][2] - curves["grpo"][k][-1][2] for k, pts in by_seed.items() if k in curves.get("grpo", {})]
         d = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*bootstrap_ci(paired)) if paired else "–"
-        auc = bootstrap_ci([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # area under the curve
+        auc = bootstrap_ci([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # mean over all evaluations
         # GRPO's final over the same seeds (a 2-seed sweep is measured against those 2 seeds of GRPO)
         same = [curves["grpo"][k][-1][2] for k in by_seed if k in curves.get("grpo", {})]
         s, tok = first_reach(curve, sum(same) / len(same) if same else target) if target is not None else (None, None)

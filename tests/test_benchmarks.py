@@ -31,6 +31,7 @@ def test_learning_curves_report_from_raw_results(tmp_path):
         for seed, acc in enumerate(accs, 1):
             rows = [{"step": s, "num_tokens": 100, "eval/accuracy": a} for s, a in zip((0, 10, 20), acc)]
             (d / f"seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "headroom" / "srpo" / "seed3.jsonl").write_text(json.dumps({"step": 1, "num_tokens": 100}) + "\n")  # unfinished
     r = subprocess.run([sys.executable, "benchmarks/learning_curves.py", "report", "--setting", "headroom", "--results",
                         str(tmp_path), "--img", str(tmp_path / "img")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -38,6 +39,7 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     grpo = next(line for line in table.splitlines() if line.startswith("| grpo |"))
     srpo = next(line for line in table.splitlines() if line.startswith("| srpo |"))
     assert "0.550 (20)" in grpo and "| 20 | 1.00x |" in grpo  # GRPO's final mean 0.55, reached at its last step
+    assert "skipped" in r.stdout and "| srpo | 2 |" in srpo  # the unfinished run is left out, and said so
     assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast
     assert "| +0.100 [+0.100, +0.100] |" in srpo  # paired by seed: 0.6 - 0.5 and 0.7 - 0.6
     assert "| 0.400 [0.367, 0.433] |" in grpo  # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3

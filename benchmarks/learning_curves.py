@@ -165,6 +165,7 @@ def cmd_report(a) -> None:
     base = means.get("grpo")
     target = base[-1][2] if base else None
     final_step = base[-1][0] if base else None
+    grpo_final = {k: pts[-1][2] for k, pts in curves.get("grpo", {}).items()}  # GRPO's final accuracy, by seed
     lines = [f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
              "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.", "",
              "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI | mean over evals, 95% CI "
@@ -172,18 +173,19 @@ def cmd_report(a) -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, curve in sorted(means.items(), key=lambda kv: ("@" in kv[0], kv[0] != "grpo")):  # defaults, then sweeps
         by_seed = curves[m]
-        if len({pts[-1][0] for pts in by_seed.values()}) > 1:
-            sys.exit(f"{m}: its seeds end at different steps {sorted({pts[-1][0] for pts in by_seed.values()})}; "
-                     "rerun or remove the short ones")
+        ends = sorted({pts[-1][0] for pts in by_seed.values()})
+        if len(ends) > 1:
+            sys.exit(f"{m}: its seeds end at different steps {ends}; rerun or remove the short ones")
         finals = [pts[-1][2] for pts in by_seed.values()]
         mean, lo, hi = bootstrap_ci(finals)
         # same seed = same held-out problems and same first batches: the paired difference is the sharper test
-        paired = [pts[-1][2] - curves["grpo"][k][-1][2] for k, pts in by_seed.items() if k in curves.get("grpo", {})]
+        shared = [k for k in by_seed if k in grpo_final]
+        paired = [by_seed[k][-1][2] - grpo_final[k] for k in shared]
         d = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*bootstrap_ci(paired)) if paired else "–"
         auc = bootstrap_ci([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # mean over all evaluations
         # GRPO's final over the same seeds (a 2-seed sweep is measured against those 2 seeds of GRPO)
-        same = [curves["grpo"][k][-1][2] for k in by_seed if k in curves.get("grpo", {})]
-        s, tok = first_reach(curve, sum(same) / len(same) if same else target) if target is not None else (None, None)
+        same = sum(grpo_final[k] for k in shared) / len(shared) if shared else target
+        s, tok = first_reach(curve, same) if target is not None else (None, None)
         speed = f"{final_step / s:.2f}x" if s else ("–" if s is None else "at step 0")
         tok_step = curve[-1][1] / curve[-1][0] if curve[-1][0] else 0
         lines.append(f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | {d} | "

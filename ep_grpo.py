@@ -168,8 +168,12 @@ class Args:
     """seconds a collective waits for the other ranks before the run stops with an error"""
 
     # ALGO LOGIC: EP-GRPO. Every field below is a guess of this reconstruction (docs/ep_grpo.md), not the paper's.
-    gate: Literal["soft", "hard", "gtpo", "none"] = "soft"
-    """entropy gate: soft 1+alpha*sigmoid((H-tau)/gate-temp), hard 1[H>tau] (80/20 mask), gtpo H itself, none 1"""
+    gate: Literal["soft", "hard", "gtpo", "zsig", "none"] = "soft"
+    """entropy gate: soft 1+alpha*sigmoid((H-tau)/gate-temp), hard 1[H>tau] (80/20 mask), gtpo H itself, none 1, or
+    zsig sigmoid(gate-gamma * z-score of H over the --pivot-scope pool) (the authors' form, reported second-hand; with
+    --pivot-scope group --gate-norm none it is their W in (0, 1); docs/ep_grpo.md)"""
+    gate_gamma: float = 1.0
+    """gamma of --gate zsig (the authors' value is not known; 1.0 is this project's choice)"""
     pivot_quantile: float = 0.8
     """rho: the pivot threshold tau is this quantile of the token entropies (0.8: the top 20% are pivots)"""
     pivot_scope: Literal["batch", "group", "response"] = "batch"
@@ -186,15 +190,24 @@ class Args:
     """--process-anchor ema: anchor <- decay * anchor + (1 - decay) * policy after every step"""
     anchor_lag: int = 10
     """--process-anchor lagged: the anchor is reset to the policy every this many steps"""
-    process_granularity: Literal["window", "token", "cumulative"] = "window"
-    """what is z-scored per (group, window): window sums of delta, single tokens' delta, or prefix sums up to the window"""
+    process_granularity: Literal["window", "token", "cumulative"] = "token"
+    """what is z-scored per (group, window): single tokens' delta over the group's tokens in the window (the authors'
+    form, reported second-hand), window sums of delta across the group's responses, or prefix sums up to the window"""
+    process_polarity: Literal["outcome", "none"] = "outcome"
+    """outcome: P is multiplied by d_i = sign(A_out) in mixed groups and sign(r_i - reward-threshold) in all-equal
+    groups (the authors' outcome anchoring, reported second-hand): drift is reinforced only where the verifier
+    agrees, and an all-wrong group pulls its tokens back to the reference. none: no sign (the first
+    reconstruction; it collapses on the headroom benchmark, docs/ep_grpo.md)"""
+    reward_threshold: float = 0.5
+    """theta_reward: an all-equal group's polarity is sign(r - this) (0.5: all-correct +1, all-wrong -1 for 0/1 rewards)"""
     anchor_form: Literal["additive", "multiplicative"] = "additive"
     """additive gate*(A_out + lambda*P); multiplicative gate*A_out*(1 + lambda*tanh(sign(A_out)*P)) (0 when A_out = 0)"""
-    process_coef: float = 0.5
-    """lambda: weight of the process signal P in groups with mixed rewards (0 turns it off)"""
+    process_coef: float = 0.2
+    """lambda (the authors' eta): weight of the process signal P in groups with mixed rewards (0 turns it off); 0.2
+    is the value of a public reimplementation of the authors' earlier ERPO, the paper's own is not known"""
     process_coef_zero_var: float | None = None
-    """lambda_0: weight of P in groups whose rewards are all equal (default: --process-coef); 0 where many groups
-    are all-equal: there P is the only gradient and can run away (docs/ep_grpo.md, Results)"""
+    """lambda_0: weight of P in groups whose rewards are all equal (default: --process-coef); with --process-polarity
+    none, set it to 0: there unsigned P is the only gradient and runs away (docs/ep_grpo.md, Results)"""
     process_clip: float = 3.0
     """c: P is clipped to [-c, c]"""
     process_std_min: float = 1e-3
@@ -228,7 +241,9 @@ def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="res
     """Token weights g_hat [B, T] from the rollout entropy [(a) 3-4].
 
     entropy: [B, T] nats; mask: [B, T] completion mask; tau: pivot threshold, a scalar or [B, 1] (nats).
-    soft: 1 + alpha*sigmoid((H - tau)/temp); hard: 1[H > tau]; gtpo: H; none: 1. With norm "response" the
+    soft: 1 + alpha*sigmoid((H - tau)/temp); hard: 1[H > tau]; gtpo: H; none: 1; zsig: sigmoid((H - tau)/temp) with
+    tau the pool's mean entropy and temp its std / gamma (a tensor [B, 1]), the authors' W = sigmoid(gamma * z(H)),
+    which ep_advantages passes. With norm "response" the
     weights are divided by their mean over the response's tokens, so each response's mean weight is 1
     (a response whose weights are all ~0 keeps weight 1). Padded positions are 0.
     """
@@ -237,6 +252,8 @@ def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="res
         if temp <= 0:
             raise ValueError(f"gate temperature must be > 0, got {temp}")
         g = 1 + alpha * torch.sigmoid((H - tau) / temp)
+    elif gate == "zsig":
+        g = torch.sigmoid((H - tau) / temp)
     else:
         g = {"hard": lambda: (H > tau).float(), "gtpo": lambda: H.clamp(min=0), "none": lambda: torch.ones_like(H)}[gate]()
     g = g * m
@@ -285,11 +302,15 @@ def ep_advantages(
     entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, *, scale_rewards="group",
     outcome_std="population", gate="soft",
     pivot_quantile=0.8, pivot_scope="batch", gate_alpha=1.0, gate_temp=0.1, gate_norm="response",
-    process_granularity="window", anchor_form="additive", process_coef=0.5, process_coef_zero_var=None,
-    process_clip=3.0, process_std_min=1e-3, progress="entropy", num_buckets=10, advantage_form="A",
-    implicit_beta=0.05, return_parts=False,
+    gate_gamma=1.0, process_granularity="token", process_polarity="outcome", reward_threshold=0.5,
+    anchor_form="additive", process_coef=0.2, process_coef_zero_var=None, process_clip=3.0, process_std_min=1e-3,
+    progress="entropy", num_buckets=10, advantage_form="A", implicit_beta=0.05, return_parts=False,
 ):
-    """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * P) (0 at padded positions).
+    """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * d * P) (0 at padded positions).
+
+    d [B] is the outcome polarity (process_polarity "outcome"): sign(A_out) in mixed groups, sign(r - reward_threshold)
+    in all-equal groups; 1 with "none". In an all-equal group d is one sign and P sums to 0 over each (group, window)
+    cell, so the process credit there is zero-sum per window and bounded by lambda_0 * process_clip * max gate.
 
     entropy: [B, T] rollout-policy entropy (nats); logp_old, logp_ref: [B, T] log-probs of the sampled tokens
     under pi_old and the reference (nats); mask: [B, T]; rewards: [B]; groups: rows sharing group_ids (the
@@ -299,7 +320,7 @@ def ep_advantages(
     return_parts: also return a dict of the pieces (outcome [B], gate, process P, windows [B, T], ...) for ep_metrics.
     """
     choices = dict(outcome_std=outcome_std, gate=gate, pivot_scope=pivot_scope, gate_norm=gate_norm, process_granularity=process_granularity,
-                   anchor_form=anchor_form, progress=progress, advantage_form=advantage_form)
+                   process_polarity=process_polarity, anchor_form=anchor_form, progress=progress, advantage_form=advantage_form)
     for name in [k for k, v in choices.items() if v not in CHOICES[k]]:
         raise ValueError(f"{name}={choices[name]!r}: choose one of {CHOICES[name]}")
     if num_buckets < 1 or not 0 <= pivot_quantile <= 1:
@@ -313,6 +334,10 @@ def ep_advantages(
                                     group_ids=gid, unbiased=unbiased).to(dev)
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
     zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
+    # outcome polarity d: the verifier decides the direction of the process credit; all-wrong groups get -1, so there
+    # the credit pulls drifted tokens back towards the reference instead of rewarding the drift
+    polarity = torch.where(zero_var, torch.sign(r - reward_threshold), torch.sign(a_out))
+    polarity = polarity if process_polarity == "outcome" else torch.ones_like(r)
     # (a) entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
     H = entropy.float()
     rows = {"batch": lambda: torch.zeros_like(inv), "group": lambda: inv, "response": lambda: torch.arange(B, device=dev)}
@@ -320,7 +345,13 @@ def ep_advantages(
     order = torch.argsort(owner, stable=True)
     pools = int(owner.max()) + 1
     tau = row_quantile(H[order].reshape(pools, -1), valid[order].reshape(pools, -1), pivot_quantile)[owner][:, None]
-    g_hat = entropy_gate(H, mask, tau, gate, gate_alpha, gate_temp, gate_norm)
+    temp = gate_temp
+    if gate == "zsig":  # W = sigmoid(gamma * (H - mean) / std), mean and population std over the pool's tokens
+        n = torch.zeros(pools, device=dev).index_add(0, owner, m.sum(1)).clamp(min=1)
+        tau = (torch.zeros(pools, device=dev).index_add(0, owner, (H * m).sum(1)) / n)[owner][:, None]
+        var = torch.zeros(pools, device=dev).index_add(0, owner, (((H - tau) * m) ** 2).sum(1)) / n
+        temp = (var.sqrt()[owner][:, None] / gate_gamma).clamp(min=1e-6)
+    g_hat = entropy_gate(H, mask, tau, gate, gate_alpha, temp, gate_norm)
     # (c) cumulative-entropy progress windows; cells are (group, window) pairs
     b, zero_entropy = progress_windows(H, mask, K, progress)
     delta = (logp_old.float() - logp_ref.float()) * m  # (b) implicit-PRM log-ratio per token
@@ -341,15 +372,16 @@ def ep_advantages(
             P = P_win.gather(1, b) * m
         lam0 = process_coef if process_coef_zero_var is None else process_coef_zero_var
         lam = torch.where(zero_var, lam0, process_coef)[:, None]
-        if anchor_form == "additive":
-            A = g_hat * (a_out[:, None] + lam * P)
+        if anchor_form == "additive":  # (the multiplicative form carries its own sign: sign(A_out) inside the tanh)
+            A = g_hat * (a_out[:, None] + lam * polarity[:, None] * P)
         else:
             A = g_hat * a_out[:, None] * (1 + lam * torch.tanh(torch.sign(a_out)[:, None] * P))
     A = A * m
     if not return_parts:
         return A
     parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv,
-                 zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok)
+                 zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok, polarity=polarity, delta=delta,
+                 above_threshold=r > reward_threshold)
     return A, parts
 
 
@@ -369,6 +401,7 @@ def ep_metrics(adv, parts, entropy, mask) -> dict:
     zv_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, zv.float(), "amax")
     grad_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, ((adv.abs() * m).sum(1) > 0).float(), "amax")
     a_out, P, n, ok = parts["outcome"][:, None], parts["process"].abs() * m, parts["cell_members"], parts["cell_ok"]
+    right_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, parts["above_threshold"].float(), "amax")
     return {
         "ep/frac_zero_var_groups": zv_g.mean().item(),  # waste: groups GRPO gives no gradient
         "ep/zero_var_groups_with_grad": ratio((zv_g * grad_g).sum(), zv_g.sum()),  # ... that EP-GRPO still trains
@@ -383,6 +416,11 @@ def ep_metrics(adv, parts, entropy, mask) -> dict:
         "ep/frac_zero_entropy_responses": parts["zero_entropy"].float().mean().item(),  # positional fallback
         "ep/frac_singleton_windows": ratio((n == 1).sum(), (n > 0).sum()),  # (group, window) cells with one member
         "ep/frac_flat_windows": ratio(((n >= 2) & ~ok).sum(), (n > 0).sum()),  # std < sigma_min (identical responses)
+        # drift, visible before the accuracy falls: mean delta = log pi_old - log pi_ref over the sampled tokens (a
+        # k1 estimate of KL(pi_old || pi_ref)), and the share of the advantage's weight that comes from all-equal groups
+        "ep/delta_mean": ratio((parts["delta"] * m).sum(), m.sum()),
+        "ep/zero_var_adv_share": ratio((adv.abs() * m)[zv].sum(), (adv.abs() * m).sum()),
+        "ep/frac_zero_var_all_correct": ratio((zv_g * right_g).sum(), n_groups),  # all-equal and above the threshold
     }
 
 
@@ -396,6 +434,7 @@ def validate(args: Args) -> Args:
              f"--anchor-ema-decay in [0, 1] (got {args.anchor_ema_decay})")
     cli.need(args.num_buckets >= 1 and 0 <= args.pivot_quantile <= 1, f"need --num-buckets >= 1 (got {args.num_buckets}) and "
              f"--pivot-quantile in [0, 1] (got {args.pivot_quantile})")
+    cli.need(args.gate_gamma > 0, f"--gate-gamma must be > 0, got {args.gate_gamma}")
     cli.need(args.gate_temp > 0 and args.process_clip > 0 and args.process_std_min >= 0, "need --gate-temp > 0, --process-clip > 0 "
              f"and --process-std-min >= 0 (got {args.gate_temp}, {args.process_clip}, {args.process_std_min})")
     return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)

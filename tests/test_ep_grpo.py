@@ -149,7 +149,7 @@ def test_process_signal_is_a_window_z_score_and_can_flip_polarity():
 
     def run(lam):
         return ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=2, process_coef=lam,
-                             gate_alpha=0.0, return_parts=True)
+                             gate_alpha=0.0, return_parts=True, process_granularity="window", process_polarity="none")
 
     a, parts = run(1.5)
     assert parts["windows"].tolist() == [[0, 0, 1, 1]] * 2
@@ -201,7 +201,8 @@ def test_entropy_top20_share(entropy, share):
 
 VARIANTS = [
     {"gate": "hard"}, {"gate": "gtpo"}, {"gate": "none"}, {"gate_norm": "none"}, {"pivot_scope": "group"},
-    {"pivot_scope": "response"}, {"process_granularity": "token"}, {"process_granularity": "cumulative"},
+    {"pivot_scope": "response"}, {"process_granularity": "window"}, {"process_granularity": "cumulative"},
+    {"process_polarity": "none"}, {"reward_threshold": -0.5}, {"gate": "zsig"}, {"gate": "zsig", "gate_gamma": 3.0},
     {"anchor_form": "multiplicative"}, {"progress": "position"}, {"advantage_form": "B"}, {"scale_rewards": "none"},
     {"num_buckets": 1}, {"process_clip": 0.5},
 ]
@@ -221,6 +222,7 @@ def test_every_flag_gives_finite_masked_advantages_that_differ_from_the_default(
 
 
 @pytest.mark.parametrize("kw", [{"gate": "sigmoid"}, {"process_granularity": "step"}, {"advantage_form": "C"},
+                                {"process_polarity": "sign"},
                                 {"num_buckets": 0}, {"pivot_quantile": 1.5}])
 def test_unknown_choice_is_a_clear_error(kw):
     with pytest.raises(ValueError, match=f"{next(iter(kw))}"):
@@ -328,3 +330,93 @@ def test_outcome_advantage_uses_the_population_std_by_default():
     assert torch.allclose(a, want[:, None].expand(-1, 3), atol=1e-6)
     u = ep_advantages(zero + 1.0, zero, zero, mask, r, 8, gate="none", process_coef=0.0, outcome_std="unbiased")
     assert torch.allclose(u / a, torch.full_like(a, (7 / 8) ** 0.5), atol=1e-3)
+
+
+def test_zsig_gate_is_the_authors_sigmoid_of_the_group_z_score():
+    """W = sigmoid(gamma * (H - mean_G H) / std_G H), population std, no mass preservation: entropies (0, 1, 2, 3)
+    in one group give W = (0.2072, 0.3900, 0.6100, 0.7928) at gamma = 1 (hand values: z = (+-1.342, +-0.447))."""
+    H = torch.tensor([[0.0], [1.0], [2.0], [3.0]])
+    one = torch.ones(4, 1)
+    _, parts = ep_advantages(H, one * 0, one * 0, one, torch.tensor([1.0, 0, 0, 0]), 4, gate="zsig", gate_norm="none",
+                             pivot_scope="group", return_parts=True)
+    assert torch.allclose(parts["gate"].squeeze(1), torch.tensor([0.2072, 0.3900, 0.6100, 0.7928]), atol=1e-4)
+    steep = ep_advantages(H, one * 0, one * 0, one, torch.tensor([1.0, 0, 0, 0]), 4, gate="zsig", gate_norm="none",
+                          pivot_scope="group", gate_gamma=5.0, return_parts=True)[1]["gate"].squeeze(1)
+    assert steep[0] < 0.01 and steep[3] > 0.99  # gamma sharpens the gate
+
+
+def test_outcome_polarity_signs_the_process_credit():
+    """d = sign(A_out) in mixed groups, sign(r - 0.5) in all-equal ones: an all-wrong group's process credit is
+    anti-correlated with the drift delta (pulled back to the reference), an all-correct group's correlated."""
+    g = torch.Generator().manual_seed(5)
+    T, B = 6, 12
+    entropy, mask = torch.ones(B, T), torch.ones(B, T)
+    logp_ref = -torch.rand(B, T, generator=g)
+    logp_old = logp_ref + torch.randn(B, T, generator=g)  # delta = logp_old - logp_ref
+    rewards = torch.tensor([0.0] * 4 + [1.0] * 4 + [1.0, 0, 0, 0])  # all-wrong, all-correct, mixed
+    a, parts = ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 4, gate="none", return_parts=True)
+    assert parts["polarity"].tolist() == [-1.0] * 4 + [1.0] * 4 + [1.0, -1, -1, -1]
+    delta = (logp_old - logp_ref)
+
+    def corr(x, y):
+        x, y = x - x.mean(), y - y.mean()
+        return (x * y).sum() / (x.norm() * y.norm())
+
+    assert corr(a[:4].flatten(), delta[:4].flatten()) < -0.5
+    assert corr(a[4:8].flatten(), delta[4:8].flatten()) > 0.5
+    unsigned = ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 4, gate="none", process_polarity="none")
+    assert torch.equal(a[:4], -unsigned[:4]) and torch.equal(a[4:8], unsigned[4:8])  # d = -1 / +1
+    lam_p = unsigned[8:] - parts["outcome"][8:, None]  # mixed group: A = A_out + lambda * d * P
+    assert torch.allclose(a[8:], parts["outcome"][8:, None] + parts["polarity"][8:, None] * lam_p, atol=1e-6)
+    assert corr(unsigned[:4].flatten(), delta[:4].flatten()) > 0.5  # the old rule rewarded the drift of failures
+    # all-equal groups: zero-sum over each (group, window) cell and bounded by lambda_0 * clip (gate "none")
+    cells = parts["group_index"][:, None] * 10 + parts["windows"]
+    sums = torch.zeros(40).index_add(0, cells[:8].reshape(-1), a[:8].reshape(-1))
+    assert torch.allclose(sums, torch.zeros(40), atol=1e-5)
+    assert a[:8].abs().max() <= 0.2 * 3.0 + 1e-6
+    m = ep_metrics(a, parts, entropy, mask)
+    assert m["ep/frac_zero_var_all_correct"] == pytest.approx(1 / 3)
+    assert m["ep/delta_mean"] == pytest.approx(delta.mean().item(), abs=1e-6)
+    share = a[:8].abs().sum() / a.abs().sum()
+    assert m["ep/zero_var_adv_share"] == pytest.approx(share.item(), rel=1e-5) and 0 < share < 1
+
+
+def _tabular_drift(polarity, reward, steps=40, seed=0, lr=0.5):
+    """A policy of independent per-position softmaxes [T, V], started away from its reference, trained on-policy with
+    EP-GRPO's advantage on groups whose rewards are all `reward`. Returns the exact KL(pi || pi_ref) before and after."""
+    g = torch.Generator().manual_seed(seed)
+    T, V, G, n = 8, 6, 8, 4
+    ref = torch.randn(T, V, generator=g)
+    theta = (ref + 0.5 * torch.randn(T, V, generator=g)).requires_grad_(True)
+
+    def kl():
+        lp, lq = theta.log_softmax(-1), ref.log_softmax(-1)
+        return (lp.exp() * (lp - lq)).sum().item()
+
+    before = kl()
+    for _ in range(steps):
+        with torch.no_grad():
+            probs = theta.softmax(-1).repeat(G * n, 1, 1).reshape(-1, V)
+            tok = torch.multinomial(probs, 1, generator=g).reshape(G * n, T)
+        lp = theta.log_softmax(-1)
+        logp = lp.gather(1, tok.T).T  # [B, T]
+        entropy = -(lp.exp() * lp).sum(-1).detach().expand(G * n, T)
+        logp_ref = ref.log_softmax(-1).gather(1, tok.T).T
+        mask = torch.ones(G * n, T)
+        A = ep_advantages(entropy, logp.detach(), logp_ref, mask, torch.full((G * n,), reward), G, process_polarity=polarity)
+        theta.grad = None
+        (-(A * logp).sum() / mask.sum()).backward()
+        with torch.no_grad():
+            theta -= lr * theta.grad
+    return before, kl()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_all_wrong_groups_do_not_feed_drift(seed):
+    """The collapse of the first reconstruction: with rewards all 0, unsigned process credit is gradient ascent on
+    KL(pi || pi_ref) (the policy is paid for moving away from where it was), so repeated updates keep raising it.
+    With the default outcome polarity an all-wrong group pulls back towards the reference instead."""
+    before, after = _tabular_drift("outcome", 0.0, seed=seed)
+    assert after < 0.8 * before
+    before_none, after_none = _tabular_drift("none", 0.0, seed=seed)
+    assert after_none > 1.2 * before_none

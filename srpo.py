@@ -116,7 +116,7 @@ class Args:
     localization_temperature: float = 0.3
     """sampling temperature of the self-localization call (the paper's default)"""
     localization_max_new_tokens: int | None = None
-    """token cap of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps; 1024 otherwise)"""
+    """token cap of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps; 4096 otherwise)"""
     clip: bool = False
     """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official ablation also used
     --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch, so the ratio leaves 1)"""
@@ -319,10 +319,12 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
                            "oracle_early_stop", "generate_calls")}
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
 
-    def sample(prompts, max_new_tokens, temperature=args.temperature):
-        """One generate call, one completion per prompt; each response cut by the protocol, with its text and reward."""
+    def sample(prompts, max_new_tokens, temperature=args.temperature, budgets=None):
+        """One generate call, one completion per prompt; each response cut by the protocol, with its text and reward.
+        budgets: thoughts each response may still add (default MAX_THOUGHTS; a continuation's prefix counts)."""
         if not prompts:
             return []
+        budgets = budgets or [MAX_THOUGHTS] * len(prompts)
         ro = common.generate_rollouts(model, tokenizer, prompts, list(range(len(prompts))), 1, max_new_tokens, temperature,
                                       args.top_p, args.top_k, batch_size=args.gen_batch_size)
         info["generated_tokens"] += int(ro.completion_mask.sum())
@@ -330,12 +332,15 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
         out = []
         for i in range(len(ro)):
             ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
-            cut = protocol_cut(tokenizer, ids, ro.texts[i], delim)
+            cut = protocol_cut(tokenizer, ids, ro.texts[i], delim, budgets[i])
             out.append((cut, ro.texts[i] if len(cut) == len(ids) else tokenizer.decode(cut, skip_special_tokens=True)))
             if len(ids) > THOUGHT_TOKENS:  # the official loop closes a thought at 256 tokens; here they are counted
                 info["long_thoughts"] += sum(len(tokenizer(t, add_special_tokens=False).input_ids) > THOUGHT_TOKENS
                                              for t in split_thoughts(out[-1][1], delim))
         return out
+
+    def budget(prefix_ids):  # the official chain stops at 20 thoughts in all, the kept prefix's included
+        return max(MAX_THOUGHTS - len(split_thoughts(tokenizer.decode(prefix_ids, skip_special_tokens=True), delim)), 1)
 
     def scored(chains, owners):
         return [(ids, text, r) for (ids, text), r in zip(chains, task.rewards([c[1] for c in chains], owners))]
@@ -393,7 +398,8 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     extra = {e.id: (args.max_fresh_attempts - state[e.id]["tried"], spare) for e in pending}
     cont_prompts = [e.prompt_ids + pre for e, _, pre in continued for _ in range(K)]
     search = [e for e in pending for _ in range(sum(extra[e.id]))]
-    chains = sample(cont_prompts + [e.prompt_ids for e in search], max_new)
+    cont_budgets = [budget(pre) for _, _, pre in continued for _ in range(K)]
+    chains = sample(cont_prompts + [e.prompt_ids for e in search], max_new, budgets=cont_budgets + [MAX_THOUGHTS] * len(search))
     suffixes = chains[: len(cont_prompts)]
     found = scored(chains[len(cont_prompts) :], search)
     for e in pending:
@@ -429,7 +435,8 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
 
     # 4. the remaining continuations (prompt + prefix, same sampling settings), then the training rows: base chains,
     #    K continuations per parent (cut to the response budget, prefix included), or a fallback group
-    suffixes += sample([e.prompt_ids + pre for e, _, pre in later for _ in range(K)], max_new)
+    suffixes += sample([e.prompt_ids + pre for e, _, pre in later for _ in range(K)], max_new,
+                       budgets=[budget(pre) for _, _, pre in later for _ in range(K)])
     rows = []  # (example, response ids, suffix_start, group key, reward)
     new = [(e, pre + s[0][: max(max_new - len(pre), 1)], len(pre), (e.id, "reset", j))
            for i, (e, j, pre) in enumerate(continued + later) for s in suffixes[i * K : (i + 1) * K]]

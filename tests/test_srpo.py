@@ -272,3 +272,45 @@ def test_clip_ablation_clips_with_several_minibatch_steps(tmp_path):
                   "--loss-agg", "token-mean", "--learning-rate", "5e-4", "--epsilon", "0.02", "--seed", "2")
     rows = read_metrics(tmp_path)
     assert max(r["clip_ratio/region_mean"] for r in rows[1:]) > 0
+
+
+def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(tiny, monkeypatch):
+    """Official protocol: a chain stops at 20 thoughts in all. Every sampled response here has 15 thoughts and the
+    first chain of each prompt fails, so a random reset at thought k keeps k - 1 prefix thoughts; the continuation
+    may add only 20 - (k - 1) thoughts (it used to add 15 whatever the prefix, up to 29 thoughts in one row)."""
+    model, tok = tiny
+    task, examples = _task(tok, 3)
+    text = "\n".join(["1+1=2"] * 15)
+    response = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+    def fake_generate(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *a, **k):
+        ro = common.make_rollouts(tokenizer, prompts, [response] * len(prompts), group_ids, [tok.eos_token_id])
+        ro.texts = [text] * len(prompts)
+        return ro
+
+    monkeypatch.setattr(common, "generate_rollouts", fake_generate)
+    seen = {}
+
+    def reward(completion, ex):
+        seen[ex.id] = seen.get(ex.id, 0) + 1
+        return 0.0 if seen[ex.id] == 1 else 1.0
+
+    task.reward_fn = reward
+    ro, _, suffix_start, _, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="random", max_new_tokens=400),
+                                                         random.Random(3))
+    assert info["num_parents"] == 3
+    counts = []
+    for i in range(len(ro)):
+        ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
+        n = len(srpo.split_thoughts(tok.decode(ids, skip_special_tokens=True), "\n"))
+        prefix = len(srpo.split_thoughts(tok.decode(ids[: int(suffix_start[i])], skip_special_tokens=True), "\n"))
+        counts.append((prefix, n))
+    assert all(n == min(20, prefix + 15) for prefix, n in counts), counts
+    assert any(prefix > 5 for prefix, _ in counts)  # the case that used to overflow is exercised
+
+
+def test_localization_cap_help_matches_the_code():
+    import inspect
+
+    doc = inspect.getsource(srpo).split("localization_max_new_tokens:")[1].split('"""')[1]
+    assert "4096 otherwise" in doc and "192 if task.name == \"arith\" else 4096" in inspect.getsource(srpo.collect_rollouts)

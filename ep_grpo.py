@@ -2,15 +2,19 @@
 
 1. Entropy gate: each token's weight grows with its rollout entropy (soft step at the batch's 80% quantile),
    normalized so every response's mean weight is 1: high-entropy "decision pivots" get more of the advantage.
-2. Implicit process signal: delta = log pi_old - log pi_ref per token (the implicit-PRM log-ratio), summed per window.
-3. Progress windows: K windows holding equal shares of a response's cumulative entropy; the window sums are
-   z-scored across the group inside each window (P), so responses are compared at the same progress.
-4. A = gate * (GRPO advantage + lambda * P): groups whose rewards are all equal still get a gradient from P.
-5. PPO-clipped surrogate, token-mean, k3 KL to the frozen reference (loaded when delta needs it, --process-anchor
-   ref, or when --beta > 0).
-RECONSTRUCTION: the paper's full text and code were not public; this method is rebuilt from its abstract
-(docs/ep_grpo.md lists what is known). Every guessed choice is a flag below, with the spec's default.
+2. Implicit process signal: delta = log pi_old - log pi_ref per token (the implicit-PRM log-ratio), z-scored over
+   the group's tokens in the same progress window (P).
+3. Progress windows: K windows holding equal shares of a response's cumulative entropy, so responses are compared
+   at the same progress.
+4. Outcome polarity d: sign(A_out) in mixed groups, sign(r - 0.5) in all-equal groups (all-wrong -1, all-correct +1).
+5. A = gate * (GRPO advantage + lambda * d * P): groups whose rewards are all equal still get a gradient, signed by
+   the verifier; PPO-clipped surrogate, token-mean, k3 KL to the frozen reference.
+RECONSTRUCTION: the paper's full text and code were not reachable. Items 2-4 follow the authors' formulas as
+secondary sources that had the text report them; the gate form, lambda, the clip and the loss are this project's
+choices, each a flag below. docs/ep_grpo.md marks which is which.
 Paper: Yu, Li, Zhao, Yang 2026, EP-GRPO (arXiv 2605.04960). Docs: docs/ep_grpo.md.
+Differences from grpo.py at the defaults: token advantages (above), --beta 1e-3, token-mean, population std + 1e-6
+for A_out (grpo.py: unbiased + 1e-4), and the reference model is always loaded (delta needs it).
 
     python ep_grpo.py                                           # bundled tiny model, built-in task, CPU
     python ep_grpo.py --gate-alpha 0 --process-coef 0 --outcome-std unbiased  # = grpo.py --beta 0.001 --loss-agg token-mean
@@ -38,7 +42,7 @@ import tasks
 
 @dataclasses.dataclass
 class Args:
-    """EP-GRPO (arXiv 2605.04960), RECONSTRUCTED from the paper's abstract: every method flag is a guess (docs/ep_grpo.md)."""
+    """EP-GRPO (arXiv 2605.04960), RECONSTRUCTED: docs/ep_grpo.md says which flag follows the authors' text and which is a guess."""
 
     exp_name: str = "ep_grpo"
     """name of this experiment (part of the run name)"""
@@ -167,7 +171,8 @@ class Args:
     dist_timeout: int = 1800
     """seconds a collective waits for the other ranks before the run stops with an error"""
 
-    # ALGO LOGIC: EP-GRPO. Every field below is a guess of this reconstruction (docs/ep_grpo.md), not the paper's.
+    # ALGO LOGIC: EP-GRPO. docs/ep_grpo.md marks each field below: (a) the authors' text as reported second-hand,
+    # (b) the abstract, or (c) this project's choice.
     gate: Literal["soft", "hard", "gtpo", "zsig", "none"] = "soft"
     """entropy gate: soft 1+alpha*sigmoid((H-tau)/gate-temp), hard 1[H>tau] (80/20 mask), gtpo H itself, none 1, or
     zsig sigmoid(gate-gamma * z-score of H over the --pivot-scope pool) (the authors' form, reported second-hand; with
@@ -498,7 +503,7 @@ if __name__ == "__main__":
             anchor_logp = ref_logp if anchor is ref_model else common.token_logprobs(anchor, input_ids, attn, T, args.temperature)[0]
         t_logp = time.time() - t0
 
-        # 4. ALGO LOGIC: credit assignment. A = gate * (GRPO advantage + lambda * P), per token.
+        # 4. ALGO LOGIC: credit assignment. A = gate * (GRPO advantage + lambda * d * P), per token.
         t0 = time.time()
         token_adv, parts = ep_advantages(old_entropy, old_logp, anchor_logp, mask, rewards, G, ro.group_ids, **ep_flags)
         ep_stats = ep_metrics(token_adv, parts, old_entropy, mask)

@@ -144,3 +144,16 @@ def test_grpo_lambda_logged_multiplier_is_the_losss_credit(tmp_path, monkeypatch
             cs.append((1 - a**n) / (1 - a) + a**k * max(0, L - 1 - 2 * k))
     logged = read_metrics(tmp_path)[1]["trace/multiplier_mean"]
     assert logged == pytest.approx(sum(cs) / len(cs), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_grpo_lambda_negative_advantage_clamp_through_the_script(tmp_path, monkeypatch):
+    """Advantages forced to +1 and -3 in turn: on-policy (traced ratio exp(0) = 1, beta 0) the per-token loss is -A
+    after the clamp at -0.1, so exactly -1.0 and +0.1 (paper: negative advantages clamped at -0.1)."""
+    monkeypatch.setattr(common, "group_advantages", lambda r, *a, **k: torch.tensor([1.0, -3.0]).repeat(len(r))[: len(r)])
+    seen = _capture_loss(monkeypatch)
+    run_inprocess("grpo_lambda.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST)
+    (per_token, mask), = seen
+    m = mask.bool()
+    assert torch.allclose(per_token[0::2][m[0::2]], torch.tensor(-1.0), atol=1e-6)
+    assert torch.allclose(per_token[1::2][m[1::2]], torch.tensor(0.1), atol=1e-6)

@@ -132,7 +132,9 @@ class Args:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     micro_batch_size: int = 16
-    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch)"""
+    """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch). In
+    SC-GRPO it also sets the tokens c is taken over (the paper's micro-batch: --micro-batch-size // G whole groups;
+    see --kl-threshold-scope), so it enters the algorithm"""
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
@@ -167,6 +169,11 @@ class Args:
     """groups scored against a teacher, by n_c correct of G: partial (2 <= n_c < G), none (n_c = 0), single (1), all (G)"""
     percentile: float = 75.0
     """c = max(this percentile of D over the micro-batch's weighted tokens, --c-min)"""
+    kl_threshold_scope: Literal["micro-batch", "batch"] = "micro-batch"
+    """the weighted tokens c's percentile is taken over: micro-batch (the paper's: each micro-batch of
+    --micro-batch-size // G groups gets its own c, so the micro-batch size changes f) or batch (every weighted token of
+    the step: the same f whatever the micro-batch size, at the cost of one extra no-grad pass of the students and
+    teachers before the update)"""
     c_min: float = 1e-4
     """floor of the scale c in f = D / (D + c)"""
     alpha: float = 0.1
@@ -318,39 +325,61 @@ def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torc
 
 
 def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None,
-                    pad_id: int = 0, with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = 8, time_chunk: int = 128):
-    """common.token_logprobs(fused=False) (the same operations on the same row chunks, so the same numbers) that also returns
+                    pad_id: int = 0, with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = 8,
+                    time_chunk: int = 128, fused: bool | None = None):
+    """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
     elsewhere 0). The teacher is the same model under no_grad fed teacher_prompts[i] + the row's completion; the
-    student side is this forward's own logits (detached unless `kl_grad`), so the only extra work is the teacher
-    forward, and per row chunk the teacher's logits are the only extra [b, T, V] tensor. Both sides are
-    log-softmaxed `time_chunk` positions at a time. Returns logp, entropy (or None), D, and the teacher pass's
-    {"seconds", "peak_bytes": the step's peak GPU memory so far when the last teacher pass ended (CUDA; 0 on CPU)}.
+    student side is this forward's own output (detached unless `kl_grad`): the only extra work is the teacher forward.
+    fused (default: logprob_kernels.fused_logprobs_ok(model)): no [b, T, V] tensor exists. The student's final hidden
+    states feed FusedLinearLogProb, and the same states and the teacher's go through the lm_head a few positions at
+    a time in FusedLinearKL (extra memory O(positions x V); with `kl_grad` its backward recomputes them the same way).
+    fused=False: the fp32 logits [b, T, V] of each row chunk, with gradient, and the teacher's, log-softmaxed
+    `time_chunk` positions at a time (models whose logits are not lm_head(h)). Returns logp, entropy (or None), D,
+    and the teacher pass's {"seconds", "peak_bytes": the step's peak GPU memory so far when the last teacher pass
+    ended (CUDA; 0 on CPU)}.
     """
+    fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
+    lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
+    positions = max(1, 2**25 // lm.out_features) if fused else 0  # as common.token_logprobs: [positions, V] fp32
     logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
-        logits = logprob_kernels.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, with gradient
-        logps.append(logits.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-        if with_entropy:
-            ents.append(logprob_kernels.entropy_from_logits(logits))
+        if fused:
+            out = logprob_kernels.completion_hidden(model, ids, mask, T)  # [b, T, H], with gradient
+            lp, ent = logprob_kernels.FusedLinearLogProb.apply(out.flatten(0, 1), lm.weight, lm.bias, ids[:, -T:].flatten(),
+                                                               temperature, positions, with_entropy)
+            logps.append(lp.view(ids.shape[0], T))
+            ents.extend([ent.view(ids.shape[0], T)] if with_entropy else [])
+        else:
+            out = logprob_kernels.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, grad
+            logps.append(out.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(out, dim=-1))
+            ents.extend([logprob_kernels.entropy_from_logits(out)] if with_entropy else [])
         D = torch.zeros(ids.shape[0], T, device=ids.device)
         rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
         if rows:
             t0 = time.time()
             tp, tm = common.pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
-            with torch.no_grad():
-                zt = logprob_kernels.completion_logits(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
-            idx, zs = torch.tensor(rows, device=ids.device), logits if kl_grad else logits.detach()
+            tids, tmask = torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1)
+            with torch.no_grad():  # the teacher: stop-gradient
+                teacher = logprob_kernels.completion_hidden if fused else logprob_kernels.completion_logits
+                zt = teacher(model, tids, tmask, T)  # [r, T, H] or [r, T, V]
+            idx = torch.tensor(rows, device=ids.device)
+            zs = out[idx] if kl_grad else out.detach()[idx]
             with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
-                kl = torch.cat([token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[idx, t : t + time_chunk])
-                                for t in range(0, T, time_chunk)], 1)
+                if fused:  # [positions, V] fp32 temporaries of about 64 MB
+                    kl = logprob_kernels.FusedLinearKL.apply(zs.flatten(0, 1), zt.flatten(0, 1), lm.weight, lm.bias,
+                                                             temperature, max(1, 2**24 // lm.out_features))
+                    kl = kl.view(len(rows), T)
+                else:
+                    kl = torch.cat([token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[:, t : t + time_chunk])
+                                    for t in range(0, T, time_chunk)], 1)
                 D = D.index_put((idx,), kl)
             del zt
             cost["seconds"] += time.time() - t0
             cost["peak_bytes"] = max(cost["peak_bytes"], torch.cuda.max_memory_allocated() if ids.is_cuda else 0)
         kls.append(D)
-        del logits
+        del out
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(kls), cost
 
 
@@ -376,6 +405,21 @@ def diversity_advantage(scores: torch.Tensor, group_ids: torch.Tensor, alpha: fl
         s = scores[rows.to(scores.device)]
         out[rows.to(scores.device)] = alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
     return out
+
+
+def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1):
+    """f and the advantages of one set of rows: a micro-batch (the paper's scope of c) or the whole batch (paper §5.1).
+
+    kl, active, adv: [n, T] (D, the weighted tokens, GRPO's advantages); role [n] (build_teachers'); group_ids [n].
+    Returns weights [n, T] (1 on plain rows, f = kl_weights(kl, active) elsewhere: 0 on o_r and past L_i), the
+    advantages [n, T] (solve-none rows: alpha * zscore of s_i = mean f over the first L_i tokens; o_r: 0) and f."""
+    f = kl_weights(kl, active, percentile, c_min)  # c from these rows' weighted tokens
+    weights, adv, div = torch.where((role == 0)[:, None], 1.0, f), adv.clone(), role == 2
+    if div.any():
+        s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
+        adv[div] = diversity_advantage(s_div[div], group_ids[div.cpu()], alpha)[:, None]
+    adv[role == 3] = 0.0
+    return weights, adv, f
 
 
 def validate(args: Args) -> Args:
@@ -440,6 +484,8 @@ if __name__ == "__main__":
 
         # 3. ALGO LOGIC: credit assignment. The GRPO advantage sets each token's direction. Each group is routed by its
         #    number of correct rollouts, and each routed rollout gets a teacher prompt: its reference tau before the problem.
+        #    f = D / (D + c) needs D, from the student's forward: step 5 sets it per micro-batch (c is the micro-batch's
+        #    percentile, paper §5.1), step 4 for the whole batch with --kl-threshold-scope batch.
         advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu()).to(device)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
         gid, correct = ro.group_ids.cpu(), ro.scores >= 1.0  # correct: full verifier score (not the shaped reward)
@@ -448,8 +494,11 @@ if __name__ == "__main__":
         teacher_prompts, role, wlen, bad = build_teachers(tokenizer, args.task, ro, row_examples, correct, ref, context - T,
                                                           args.max_reference_tokens, route_gen)
         role, wlen = role.to(device), wlen.to(device)
+        weighted = ((role == 1) | (role == 2))[:, None] & (torch.arange(T, device=device) < wlen[:, None])
+        active = mask * weighted.float()  # [N, T] the weighted tokens (c's percentile is over them)
         weights, adv = torch.ones_like(mask, dtype=torch.float), token_adv.clone()  # f and A, filled per micro-batch
         kl_seen, f_seen, t_teacher, peak = [], [], 0.0, 0
+        per_batch = args.weight_mode == "multiply" and args.kl_threshold_scope == "batch"  # else f is set in step 5
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
@@ -459,6 +508,16 @@ if __name__ == "__main__":
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+            if per_batch:  # ALGO LOGIC: --kl-threshold-scope batch: D of every row first, then f with c over the batch
+                D = torch.zeros_like(weights)
+                for mb in micro_batches_of_groups(torch.arange(len(ro), device=device), gid, G, args.micro_batch_size):
+                    prompts = [teacher_prompts[i] for i in mb.tolist()]
+                    _, _, D[mb], tstat = logprobs_and_kl(model, input_ids[mb], attn[mb], T, args.temperature, prompts,
+                                                         tokenizer.pad_token_id)
+                    t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
+                weights, adv, f = weights_and_advantages(D, active, role, gid, adv, args.percentile, args.c_min,
+                                                         args.alpha)
+                kl_seen, f_seen = [D[active.bool()].cpu()], [f[active.bool()].cpu()]
         t_logp = time.time() - t0
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
@@ -475,23 +534,17 @@ if __name__ == "__main__":
                     m = mask[mb].float()
                     # ALGO LOGIC: the student forward also gives D against each routed row's teacher (one no-grad forward).
                     #    f and the solve-none advantages come from the first pass (the teacher is then the current policy).
-                    first = it == 0 and args.weight_mode == "multiply"
+                    first = it == 0 and args.weight_mode == "multiply" and not per_batch
                     prompts = [teacher_prompts[i] for i in mb.tolist()] if first or args.kl_loss_coef > 0 else None
                     logp, entropy, D, tstat = logprobs_and_kl(train_model, input_ids[mb], attn[mb], T, args.temperature, prompts,
                                                               tokenizer.pad_token_id, with_entropy=it == 0, kl_grad=args.kl_loss_coef > 0)
-                    r = role[mb]
-                    active = m * ((r == 1) | (r == 2))[:, None] * (torch.arange(T, device=device) < wlen[mb, None])
-                    if first:
-                        f = kl_weights(D, active, args.percentile, args.c_min)  # c from this micro-batch's weighted tokens
-                        weights[mb] = torch.where((r == 0)[:, None], 1.0, f)  # plain rows 1; o_r and t >= L_i: 0
-                        div = r == 2
-                        if div.any():  # solve-none: s_i = mean f over the first L_i tokens, advantage alpha * zscore(s)
-                            s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
-                            adv[mb[div]] = diversity_advantage(s_div[div], gid[mb[div].cpu()], args.alpha)[:, None]
-                        adv[mb[r == 3]] = 0.0
-                        f_seen.append(f[active.bool()].cpu())
-                    if it == 0 and prompts is not None:
-                        kl_seen.append(D.detach()[active.bool()].cpu())
+                    act = active[mb]  # the weighted tokens
+                    if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
+                        weights[mb], adv[mb], f = weights_and_advantages(D, act, role[mb], gid[mb.cpu()], adv[mb],
+                                                                         args.percentile, args.c_min, args.alpha)
+                        f_seen.append(f[act.bool()].cpu())
+                    if it == 0 and prompts is not None and not per_batch:
+                        kl_seen.append(D.detach()[act.bool()].cpu())
                     t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage, times the per-token weight f
@@ -500,7 +553,7 @@ if __name__ == "__main__":
                     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
                     per_token_loss = -surrogate * weights[mb] * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
                     if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
-                        per_token_loss = per_token_loss + args.kl_loss_coef * D * active
+                        per_token_loss = per_token_loss + args.kl_loss_coef * D * act
                     kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl

@@ -65,6 +65,36 @@ def test_fused_linear_logprob_forward_entropy_and_gradients_match_float64_autogr
     assert torch.allclose(Wb.grad.double(), Wb64.grad, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_kl_forward_and_student_gradients_match_float64_autograd(temperature, chunk, bias):
+    g = torch.Generator().manual_seed(4)
+    N, H, V = 9, 8, 40
+    hs, ht, W = torch.randn(N, H, generator=g), torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    b = torch.randn(V, generator=g) if bias else None
+    w = torch.randn(N, generator=g)  # an arbitrary upstream gradient
+    hs64, W64 = hs.double().requires_grad_(True), W.double().requires_grad_(True)
+    b64 = b.double().requires_grad_(True) if bias else None
+    with torch.no_grad():  # the teacher: stop-gradient, also through the shared W
+        lt = torch.log_softmax(torch.nn.functional.linear(ht.double(), W.double(), b64) / temperature, -1)
+    ls = torch.log_softmax(torch.nn.functional.linear(hs64, W64, b64) / temperature, -1)
+    ref = (lt.exp() * (lt - ls)).sum(-1)
+    (ref * w).sum().backward()
+    hs32, ht32, W32 = hs.clone().requires_grad_(True), ht.clone().requires_grad_(True), W.clone().requires_grad_(True)
+    b32 = b.clone().requires_grad_(True) if bias else None
+    got = logprob_kernels.FusedLinearKL.apply(hs32, ht32, W32, b32, temperature, chunk)
+    (got * w).sum().backward()
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, atol=1e-5) and (ref > 0).all()
+    assert torch.allclose(hs32.grad.double(), hs64.grad, atol=1e-5) and ht32.grad is None
+    assert torch.allclose(W32.grad.double(), W64.grad, atol=1e-5)
+    if bias:
+        assert torch.allclose(b32.grad.double(), b64.grad, atol=1e-5)
+    with torch.no_grad():  # SC-GRPO's weights: the same values, no graph
+        assert torch.equal(logprob_kernels.FusedLinearKL.apply(hs32, ht32, W32, b32, temperature, chunk), got.detach())
+    assert (logprob_kernels.FusedLinearKL.apply(hs, hs, W, b, temperature, chunk).abs() < 1e-6).all()  # KL(p || p) = 0
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_fused_and_unfused_token_logprobs_give_the_same_values_and_parameter_gradients(tied):
     from transformers import Qwen2Config, Qwen2ForCausalLM

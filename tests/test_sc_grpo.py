@@ -108,15 +108,16 @@ def _batch(tokenizer, texts_per_prompt, prompts):
     return prompt_ids, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), T
 
 
-def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny):
+@pytest.mark.parametrize("fused", [True, False])
+def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny, fused):
     model, tok = tiny
     _, ids, attn, T = _batch(tok, ["12+3=15\n#### 15", "9-1=8"], ["Solve: 12+3\n", "Solve: 44-7+1\n"] * 5)
     model.zero_grad()
-    want, want_ent = common.token_logprobs(model, ids, attn, T, 0.7, with_entropy=True, fused=False)
+    want, want_ent = common.token_logprobs(model, ids, attn, T, 0.7, with_entropy=True, fused=fused)
     (want.sum()).backward()
     want_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    got, got_ent, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 0.7, with_entropy=True)
+    got, got_ent, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 0.7, with_entropy=True, fused=None if fused else False)
     (got.sum()).backward()
     assert torch.equal(got, want) and torch.equal(got_ent, want_ent) and (D == 0).all()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want_grad))

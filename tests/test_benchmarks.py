@@ -22,6 +22,21 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):
         assert len(res[f"tiny/{side}"]["step_seconds"]) == 2 and res[f"tiny/{side}"]["peak_gb"] > 0
 
 
+def test_script_memory_runs_every_script_at_a_small_vocabulary(tmp_path):
+    scripts = ["grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo"]
+    out = tmp_path / "script_memory.json"
+    r = subprocess.run([sys.executable, "benchmarks/script_memory.py", "--vocab", "2000", "--steps", "1", "--prompts", "2",
+                        "--generations", "4", "--max-new-tokens", "16", "--num-eval", "2", "--threads", "1",
+                        "--scripts", *scripts, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    res = json.loads(out.read_text())
+    assert list(res["scripts"]) == scripts and res["vocab"] == 2000
+    for name, row in res["scripts"].items():
+        assert row["rc"] == 0 and row["steps"] == 1 and row["rss_gb"] > 0.1, (name, row)
+    assert res["scripts"]["sc_grpo"]["sc_routed"] > 0  # its teachers ran on the grown model
+    assert "| grpo | " in r.stdout and "| 1.00 |" in r.stdout  # grpo.py against itself
+
+
 def test_learning_curves_report_from_raw_results(tmp_path):
     """The report is rebuilt from the raw per-run metrics: bootstrap interval, steps to GRPO's final accuracy."""
     runs = {"srpo@lr": [[0.2, 0.1, 0.0]], "grpo": [[0.2, 0.4, 0.5], [0.2, 0.5, 0.6]], "srpo": [[0.2, 0.6, 0.6], [0.2, 0.5, 0.7]]}

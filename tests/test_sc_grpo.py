@@ -145,6 +145,57 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     assert (D[1] == 0).all() and cost["seconds"] > 0
 
 
+@pytest.mark.parametrize("kl_grad", [False, True])
+def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad):
+    """The memory-bounded path (hidden states -> FusedLinearLogProb and FusedLinearKL) against the [b, T, V] logits
+    path on the tiny model in float64: the same log-probs, entropy, D, f and gradient of a surrogate loss (plus the
+    additive KL term, whose gradient goes through D, with kl_grad)."""
+    model, tok = tiny
+    m64 = copy.deepcopy(model).double()
+    comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1", "12+3=15\n15-4=11\n#### 11"]
+    prompt_ids, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
+    problem = arith.parse_arith_problem("12+3-4")
+    teach = [None] + [tasks.encode_prompt(tok, sc_grpo.arith_reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")]
+    m = attn[:, -T:].double()
+    active = m * torch.tensor([0.0, 1, 1, 1])[:, None]
+    A = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)[:, None]
+    out = {}
+    for fused in (True, False):
+        m64.zero_grad()
+        logp, ent, D, _ = sc_grpo.logprobs_and_kl(m64, ids, attn, T, 0.8, teach, tok.pad_token_id, with_entropy=True,
+                                                  kl_grad=kl_grad, chunk_size=3, fused=fused)  # a row chunk of 3 and 1
+        f = sc_grpo.kl_weights(D, active)
+        loss = -(torch.exp(logp - logp.detach()) * A * f * m).sum() + (0.1 * D * active).sum()
+        loss.backward()
+        out[fused] = logp, ent, D, f, [p.grad.clone() for p in m64.parameters()]
+    (lp1, e1, D1, f1, g1), (lp0, e0, D0, f0, g0) = out[True], out[False]
+    assert D0[1:].mean() > 1e-3 and (D1[0] == 0).all() and 0 < f0[1:].max() < 1 and D1.requires_grad == kl_grad
+    assert torch.allclose(lp1, lp0, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(e1, e0, atol=5e-5)  # a diagnostic: lse - sum p z in fp32 on both paths (cancellation)
+    assert torch.allclose(D1, D0, rtol=1e-5, atol=1e-7) and torch.allclose(f1, f0, rtol=1e-5, atol=1e-7)
+    scale = max(g.abs().max() for g in g0)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale) for a, b in zip(g1, g0))
+    m64.zero_grad()
+
+
+def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
+    """--micro-batch-size enters the algorithm: D = {0.01, 0.01 | 1, 1} over two groups of 2 (one weighted token a row)
+    gives c = P75 = 1 when both groups share a micro-batch, but c = 0.01 and c = 1 one group per micro-batch."""
+    D, gid = torch.tensor([[0.01], [0.01], [1.0], [1.0]]), torch.tensor([0, 0, 1, 1])
+    role, active, adv, rows = torch.ones(4, dtype=torch.long), torch.ones(4, 1), torch.zeros(4, 1), torch.arange(4)
+
+    def weights(micro_batch_size):
+        w = torch.empty(4, 1)
+        for mb in sc_grpo.micro_batches_of_groups(rows, gid, 2, micro_batch_size):
+            w[mb] = sc_grpo.weights_and_advantages(D[mb], active[mb], role[mb], gid[mb], adv[mb])[0]
+        return w.flatten()
+
+    shared = torch.tensor([0.01 / 1.01, 0.01 / 1.01, 0.5, 0.5])  # (0.0099, 0.0099, 0.5, 0.5)
+    assert torch.allclose(weights(4), shared) and torch.allclose(weights(2), torch.full((4,), 0.5))
+    batch = sc_grpo.weights_and_advantages(D, active, role, gid, adv)[0].flatten()  # --kl-threshold-scope batch
+    assert torch.allclose(batch, shared)
+
+
 def test_teacher_prompt_plain_and_chat(tiny):
     _, tok = tiny
     ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], arith.ARITH_INSTRUCTION + "12+3-4")
@@ -241,6 +292,19 @@ def test_additive_kl_baseline_and_ablation_flags_run(tmp_path, monkeypatch):
                                 "--max-reference-tokens", "12")
     assert all(v == v for v in m.values()) and m["sc/kl_mean"] > 0 and m["sc/weight_mean"] == 0  # D, but no f
     assert m["sc/groups_plain"] < 1 and m["sc/tau_truncated"] + m["sc/no_reference"] > 0
+
+
+def test_batch_scope_gives_one_c_whatever_the_micro_batch_size(tmp_path, monkeypatch):
+    """Four partial-solve groups of 4: with --kl-threshold-scope batch and one group per micro-batch, f (and so the
+    gradient) is that of the micro-batch scope with all four groups in one micro-batch, not that of one per micro-batch."""
+    one, g_one = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "16")
+    per, _ = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "4")
+    batch, g_batch = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "4",
+                                          "--kl-threshold-scope", "batch")
+    assert one["sc/groups_partial"] == 1 and one["sc/weight_mean"] != pytest.approx(per["sc/weight_mean"], rel=1e-3)
+    for key in ("sc/weight_mean", "sc/kl_p75", "sc/kl_mean", "grad_norm", "policy_loss"):
+        assert batch[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
+    assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-7) for a, b in zip(g_batch, g_one))
 
 
 @pytest.mark.parametrize("flag", [("--c-min", "0"), ("--percentile", "101"), ("--max-reference-tokens", "0")])

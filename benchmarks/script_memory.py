@@ -1,0 +1,185 @@
+"""Peak memory of every script on the same run at a real vocabulary, next to grpo.py's.
+
+The model is the bundled tiny policy (assets/tiny-arith) with its vocabulary grown to --vocab rows (151,936: Qwen2.5's),
+so it still solves the built-in arith task and every method's machinery really runs (SC-GRPO's teachers need
+partial-solve groups). The new rows are one direction that every final hidden state of the model's own completions
+points away from (minus their mean, scaled so that each new token's logit is at most -40): their total probability is
+below 1e-10, so sampling and rewards are those of the tiny model while every [., V] tensor has the real width.
+
+Each script runs --steps steps of --prompts prompts x --generations completions (seed 1, the same first batch for
+all, --eval-every 0 with --num-eval prompts) in a fresh process. Peak memory: on CPU the process's peak resident set
+size (VmHWM: model, optimizer, rollouts, update, evaluation, everything) and the peak of its update phases alone (VmHWM
+reset through /proc/self/clear_refs when common.rollouts_with_rewards returns, read when the next rollouts or the
+evaluation start: credit assignment, extra passes, forward, backward and optimizer step; SRPO's continuations too);
+on a GPU (--device cuda) the largest memory/peak_gb the script logs (torch.cuda.max_memory_allocated, reset each
+step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.json.
+
+    python benchmarks/script_memory.py                                   # CPU, vocabulary 151,936
+    python benchmarks/script_memory.py --device cuda
+    python benchmarks/script_memory.py --root /tmp/other-checkout        # the same run with another checkout's scripts
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"grpo": ["grpo.py"], "sc_grpo": ["sc_grpo.py"], "grpo_lambda": ["grpo_lambda.py"], "ep_grpo": ["ep_grpo.py"],
+           "srpo": ["srpo.py"],  # every script at its defaults; then SC-GRPO's modes that cost more
+           "sc_grpo --kl-threshold-scope batch": ["sc_grpo.py", "--kl-threshold-scope", "batch"],
+           "sc_grpo --kl-loss-coef 0.1": ["sc_grpo.py", "--kl-loss-coef", "0.1"]}
+
+
+def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
+    """`src` (a tied-embedding causal LM) with its vocabulary grown to `vocab` rows that it never samples, saved to
+    `out` with src's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    import common
+    import tasks
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tok = common._load_tokenizer(str(src))
+    task = tasks.load_task("arith", tok, seed=1, num_eval=32)
+    ids, mask = common.pad_left([tasks.encode_prompt(tok, e.prompt) for e in task.eval], tok.pad_token_id)
+    with torch.no_grad():
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=True,
+                              pad_token_id=tok.pad_token_id)
+        h = model(input_ids=seqs, output_hidden_states=True).hidden_states[-1].flatten(0, 1)  # [n, H] final (normed)
+    u = -h.mean(0) / h.mean(0).norm()
+    worst = (h @ u).max().item()  # the largest logit a row along u gets, per unit of scale
+    if worst >= 0:
+        raise RuntimeError(f"{src}: no direction all its hidden states point away from (max projection {worst:.3f})")
+    old = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        W = model.get_output_embeddings().weight
+        W[old:] = u * (margin / -worst) + 1e-3 * torch.randn(vocab - old, W.shape[1])
+        p_new = model(input_ids=seqs).logits.softmax(-1)[..., old:].sum(-1).max().item()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    print(f"grew {src.name} to {vocab} rows in {out}: new tokens' total probability <= {p_new:.1e}", flush=True)
+    return out
+
+
+WRAPPER = r"""
+import json, os, runpy, sys
+sys.path.insert(0, os.getcwd())
+import common
+
+def hwm():
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 2**20  # GiB
+
+state = dict(process=0.0, update=[], open=False)
+
+def close():
+    state["process"] = max(state["process"], hwm())
+    if state["open"]:
+        state["update"].append(hwm())
+        state["open"] = False
+
+def wrap(fn, starts_update):
+    def inner(*a, **k):
+        close()
+        out = fn(*a, **k)
+        if starts_update:
+            state["process"] = max(state["process"], hwm())
+            open("/proc/self/clear_refs", "w").write("5")  # VmHWM := the current RSS
+            state["open"] = True
+        return out
+    return inner
+
+common.rollouts_with_rewards = wrap(common.rollouts_with_rewards, True)
+common.evaluate = wrap(common.evaluate, False)
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    close()
+    print("PEAKS", json.dumps(state), file=sys.stderr, flush=True)
+"""
+
+
+def run_one(root: Path, cmd: list[str], threads: int) -> dict:
+    """One script in a fresh process: its peak RSS (GB, from wait4), its step rows and its exit status."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, *cmd, "--output-dir", tmp, "--threads", str(threads)], cwd=root,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        err = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        runs = [p for p in Path(tmp).iterdir() if p.is_dir()]
+        rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").open()] if runs else []
+    steps = [r for r in rows if "time/step" in r]
+    peaks = json.loads(next((x[6:] for x in err.splitlines() if x.startswith("PEAKS ")), "{}"))
+    res = dict(rc=proc.returncode, rss_gb=max(usage.ru_maxrss / 2**20, peaks.get("process", 0.0)),  # ru_maxrss: KiB
+               update_rss_gb=max(peaks.get("update") or [0.0]), steps=len(steps))
+    if steps:
+        res.update(s_per_step=statistics.median(r["time/step"] for r in steps),
+                   update_s=statistics.median(r["time/update"] for r in steps),
+                   teacher_s=statistics.median(r.get("time/teacher", 0.0) for r in steps),
+                   gpu_peak_gb=max(r.get("memory/peak_gb", 0.0) for r in steps),
+                   sc_routed=sum(r.get("sc/groups_partial", 0.0) + r.get("sc/groups_none", 0.0) for r in steps) / len(steps))
+    if proc.returncode:
+        res["error"] = err.strip().splitlines()[-1][:300] if err.strip() else f"exit {proc.returncode}"
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--num-eval", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per script (0: one per core)")
+    ap.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
+    ap.add_argument("--model", default=str(ROOT / "assets" / "tiny-arith"), help="the policy whose vocabulary is grown")
+    ap.add_argument("--root", default=str(ROOT), help="the checkout whose scripts run")
+    ap.add_argument("--out", default=None, help="default: benchmarks/out/script_memory_<device>.json")
+    a = ap.parse_args()
+    gpu = a.device.startswith("cuda")
+    flags = ["--device", a.device, "--total-steps", str(a.steps), "--prompts-per-step", str(a.prompts),
+             "--num-generations", str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--eval-every", "0",
+             "--num-eval", str(a.num_eval), "--seed", "1"]
+    res = {"vocab": a.vocab, "device": a.device, "flags": flags, "root": a.root, "scripts": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = grow_vocab(Path(a.model), Path(tmp) / "grown", a.vocab)
+        for name in a.scripts:
+            r = res["scripts"][name] = run_one(Path(a.root), [*SCRIPTS[name], "--model", str(model), *flags], a.threads)
+            print(name, json.dumps(r), flush=True)
+    keys = ["gpu_peak_gb"] if gpu else ["rss_gb", "update_rss_gb"]
+    heads = ["peak GPU memory allocated, GB"] if gpu else ["peak RSS of the process, GiB", "peak RSS in the update, GiB"]
+    base = res["scripts"].get("grpo", {})
+    lines = ["| script | " + " | ".join(f"{h} | x grpo.py" for h in heads) + " | s/step | update s | routed SC-GRPO groups |",
+             "|---|" + "---|---|" * len(keys) + "---|---|---|"]
+    for name, r in res["scripts"].items():
+        if r["rc"] or not r["steps"]:
+            lines.append(f"| {name} | failed: {r.get('error', '')} |")
+            continue
+        cells = [f"{r[k]:.2f} | {r[k] / base[k]:.2f}" if base.get(k) else f"{r[k]:.2f} | -" for k in keys]
+        routed = f"{r['sc_routed']:.2f}" if name.startswith("sc_grpo") else ""
+        lines.append(f"| {name} | {' | '.join(cells)} | {r['s_per_step']:.2f} | {r['update_s']:.2f} | {routed} |")
+    print("\n".join(lines))
+    res["table"] = lines
+    out = Path(a.out or ROOT / "benchmarks" / "out" / f"script_memory_{'cuda' if gpu else 'cpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    if any(r["rc"] for r in res["scripts"].values()):
+        sys.exit("a script failed: see the table")
+
+
+if __name__ == "__main__":
+    main()

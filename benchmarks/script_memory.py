@@ -9,8 +9,8 @@ below 1e-10, so sampling and rewards are those of the tiny model while every [.,
 Each script runs --steps steps of --prompts prompts x --generations completions (seed 1, the same first batch for
 all, --eval-every 0 with --num-eval prompts) in a fresh process. Peak memory: on CPU the process's peak resident set
 size (VmHWM: model, optimizer, rollouts, update, evaluation, everything) and the peak of its update phases alone (VmHWM
-reset through /proc/self/clear_refs when common.rollouts_with_rewards returns, read when the next rollouts or the
-evaluation start: credit assignment, extra passes, forward, backward and optimizer step; SRPO's continuations too);
+reset through /proc/self/clear_refs when step 3 calls common.group_advantages, read when the next step starts
+(common.reset_peak_memory) or the evaluation does: credit assignment, extra passes, forward, backward, optimizer step);
 on a GPU (--device cuda) the largest memory/peak_gb the script logs (torch.cuda.max_memory_allocated, reset each
 step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.json.
 
@@ -89,16 +89,17 @@ def close():
 
 def wrap(fn, starts_update):
     def inner(*a, **k):
-        close()
-        out = fn(*a, **k)
-        if starts_update:
+        if not starts_update:
+            close()
+        elif not state["open"]:  # step 3 begins: the rollouts are done
             state["process"] = max(state["process"], hwm())
             open("/proc/self/clear_refs", "w").write("5")  # VmHWM := the current RSS
             state["open"] = True
-        return out
+        return fn(*a, **k)
     return inner
 
-common.rollouts_with_rewards = wrap(common.rollouts_with_rewards, True)
+common.group_advantages = wrap(common.group_advantages, True)
+common.reset_peak_memory = wrap(common.reset_peak_memory, False)
 common.evaluate = wrap(common.evaluate, False)
 sys.argv = sys.argv[1:]
 try:

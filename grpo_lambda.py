@@ -7,7 +7,7 @@ this is GRPO with token k's advantage times c_k = Σ_{t≥k} w(t,k): early token
 times the credit, so the gradient is tens of times GRPO's. Negative advantages are clamped at −0.1.
 Paper: Parthasarathi et al. 2025, GRPO-λ: Credit Assignment improves LLM Reasoning (arXiv 2510.00194).
 Docs: docs/grpo_lambda.md. Where the paper is silent (ε-weight's g, the ±20 log-ratio clamp, token-mean)
-the defaults are this project's choices, marked "(spec default)" below.
+the defaults are this project's choices, marked "(project default)" below.
 
     python grpo_lambda.py                                       # bundled tiny model, built-in task, CPU
     python grpo_lambda.py --trace-style recent --lam 0.95       # the classic accumulating trace
@@ -125,7 +125,7 @@ class Args:
     beta: float = 0.0
     """k3 KL coefficient to the frozen initial policy (0: no reference model is loaded)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """token-mean (DAPO; default here, spec default), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
+    """token-mean (DAPO; default here, project default), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     micro_batch_size: int = 16
@@ -165,11 +165,11 @@ class Args:
     trace_style: Literal["recent", "both"] = "both"
     """recent: w(t,k) = (γλ)^(t−k); both: max((γλ)^(t−k), (γλ)^k), first tokens keep weight ~1 (reviewers: best)"""
     trace_apply: Literal["trace", "weight"] = "trace"
-    """trace: ϵ-trace, the traced log-ratio inside the clipped ratio (main); weight: ϵ-weight (g: spec default)"""
+    """trace: ϵ-trace, the traced log-ratio inside the clipped ratio (main); weight: ϵ-weight (g: project default)"""
     adv_clamp: str = "-0.1"
     """floor on negative advantages (paper: -0.1); `none` disables the clamp"""
     max_log_ratio: float = 20.0
-    """the traced log-ratio is clamped to ±this before exp, against overflow (spec default)"""
+    """the traced log-ratio is clamped to ±this before exp, against overflow (project default)"""
 
 
 # ALGO LOGIC: GRPO-λ's own functions (pure tensor functions)
@@ -231,7 +231,7 @@ def trace_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, lam: float, gam
 
 def trace_multipliers(lengths: torch.Tensor, lam: float, gamma: float = 1.0, style: str = "both",
                       T: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """On-policy per-token advantage multipliers c_k = Σ_{t=k}^{L−1} w(t,k) (spec §1.3, §6): at θ = θ_old the
+    """On-policy per-token advantage multipliers c_k = Σ_{t=k}^{L−1} w(t,k) (docs/grpo_lambda.md): at θ = θ_old the
     GRPO-λ gradient is exactly GRPO's with token k's advantage times c_k. lengths: [B] tokens per row (L).
     Returns c [B, T] (T: longest row by default), 0 past each row's end. With S(n) = Σ_{j<n} a^j:
       recent: c_k = S(L − k)                                   (last token 1, early ones → 1/(1 − a))
@@ -247,7 +247,7 @@ def trace_multipliers(lengths: torch.Tensor, lam: float, gamma: float = 1.0, sty
 
 def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.Tensor:
     """Â^c = max(Â, floor), floor ≤ 0 (paper: −0.1), any shape: negative advantages times the large c_k
-    destabilize training; positive ones are untouched (spec §1.5). floor None: no clamp (a copy)."""
+    destabilize training; positive ones are untouched (paper, as its reviews report). floor None: no clamp (a copy)."""
     if floor is not None and floor > 0:
         raise ValueError(f"adv_clamp must be <= 0 (it only limits negative advantages), got {floor}")
     return adv.clone() if floor is None else adv.clamp(min=floor)
@@ -256,7 +256,7 @@ def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.T
 def grpo_lambda_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                            lam: float, gamma: float = 1.0, style: str = "both", apply: str = "trace",
                            epsilon: float = 0.2, epsilon_high: float = 0.2, max_log_ratio: float = 20.0):
-    """GRPO-λ's per-token policy loss [B, T] before aggregation and KL (spec §1.3-1.4). logp, old_logp: [B, T]
+    """GRPO-λ's per-token policy loss [B, T] before aggregation and KL (paper §3.2, Eq. 2; docs/grpo_lambda.md). logp, old_logp: [B, T]
     log-probs of the completion tokens (nats); adv: [B, T] clamped advantage (the critic-free TD error).
     "trace" (ϵ-trace): ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
       loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A).

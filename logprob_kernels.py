@@ -48,6 +48,17 @@ class SelectedLogProb(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _add_linear_grads(g, h, weight, start: int, grad_h, grad_w, grad_b) -> None:
+    """Back through z = W h (+ b) for one chunk of positions: given dL/dz g [n, V] (fp32) and the chunk's h [n, H],
+    write dL/dh into grad_h[start : start + n] and add dL/dW, dL/db into grad_w, grad_b (each None when not needed)."""
+    if grad_h is not None:
+        grad_h[start : start + g.shape[0]] = g.to(weight.dtype) @ weight
+    if grad_w is not None:
+        grad_w.addmm_(g.t(), h.float())
+    if grad_b is not None:
+        grad_b += g.sum(0)
+
+
 class FusedLinearLogProb(torch.autograd.Function):
     """log p(y_n) = z_n[y_n]/tau - logsumexp(z_n/tau) with z_n = W h_n (+ b), computed straight from the final
     hidden states h [N, H] and the lm_head W [V, H], `chunk` positions at a time: no [N, V] logits tensor
@@ -86,12 +97,7 @@ class FusedLinearLogProb(torch.autograd.Function):
             z = torch.nn.functional.linear(h, weight, bias).float().div_(tau)
             g = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g_out)  # in place: -p g
             g.scatter_add_(-1, target[s : s + chunk, None], g_out).div_(tau)  # (1[j = y] - p) g / tau
-            if need_h:
-                grad_h[s : s + chunk] = g.to(weight.dtype) @ weight
-            if need_w:
-                grad_w.addmm_(g.t(), h.float())
-            if need_b:
-                grad_b += g.sum(0)
+            _add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None, None, None)
 
@@ -133,12 +139,7 @@ class FusedLinearKL(torch.autograd.Function):
             h = student[s : s + chunk]
             g = _log_softmax(h, weight, bias, tau).exp_()
             g.sub_(_log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(grad_out[s : s + chunk, None].float() / tau)
-            if need_h:
-                grad_h[s : s + chunk] = g.to(weight.dtype) @ weight
-            if need_w:
-                grad_w.addmm_(g.t(), h.float())
-            if need_b:
-                grad_b += g.sum(0)
+            _add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
         return (grad_h, None, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None)
 

@@ -217,11 +217,14 @@ def plot(means: dict, path: Path, title: str) -> None:
         print("matplotlib is not installed: no plot (pip install -r benchmarks/requirements.txt)")
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    palette = plt.get_cmap("tab20").colors  # 20 distinct colours: a sweep plot has up to ~12 curves; GRPO is black
+    others = iter(palette[0::2] + palette[1::2])
     for m, curve in means.items():
         step, tok, mean, lo, hi = (list(x) for x in zip(*curve))
+        color = "black" if m == "grpo" else next(others)
         for ax, x in zip(axes, (step, [t / 1e3 for t in tok])):
-            ax.plot(x, mean, marker="o", ms=2.5, label=m)
-            ax.fill_between(x, lo, hi, alpha=0.15)
+            ax.plot(x, mean, marker="o", ms=2.5, label=m, color=color)
+            ax.fill_between(x, lo, hi, alpha=0.15, color=color)
     axes[0].set_xlabel("optimizer step")
     axes[1].set_xlabel("generated tokens (thousands; SRPO's include localization and parent search)")
     for ax in axes:

@@ -3,13 +3,15 @@
 1. Route each group by n_c, its number of correct rollouts: partial-solve (2 <= n_c < G) scores every rollout
    against a reference tau, a correct sibling other than itself; n_c in {1, G} stays plain GRPO.
 2. Teacher = the current policy (no gradient) re-scoring the same response with tau placed before the problem.
-3. D = KL(teacher || student) per token over the full vocabulary; f = D / (D + c), c = max(P75 of D, 1e-4).
+3. D = KL(teacher || student) per token over the full vocabulary; f = D / (D + c), c = max(P75 of D over the
+   micro-batch's weighted tokens, 1e-4): --micro-batch-size enters the algorithm (--kl-threshold-scope batch: the step's).
 4. f (detached) multiplies each token's clipped surrogate: the reward sets the direction, f the magnitude.
-5. Solve-none groups (n_c = 0): one rollout is everyone's reference; the rest get alpha * zscore(mean f) as advantage.
+5. Solve-none groups (n_c = 0): one rollout is everyone's reference; the rest add alpha * zscore(mean f) to their
+   advantage (0 there unless --overlong-buffer shaped the rewards).
 Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no official code). Docs: docs/sc_grpo.md.
 
     python sc_grpo.py                                           # bundled tiny model, built-in task, CPU
-    python sc_grpo.py --weight-mode none                        # exactly grpo.py
+    python sc_grpo.py --weight-mode none --outcome-std unbiased # exactly grpo.py
     python sc_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --learning-rate 1e-6 --max-new-tokens 512
 """
 
@@ -164,7 +166,8 @@ class Args:
 
     # SC-GRPO (paper defaults)
     weight_mode: Literal["multiply", "none"] = "multiply"
-    """multiply: each token's clipped surrogate times f(D); none: weight 1 and no teacher (exactly grpo.py)"""
+    """multiply: each token's clipped surrogate times f(D); none: weight 1 and no teacher (with --outcome-std unbiased:
+    exactly grpo.py)"""
     weighted_groups: tuple[Literal["partial", "none", "single", "all"], ...] = ("partial", "none")
     """groups scored against a teacher, by n_c correct of G: partial (2 <= n_c < G), none (n_c = 0), single (1), all (G)"""
     percentile: float = 75.0
@@ -178,6 +181,10 @@ class Args:
     """floor of the scale c in f = D / (D + c)"""
     alpha: float = 0.1
     """scale of the solve-none diversity pseudo-advantage alpha * zscore(s_i)"""
+    outcome_std: Literal["population", "unbiased"] = "population"
+    """the std of both z-scores, the GRPO advantage and the solve-none pseudo-advantage: population + 1e-6 (verl's; the
+    paper writes one std for both) or unbiased + 1e-4 (grpo.py's, TRL's). One convention for both, so the ratio of the
+    two signals does not move with G (docs/sc_grpo.md)"""
     kl_loss_coef: float = 0.0
     """> 0: add this times D (gradient through the student) to the loss: the additive distillation baseline"""
     max_reference_tokens: int = 8192
@@ -188,7 +195,7 @@ class Args:
 # ALGO LOGIC: SC-GRPO's own functions (pure; the equations are in docs/sc_grpo.md, the paper's section 5)
 # ----------------------------------------------------------------------------------------------
 GUIDE = ("Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
-         "the problem.\n\nReference solution:\n")  # chat models: the teacher's system message, then tau (spec §6.1)
+         "the problem.\n\nReference solution:\n")  # chat models: the teacher's system message, then tau (docs/sc_grpo.md)
 
 
 def arith_reference_prompt(problem: arith.ArithProblem, reference: str) -> str:
@@ -263,7 +270,7 @@ def default_system_message(tokenizer) -> str:
 
 
 def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
-    """Token ids of the teacher's prompt: the student's full context plus the reference tau (spec §1.2). Chat models:
+    """Token ids of the teacher's prompt: the student's full context plus the reference tau (paper §1.2). Chat models:
     the system message is the student's base system message (the template's default, if it has one) + GUIDE + tau,
     and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's prompt (for
     arith, arith_reference_prompt: the block the tiny model was trained on)."""
@@ -397,27 +404,32 @@ def kl_weights(kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c
     return torch.where(active, D / (D + c), torch.zeros_like(D))
 
 
-def diversity_advantage(scores: torch.Tensor, group_ids: torch.Tensor, alpha: float = 0.1, eps: float = 1e-6) -> torch.Tensor:
-    """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group (population std), from
-    scores [n]: s_i = mean f over a rollout's first min(|o_i|, |o_r|) tokens. group_ids: [n]. Returns [n]."""
+def diversity_advantage(scores: torch.Tensor, group_ids: torch.Tensor, alpha: float = 0.1, eps: float = 1e-6,
+                        unbiased: bool = False) -> torch.Tensor:
+    """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group (population std unless
+    `unbiased`), from scores [n]: s_i = mean f over a rollout's first min(|o_i|, |o_r|) tokens. group_ids: [n].
+    Returns [n]."""
     out = torch.zeros_like(scores)
     for rows in group_rows(group_ids):
         s = scores[rows.to(scores.device)]
-        out[rows.to(scores.device)] = alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
+        out[rows.to(scores.device)] = alpha * (s - s.mean()) / (s.std(unbiased=unbiased) + eps)
     return out
 
 
-def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1):
+def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1, unbiased=False):
     """f and the advantages of one set of rows: a micro-batch (the paper's scope of c) or the whole batch (paper §5.1).
 
     kl, active, adv: [n, T] (D, the weighted tokens, GRPO's advantages); role [n] (build_teachers'); group_ids [n].
     Returns weights [n, T] (1 on plain rows, f = kl_weights(kl, active) elsewhere: 0 on o_r and past L_i), the
-    advantages [n, T] (solve-none rows: alpha * zscore of s_i = mean f over the first L_i tokens; o_r: 0) and f."""
+    advantages [n, T] (solve-none rows: their GRPO advantage + alpha * zscore of s_i = mean f over the first L_i
+    tokens, the GRPO part 0 unless --overlong-buffer shaped the rewards; o_r: 0) and f. `unbiased`: the z-score's
+    std convention (unbiased + 1e-4, else population + 1e-6), the same as the GRPO advantage's."""
     f = kl_weights(kl, active, percentile, c_min)  # c from these rows' weighted tokens
     weights, adv, div = torch.where((role == 0)[:, None], 1.0, f), adv.clone(), role == 2
     if div.any():
         s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
-        adv[div] = diversity_advantage(s_div[div], group_ids[div.cpu()], alpha)[:, None]
+        eps = 1e-4 if unbiased else 1e-6
+        adv[div] = adv[div] + diversity_advantage(s_div[div], group_ids[div.cpu()], alpha, eps, unbiased)[:, None]
     adv[role == 3] = 0.0
     return weights, adv, f
 
@@ -486,7 +498,9 @@ if __name__ == "__main__":
         #    number of correct rollouts, and each routed rollout gets a teacher prompt: its reference tau before the problem.
         #    f = D / (D + c) needs D, from the student's forward: step 5 sets it per micro-batch (c is the micro-batch's
         #    percentile, paper §5.1), step 4 for the whole batch with --kl-threshold-scope batch.
-        advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu()).to(device)
+        unbiased = args.outcome_std == "unbiased"  # one std convention for A and the solve-none z-score
+        advantages = common.group_advantages(rewards, G, args.scale_rewards, 1e-4 if unbiased else 1e-6,
+                                             group_ids=ro.group_ids.cpu(), unbiased=unbiased).to(device)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
         gid, correct = ro.group_ids.cpu(), ro.scores >= 1.0  # correct: full verifier score (not the shaped reward)
         modes, ref = route_groups(correct, G, route_gen, gid, args.weighted_groups, ro.scores)
@@ -516,7 +530,7 @@ if __name__ == "__main__":
                                                          tokenizer.pad_token_id)
                     t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
                 weights, adv, f = weights_and_advantages(D, active, role, gid, adv, args.percentile, args.c_min,
-                                                         args.alpha)
+                                                         args.alpha, unbiased)
                 kl_seen, f_seen = [D[active.bool()].cpu()], [f[active.bool()].cpu()]
         t_logp = time.time() - t0
 
@@ -541,7 +555,7 @@ if __name__ == "__main__":
                     act = active[mb]  # the weighted tokens
                     if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
                         weights[mb], adv[mb], f = weights_and_advantages(D, act, role[mb], gid[mb.cpu()], adv[mb],
-                                                                         args.percentile, args.c_min, args.alpha)
+                                                                         args.percentile, args.c_min, args.alpha, unbiased)
                         f_seen.append(f[act.bool()].cpu())
                     if it == 0 and prompts is not None and not per_batch:
                         kl_seen.append(D.detach()[act.bool()].cpu())

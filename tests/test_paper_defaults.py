@@ -1,7 +1,7 @@
 """Every paper default of the four methods pinned to its source, through the scripts' Args (the command line) and the
 defaults of their public functions (what a reader copies). Changing any one of them alone fails this file, which
 names each script (grpo.py, sc_grpo.py, grpo_lambda.py, ep_grpo.py, srpo.py). Where a value is this project's
-choice rather than the paper's, the comment says so; docs/<method>.md has the table flag | paper | ours | why."""
+choice rather than the paper's, the comment says so; docs/<method>.md has the table flag | paper | official code | ours | why."""
 import dataclasses
 import inspect
 
@@ -43,6 +43,10 @@ def test_sc_grpo_paper_defaults():
     assert (d["num_generations"], d["prompts_per_step"], d["loss_agg"], d["beta"]) == (8, 8, "seq-mean-token-mean", 0.0)
     assert signature_defaults(sc_grpo.kl_weights) == {"percentile": 75.0, "c_min": 1e-4}
     assert signature_defaults(sc_grpo.diversity_advantage)["alpha"] == 0.1
+    assert {k: v for k, v in signature_defaults(sc_grpo.weights_and_advantages).items()} == {
+        "percentile": 75.0, "c_min": 1e-4, "alpha": 0.1, "unbiased": False}
+    # one std convention for A and the solve-none z-score: population + 1e-6 (this project's choice, docs/sc_grpo.md)
+    assert d["outcome_std"] == "population" and signature_defaults(sc_grpo.diversity_advantage)["eps"] == 1e-6
 
 
 def test_grpo_lambda_paper_defaults():
@@ -63,6 +67,7 @@ def test_srpo_paper_defaults():
     paper's text; the official code makes four mini-batch steps), at most 20 thoughts per chain."""
     d = defaults(srpo)
     assert (d["split"], d["reset"], d["max_fresh_attempts"], d["localization_temperature"]) == ("1x4", "self", 12, 0.3)
+    assert (d["temperature"], d["top_p"]) == (1.0, 1.0)  # rollouts: this project's choice (official 0.7 / 0.95)
     assert (d["beta"], d["clip"], d["no_mask"]) == (0.0, False, False)
     assert (d["num_iterations"], d["num_minibatches"], d["num_generations"]) == (1, 1, 8)
     assert (srpo.MAX_THOUGHTS, srpo.THOUGHT_TOKENS) == (20, 256)

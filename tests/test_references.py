@@ -165,3 +165,87 @@ def test_grpo_lambda_negative_advantage_clamp_through_the_script(tmp_path, monke
     m = mask.bool()
     assert torch.allclose(per_token[0::2][m[0::2]], torch.tensor(-1.0), atol=1e-6)
     assert torch.allclose(per_token[1::2][m[1::2]], torch.tensor(0.1), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sc_grpo_partial_group_loss_is_minus_f_times_a_from_an_independent_recomputation(tmp_path, monkeypatch):
+    """One on-policy SC-GRPO step: one all-wrong group and one partial group (rows 1 and 3 of 4 right). D is recomputed
+    here from unpadded forwards of the policy as it sampled (float64): prompt + o_i against teacher prompt + o_i,
+    the full-vocabulary KL(teacher || student) at each completion token. c = max(P75 of D over the active tokens of
+    the micro-batch, 1e-4), f = D / (D + c); the partial rows' per-token loss is -f * A at every completion token,
+    A = (r - mean) / (population std + 1e-6); the solve-none rows' is -f * alpha * z(s), s = mean f over L_i tokens."""
+    import copy
+
+    import numpy as np
+
+    def reward(i, ex):
+        if ex.id >= 10**9:  # evaluation prompts
+            return 0.0
+        n = train_calls[0] = train_calls[0] + 1
+        return 0.0 if n <= 4 else float(n % 2 == 0)  # rows 5, 7 (1-based) of the second group are right
+
+    train_calls, captured, teacher_texts = [0], {}, []
+    _reward_task(monkeypatch, reward)
+    seen = _capture_loss(monkeypatch)
+    real_load, real_rollouts, real_encode = common.load_policy, common.rollouts_with_rewards, tasks.encode_prompt
+
+    def load(*a, **k):
+        model, tok = real_load(*a, **k)
+        captured["model"], captured["tok"] = copy.deepcopy(model).double(), tok  # the policy that samples step 1
+        return model, tok
+
+    def rollouts(*a, **k):
+        out = real_rollouts(*a, **k)
+        captured["ro"], captured["rewards"] = out[0], out[1]
+        return out
+
+    def encode(tok, text):
+        ids = real_encode(tok, text)
+        if text.startswith("Reference solution:"):
+            teacher_texts.append((text, ids))
+        return ids
+
+    monkeypatch.setattr(common, "load_policy", load)
+    monkeypatch.setattr(common, "rollouts_with_rewards", rollouts)
+    monkeypatch.setattr(tasks, "encode_prompt", encode)
+    run_inprocess("sc_grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST)
+    (per_token, mask), = seen
+    model, ro = captured["model"], captured["ro"]
+    assert captured["rewards"].tolist() == [0, 0, 0, 0, 0, 1, 0, 1]
+    L = ro.completion_mask.sum(1).long().tolist()
+    texts = [t.strip() for t in ro.texts]
+    tau = lambda text: text.split("\n", 1)[1].rsplit("\nSolve: ", 1)[0].strip()  # noqa: E731
+    # who is whose reference: group 0 rows other than o_r, then every row of group 1, in row order
+    o_r = [r for r in range(4) if (per_token[r] == 0).all() and texts[r] == tau(teacher_texts[0][0])][0]
+    rows = [r for r in range(4) if r != o_r] + [4, 5, 6, 7]
+    assert len(teacher_texts) == len(rows)
+    refs = {i: ([j for j in range(8) if texts[j] == tau(text)], ids) for i, (text, ids) in zip(rows, teacher_texts)}
+    assert all(set(refs[i][0]) & ({5, 7} - {i}) for i in (4, 5, 6, 7))  # partial rows: a right sibling, not itself
+
+    def log_softmax_at_completion(prompt_ids, i):
+        comp = ro.completion_ids[i, : L[i]].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + comp])).logits[0, -L[i] - 1 : -1]
+        return logits.double().log_softmax(-1)
+
+    D = torch.zeros(8, per_token.shape[1], dtype=torch.float64)
+    active = torch.zeros_like(D, dtype=torch.bool)
+    for i in rows:
+        student = log_softmax_at_completion(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist(), i)
+        teacher = log_softmax_at_completion(refs[i][1], i)
+        D[i, : L[i]] = (teacher.exp() * (teacher - student)).sum(-1)
+        active[i, : (L[i] if i >= 4 else min(L[i], L[o_r]))] = True
+    c = max(float(np.percentile(D[active].numpy(), 75)), 1e-4)
+    f = torch.where(active, D / (D + c), 0.0)
+    assert D[4:][active[4:]].mean() > 1e-4 and 0 < f.max() < 1
+    r = torch.tensor([0, 1, 0, 1], dtype=torch.float64)
+    A = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    for k, i in enumerate(range(4, 8)):
+        m = mask[i].bool()
+        assert torch.allclose(per_token[i][m].double(), -f[i][m] * A[k], rtol=1e-4, atol=2e-5), i  # fp32 D near 0
+    s = torch.tensor([f[i][active[i]].mean().item() for i in rows[:3]], dtype=torch.float64)
+    z = 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6)
+    for k, i in enumerate(rows[:3]):
+        m = mask[i].bool()
+        assert torch.allclose(per_token[i][m].double(), -f[i][m] * z[k], rtol=1e-3, atol=2e-5), i
+    assert (per_token[o_r] == 0).all()

@@ -90,6 +90,33 @@ def test_diversity_advantage():
     assert torch.allclose(a[:3], 0.1 * z, atol=1e-6) and (a[3:] == 0).all()  # equal scores: 0, not NaN
 
 
+def test_one_std_convention_for_the_grpo_advantage_and_the_solve_none_zscore():
+    """Rewards [1,1,0,0,0,0,0,0]: population std + 1e-6 gives A = (1.7321, -0.5774) (unbiased + 1e-4: (1.62, -0.54));
+    the diversity z-score follows the same flag, so the ratio of the two signals does not move with G."""
+    assert sc_grpo.Args().outcome_std == "population"
+    r = torch.tensor([1.0, 1, 0, 0, 0, 0, 0, 0])
+    a = common.group_advantages(r, 8, "group", 1e-6, unbiased=False)  # what step 3 calls at the default
+    assert a[0].item() == pytest.approx(1.7321, abs=1e-4) and a[2].item() == pytest.approx(-0.5774, abs=1e-4)
+    s, gid = torch.tensor([0.3, 0.1, 0.1, 0.1]), torch.zeros(4, dtype=torch.long)
+    pop = sc_grpo.diversity_advantage(s, gid, 1.0)  # (0.2 - 0.05) / sqrt(0.0075)
+    assert pop[0].item() == pytest.approx(0.15 / (0.0075**0.5 + 1e-6), rel=1e-6)
+    unb = sc_grpo.diversity_advantage(s, gid, 1.0, 1e-4, unbiased=True)  # (0.15) / sqrt(0.01)
+    assert unb[0].item() == pytest.approx(0.15 / (0.1 + 1e-4), rel=1e-6)
+
+
+def test_solve_none_rows_add_the_bonus_to_their_grpo_advantage():
+    """A solve-none row keeps its GRPO advantage (non-zero only when --overlong-buffer shaped the rewards) and adds
+    alpha * z(s); o_r gets 0."""
+    D = torch.tensor([[0.0], [0.2], [0.4], [0.1]])
+    role, gid = torch.tensor([3, 2, 2, 2]), torch.zeros(4, dtype=torch.long)
+    active = torch.tensor([[0.0], [1], [1], [1]])
+    shaped = torch.tensor([[0.5], [-0.25], [0.25], [-0.5]])  # e.g. overlong penalties
+    _, adv0, f = sc_grpo.weights_and_advantages(D, active, role, gid, torch.zeros(4, 1))
+    _, adv1, _ = sc_grpo.weights_and_advantages(D, active, role, gid, shaped)
+    assert adv0[0] == 0 and adv1[0] == 0 and adv0[1:].abs().sum() > 0
+    assert torch.allclose(adv1[1:], adv0[1:] + shaped[1:])
+
+
 def test_token_kl_is_the_full_vocabulary_kl():
     zt, zs = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     want = torch.nn.functional.kl_div(zs.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="none").sum(-1)
@@ -176,6 +203,30 @@ def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad)
     scale = max(g.abs().max() for g in g0)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * scale) for a, b in zip(g1, g0))
     m64.zero_grad()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_f_carries_no_gradient(tiny, fused):
+    """With teachers present, D and f are constants of the loss: the parameter gradients of -sum(f * logp) equal,
+    bit for bit, those of the same loss with f's values copied in and no teacher pass at all."""
+    model, tok = tiny
+    comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1"]
+    _, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
+    problem = arith.parse_arith_problem("12+3-4")
+    teach = [None] + [tasks.encode_prompt(tok, sc_grpo.arith_reference_prompt(problem, comps[0]))] * 2
+    m = attn[:, -T:].float()
+    model.zero_grad()
+    logp, _, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
+    f = sc_grpo.kl_weights(D, m * torch.tensor([0.0, 1, 1])[:, None])
+    assert not D.requires_grad and not f.requires_grad and f[1:].sum() > 0
+    (-(f * logp * m).sum()).backward()
+    with_teacher = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp2, _, D2, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, None, tok.pad_token_id, fused=fused)
+    (-(f.clone() * logp2 * m).sum()).backward()
+    assert (D2 == 0).all() and torch.equal(logp.detach(), logp2.detach())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), with_teacher))
+    model.zero_grad()
 
 
 def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
@@ -275,7 +326,8 @@ def _run_capturing_grads(monkeypatch, tmp_path, script, *flags):
 def test_weight_mode_none_equals_grpo_loss_and_gradient(tmp_path, monkeypatch):
     mb = ("--micro-batch-size", "6")  # not a multiple of G: grpo.py's micro-batches, not whole groups
     base, g_base = _run_capturing_grads(monkeypatch, tmp_path, "grpo.py", *mb)
-    none, g_none = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", *mb)
+    none, g_none = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", "--outcome-std",
+                                        "unbiased", *mb)
     assert base["frac_reward_zero_std"] < 1 and base["grad_norm"] > 0  # a real gradient, not 0 == 0
     assert none["policy_loss"] == base["policy_loss"] and none["grad_norm"] == base["grad_norm"]
     assert all(torch.equal(a, b) for a, b in zip(g_none, g_base))
@@ -305,6 +357,29 @@ def test_batch_scope_gives_one_c_whatever_the_micro_batch_size(tmp_path, monkeyp
     for key in ("sc/weight_mean", "sc/kl_p75", "sc/kl_mean", "grad_norm", "policy_loss"):
         assert batch[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
     assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-7) for a, b in zip(g_batch, g_one))
+
+
+@pytest.mark.slow
+def test_the_fused_update_learns_as_the_unfused_one(tmp_path, monkeypatch):
+    """sc_grpo.py at its defaults, 3 steps of the built-in task on the tiny model: the memory-bounded path (hidden
+    states through the fused kernels) and the [b, T, V] logits path (forced everywhere) log the same metrics to float
+    error, so the fused update changed nothing SC-GRPO learns."""
+    import logprob_kernels
+
+    flags = ("--total-steps", "3", "--num-eval", "8", "--eval-every", "3", "--prompts-per-step", "4",
+             "--num-generations", "4", "--max-new-tokens", "32")
+    run_inprocess("sc_grpo.py", "--output-dir", str(tmp_path / "fused"), *flags)
+    asked = []
+    monkeypatch.setattr(logprob_kernels, "fused_logprobs_ok", lambda model: asked.append(1) and False)
+    run_inprocess("sc_grpo.py", "--output-dir", str(tmp_path / "unfused"), *flags)
+    assert asked  # the update really took the unfused path
+    fused, unfused = read_metrics(tmp_path / "fused"), read_metrics(tmp_path / "unfused")
+    assert len(fused) == len(unfused) == 4 and any(r.get("sc/weight_mean", 0) > 0 for r in fused)
+    for a, b in zip(fused, unfused):
+        for key in a:
+            if key.startswith(("time/", "tokens_per_second", "memory/")) or key not in b:
+                continue
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
 @pytest.mark.parametrize("flag", [("--c-min", "0"), ("--percentile", "101"), ("--max-reference-tokens", "0")])

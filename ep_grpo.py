@@ -141,7 +141,7 @@ class Args:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)"""
     outcome_std: Literal["population", "unbiased"] = "population"
-    """std of the outcome advantage: population + 1e-6 (the spec, verl-style) or unbiased + 1e-4 (grpo.py, TRL)"""
+    """std of the outcome advantage: population + 1e-6 (verl-style) or unbiased + 1e-4 (grpo.py, TRL)"""
     micro_batch_size: int = 16
     """sequences per forward/backward (gradient accumulation; the loss is normalized over the whole mini-batch)"""
     gradient_checkpointing: bool = False
@@ -227,7 +227,7 @@ class Args:
     """beta of the implicit reward in --advantage-form B (form A: no effect, the z-score cancels it)"""
 
 
-# ALGO LOGIC: EP-GRPO's credit assignment, as pure tensor functions (spec equations in brackets).
+# ALGO LOGIC: EP-GRPO's credit assignment, as pure tensor functions (docs/ep_grpo.md has each equation).
 CHOICES = {f.name: typing.get_args(f.type) for f in dataclasses.fields(Args) if typing.get_origin(f.type) is Literal}
 
 
@@ -243,7 +243,7 @@ def row_quantile(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor
 
 
 def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="response", eps=1e-6) -> torch.Tensor:
-    """Token weights g_hat [B, T] from the rollout entropy [(a) 3-4].
+    """Token weights g_hat [B, T] from the rollout entropy (the entropy gate).
 
     entropy: [B, T] nats; mask: [B, T] completion mask; tau: pivot threshold, a scalar or [B, 1] (nats).
     soft: 1 + alpha*sigmoid((H - tau)/temp); hard: 1[H > tau]; gtpo: H; none: 1; zsig: sigmoid((H - tau)/temp) with
@@ -269,7 +269,7 @@ def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="res
 
 
 def progress_windows(entropy, mask, num_buckets=10, progress="entropy", eps=1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Progress window b(i,t) in {0..K-1} of every token [(c) 1-3]; returns (b [B, T] long, zero_entropy [B] bool).
+    """Progress window b(i,t) in {0..K-1} of every token (cumulative-entropy progress); returns (b [B, T] long, zero_entropy [B] bool).
 
     entropy: [B, T] nats; mask: [B, T]. Progress u = (C_t - H_t/2) / C_T with C the cumulative entropy, so each
     window holds 1/K of the response's entropy; a response whose total entropy is <= eps (zero_entropy) and
@@ -286,7 +286,7 @@ def progress_windows(entropy, mask, num_buckets=10, progress="entropy", eps=1e-6
 
 
 def cell_zscore(x, valid, cell, num_cells, clip=3.0, std_min=1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z-score of x within cells (population std), clipped to [-clip, clip] [(b) 3].
+    """z-score of x within cells (population std), clipped to [-clip, clip] (the process signal's normalization).
 
     x, valid, cell: same shape (cell: long ids < num_cells). Entries that are not valid, or whose cell has fewer
     than 2 members or a std below std_min, get 0. Returns (z like x, members per cell [num_cells], ok [num_cells]).
@@ -320,7 +320,7 @@ def ep_advantages(
     entropy: [B, T] rollout-policy entropy (nats); logp_old, logp_ref: [B, T] log-probs of the sampled tokens
     under pi_old and the reference (nats); mask: [B, T]; rewards: [B]; groups: rows sharing group_ids (the
     prompt id; default consecutive blocks of group_size). A_out is GRPO's advantage (common.group_advantages, 0 in
-    all-equal groups) with the spec's population std + 1e-6 (outcome_std "unbiased": grpo.py's unbiased + 1e-4); lambda_g is process_coef_zero_var (default process_coef) in all-equal groups.
+    all-equal groups) with population std + 1e-6 (outcome_std "unbiased": grpo.py's unbiased + 1e-4); lambda_g is process_coef_zero_var (default process_coef) in all-equal groups.
     The keyword flags are the script's (see Args). Pure: no state, no gradient needed.
     return_parts: also return a dict of the pieces (outcome [B], gate, process P, windows [B, T], ...) for ep_metrics.
     """
@@ -334,7 +334,7 @@ def ep_advantages(
     dev, valid, m = entropy.device, mask.bool(), mask.float()
     gid = (torch.arange(B) // group_size if group_ids is None else group_ids.cpu())
     _, inv = torch.unique(gid, return_inverse=True)
-    unbiased = outcome_std == "unbiased"  # population: (r - mean) / (std_pop + 1e-6) (spec); unbiased: grpo.py's
+    unbiased = outcome_std == "unbiased"  # population: (r - mean) / (std_pop + 1e-6); unbiased: grpo.py's
     a_out = common.group_advantages(rewards.float().cpu(), group_size, scale_rewards, 1e-4 if unbiased else 1e-6,
                                     group_ids=gid, unbiased=unbiased).to(dev)
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
@@ -343,7 +343,7 @@ def ep_advantages(
     # the credit pulls drifted tokens back towards the reference instead of rewarding the drift
     polarity = torch.where(zero_var, torch.sign(r - reward_threshold), torch.sign(a_out))
     polarity = polarity if process_polarity == "outcome" else torch.ones_like(r)
-    # (a) entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
+    # entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
     H = entropy.float()
     rows = {"batch": lambda: torch.zeros_like(inv), "group": lambda: inv, "response": lambda: torch.arange(B, device=dev)}
     owner = rows[pivot_scope]()  # which pool each row's threshold comes from
@@ -357,9 +357,9 @@ def ep_advantages(
         var = torch.zeros(pools, device=dev).index_add(0, owner, (((H - tau) * m) ** 2).sum(1)) / n
         temp = (var.sqrt()[owner][:, None] / gate_gamma).clamp(min=1e-6)
     g_hat = entropy_gate(H, mask, tau, gate, gate_alpha, temp, gate_norm)
-    # (c) cumulative-entropy progress windows; cells are (group, window) pairs
+    # cumulative-entropy progress windows; cells are (group, window) pairs
     b, zero_entropy = progress_windows(H, mask, K, progress)
-    delta = (logp_old.float() - logp_ref.float()) * m  # (b) implicit-PRM log-ratio per token
+    delta = (logp_old.float() - logp_ref.float()) * m  # implicit process signal: the implicit-PRM log-ratio per token
     if advantage_form == "B":  # SPRO-style: dense reward r + beta*cumulative delta, z-scored over tokens per cell
         R = r[:, None] + implicit_beta * delta.cumsum(1)
         P, n_cell, ok = cell_zscore(R, valid, inv[:, None] * K + b, n_groups * K, process_clip, process_std_min)
@@ -367,7 +367,7 @@ def ep_advantages(
     else:
         if process_granularity == "token":
             P, n_cell, ok = cell_zscore(delta, valid, inv[:, None] * K + b, n_groups * K, process_clip, process_std_min)
-        else:  # (b) 2-3: S[i, k] = sum of delta over window k, z-scored across the group's responses in window k
+        else:  # window form: S[i, k] = sum of delta over window k, z-scored across the group's responses in window k
             S = torch.zeros(B, K, device=dev).scatter_add_(1, b, delta)
             present = torch.zeros(B, K, device=dev).scatter_add_(1, b, m) > 0
             if process_granularity == "cumulative":

@@ -287,7 +287,7 @@ def prefix_token_count(tokenizer, ids: list[int], text: str, k: int, delimiter: 
 
 
 def protocol_cut(tokenizer, ids: list[int], text: str, delimiter: str, max_thoughts: int = MAX_THOUGHTS) -> list[int]:
-    """The official chain's stopping rules applied to a response generated in one call (spec §8(a)): it ends after
+    """The official chain's stopping rules applied to a response generated in one call (the official code's protocol, docs/srpo.md): it ends after
     the first thought that contains `\\boxed{` and after `max_thoughts` thoughts. Returns the kept token ids."""
     starts = thought_starts(text, delimiter)
     ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]

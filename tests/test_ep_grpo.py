@@ -87,7 +87,7 @@ def test_gate_has_mean_one_per_response_and_favours_pivots(gate):
 
 
 def test_soft_gate_spec_example():
-    """20% pivots, alpha = 1: pivots get 2/1.2 ~ 1.67, the others 1/1.2 ~ 0.83 (spec (a) 4)."""
+    """20% pivots, alpha = 1: pivots get 2/1.2 ~ 1.67, the others 1/1.2 ~ 0.83 (docs/ep_grpo.md, the gate)."""
     H = torch.tensor([[5.0, 5.0] + [0.0] * 8])
     g = entropy_gate(H, torch.ones_like(H), torch.tensor(2.5))
     assert torch.allclose(g, torch.tensor([[2 / 1.2] * 2 + [1 / 1.2] * 8]), atol=1e-5)
@@ -145,7 +145,7 @@ def test_process_signal_is_a_window_z_score_and_can_flip_polarity():
     entropy, mask = torch.ones(2, 4), torch.ones(2, 4)
     logp_ref = torch.zeros(2, 4)
     logp_old = torch.tensor([[-1.0, 0, 0, 0], [1.0, 0, 0, 0]])
-    rewards = torch.tensor([1.0, 0.0])  # A_out = +-1 (population std 1/2, the spec's)
+    rewards = torch.tensor([1.0, 0.0])  # A_out = +-1 (population std 1/2)
 
     def run(lam):
         return ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=2, process_coef=lam,

@@ -1,5 +1,5 @@
 """GRPO-λ (grpo_lambda.py): the O(T) trace against its O(T²) definition, the GRPO limit, the on-policy
-c_k identity (spec §6), the advantage clamp, bad input, and a few steps of the script."""
+c_k identity (docs/grpo_lambda.md), the advantage clamp, bad input, and a few steps of the script."""
 import importlib.util
 import json
 
@@ -125,7 +125,7 @@ def test_recent_lambda_zero_is_exactly_grpo(agg):
     assert torch.equal(g, g_grpo)
     ratio = torch.exp(logp - old)  # the comparison exercises the clip: some tokens are outside [0.8, 1.28]
     assert ((ratio < 0.8) | (ratio > 1.28))[mask.bool()].any()
-    # λ must reach the loss (spec §7): at λ = 0.99 the gradient is different
+    # λ must reach the loss: at λ = 0.99 the gradient is different
     (g99,) = torch.autograd.grad(lambda_loss(logp, old, A, mask, agg, lam=0.99, style="recent"), logp)
     assert not torch.allclose(g99, g_grpo, atol=1e-4)
 

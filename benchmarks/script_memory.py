@@ -64,7 +64,10 @@ def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
     with torch.no_grad():
         W = model.get_output_embeddings().weight
         W[old:] = u * (margin / -worst) + 1e-3 * torch.randn(vocab - old, W.shape[1])
-        p_new = model(input_ids=seqs).logits.softmax(-1)[..., old:].sum(-1).max().item()
+        p_new = 0.0
+        for part in seqs.split(4):  # a few sequences at a time: [32, 58, V] fp32 logits are 1 GiB, their softmax another
+            z = model(input_ids=part).logits
+            p_new = max(p_new, (z[..., old:].logsumexp(-1) - z.logsumexp(-1)).max().exp().item())
     model.save_pretrained(out)
     tok.save_pretrained(out)
     print(f"grew {src.name} to {vocab} rows in {out}: new tokens' total probability <= {p_new:.1e}", flush=True)
@@ -111,7 +114,9 @@ finally:
 
 
 def run_one(root: Path, cmd: list[str], threads: int) -> dict:
-    """One script in a fresh process: its peak RSS (GB, from wait4), its step rows and its exit status."""
+    """One script in a fresh process: its own peak RSS (GiB, VmHWM read inside it), its step rows and its exit status.
+    Not wait4's ru_maxrss: subprocess starts the child with vfork + exec, and Linux then reports the *parent's*
+    high-water mark for the child whenever the parent's is higher (here the vocabulary growing's)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen([sys.executable, "-c", WRAPPER, *cmd, "--output-dir", tmp, "--threads", str(threads)], cwd=root,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -123,8 +128,8 @@ def run_one(root: Path, cmd: list[str], threads: int) -> dict:
         rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").open()] if runs else []
     steps = [r for r in rows if "time/step" in r]
     peaks = json.loads(next((x[6:] for x in err.splitlines() if x.startswith("PEAKS ")), "{}"))
-    res = dict(rc=proc.returncode, rss_gb=max(usage.ru_maxrss / 2**20, peaks.get("process", 0.0)),  # ru_maxrss: KiB
-               update_rss_gb=max(peaks.get("update") or [0.0]), steps=len(steps))
+    rss = peaks["process"] if "process" in peaks else usage.ru_maxrss / 2**20  # ru_maxrss (KiB) only as a fallback
+    res = dict(rc=proc.returncode, rss_gb=rss, update_rss_gb=max(peaks.get("update") or [0.0]), steps=len(steps))
     if steps:
         res.update(s_per_step=statistics.median(r["time/step"] for r in steps),
                    update_s=statistics.median(r["time/update"] for r in steps),
@@ -158,6 +163,8 @@ def main() -> None:
     res = {"vocab": a.vocab, "device": a.device, "flags": flags, "root": a.root, "scripts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = grow_vocab(Path(a.model), Path(tmp) / "grown", a.vocab)
+        if Path("/proc/self/clear_refs").exists():  # this process's own peak must not reach the children's figures
+            Path("/proc/self/clear_refs").write_text("5")
         for name in a.scripts:
             r = res["scripts"][name] = run_one(Path(a.root), [*SCRIPTS[name], "--model", str(model), *flags], a.threads)
             print(name, json.dumps(r), flush=True)

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from logprob_kernels import FusedLinearLogProb, SelectedLogProb, completion_hidden, completion_logits, entropy_from_logits, \
-    fused_logprobs_ok, unwrap
+from rlvr_utils.logprob_kernels import MAX_LOG_RATIO, FusedLinearLogProb, SelectedLogProb, completion_hidden, \
+    completion_logits, entropy_from_logits, fused_logprobs_ok, unwrap
 
 if TYPE_CHECKING:
-    from distributed import Dist
-    from tasks import Example, Task
+    from rlvr_utils.distributed import Dist
+    from rlvr_utils.tasks import Example, Task
 
 REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL = str(REPO_DIR / "assets" / "tiny-arith")
@@ -58,12 +58,6 @@ def seed_everything(seed: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # 2. Models
 # ----------------------------------------------------------------------------------------------
-def pick_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _load_tokenizer(name_or_path: str):
     """AutoTokenizer, except for a tokenizer saved with the generic class (the bundled character
     tokenizer): AutoTokenizer would rebuild it from config.json's model type (Qwen2Tokenizer) and
@@ -407,9 +401,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int | None, scale: str =
     else:
         raise ValueError(f"unknown scale {scale!r}: choose group, batch or none")
     return torch.where(constant, torch.zeros_like(adv), adv)
-
-
-MAX_LOG_RATIO = 20.0  # log pi - log pi_old is clamped to +-this (fp32) before exp, as verl and OpenRLHF do
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

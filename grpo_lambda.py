@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import trange
 
-import checkpoints
-import cli
+from rlvr_utils import checkpoints
+from rlvr_utils import cli
 import common
-import distributed
-import engines
-import tasks
+from rlvr_utils import distributed
+from rlvr_utils import engines
+from rlvr_utils import tasks
 
 
 @dataclasses.dataclass

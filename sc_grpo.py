@@ -26,14 +26,14 @@ import numpy as np
 import torch
 from tqdm import trange
 
-import arith
-import checkpoints
-import cli
+from rlvr_utils import arith
+from rlvr_utils import checkpoints
+from rlvr_utils import cli
 import common
-import logprob_kernels
-import distributed
-import engines
-import tasks
+from rlvr_utils import logprob_kernels
+from rlvr_utils import distributed
+from rlvr_utils import engines
+from rlvr_utils import tasks
 
 
 @dataclasses.dataclass
@@ -198,12 +198,6 @@ GUIDE = ("Below is a verified correct solution to this problem. Use it as a refe
          "the problem.\n\nReference solution:\n")  # chat models: the teacher's system message, then tau (docs/sc_grpo.md)
 
 
-def arith_reference_prompt(problem: arith.ArithProblem, reference: str) -> str:
-    """The teacher's plain-text prompt on the built-in task: the verified reference before the problem (the block the
-    bundled tiny model was trained on, tools/train_tiny_model.py)."""
-    return f"Reference solution:\n{reference.strip()}\nSolve: {problem.text}\n"
-
-
 def group_rows(group_ids: torch.Tensor) -> list[torch.Tensor]:
     """Row indices of each group (the rows sharing a group id), groups in order of first appearance."""
     ids = group_ids.tolist()
@@ -281,7 +275,7 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
         base = default_system_message(tokenizer)
         text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=(base + "\n\n" if base else "") + GUIDE + tau)
     elif task == "arith":
-        text = arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
+        text = arith.arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
     else:
         text = f"Reference solution:\n{tau}\n{example.prompt}"
     return tasks.encode_prompt(tokenizer, text)

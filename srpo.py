@@ -28,14 +28,14 @@ from typing import Literal
 import torch
 from tqdm import trange
 
-import arith
-import checkpoints
-import cli
+from rlvr_utils import arith
+from rlvr_utils import checkpoints
+from rlvr_utils import cli
 import common
-import distributed
-import engines
-import tasks
-from rewards import last_boxed
+from rlvr_utils import distributed
+from rlvr_utils import engines
+from rlvr_utils import tasks
+from rlvr_utils.rewards import last_boxed
 
 
 @dataclasses.dataclass
@@ -186,13 +186,6 @@ LOCALIZATION_PROMPT = (
     "end your response with \\boxed{{N}} on its own line, where N is the step number (not the problem's answer), "
     "with nothing after it."
 )
-
-
-def arith_localization_prompt(problem: arith.ArithProblem, thoughts: list[str]) -> str:
-    """The localization prompt on the built-in task for a model without a chat template: the failed solution one
-    step per line, answered with `\\boxed{N}` (the format the bundled tiny model was trained on)."""
-    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
-    return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
 
 
 def split_thoughts(text: str, delimiter: str) -> list[str]:
@@ -418,7 +411,7 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
         for e, _, p in todo:
             th = split_thoughts(p[1], delim)
             if task.name == "arith" and not tasks.has_chat_template(tokenizer):
-                plain = arith_localization_prompt(arith.parse_arith_problem(e.question), th)
+                plain = arith.arith_localization_prompt(arith.parse_arith_problem(e.question), th)
             else:
                 steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(th, 1))
                 plain = LOCALIZATION_PROMPT.format(question=e.question, steps=steps, n=len(th))

@@ -18,8 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import engines
-import tasks
+from rlvr_utils import distributed, engines, tasks  # noqa: E402
 import torch  # noqa: E402
 
 if __name__ == "__main__":
@@ -29,7 +28,7 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.1)
     a = ap.parse_args()
-    device = common.pick_device("auto")
+    device = distributed.pick_device("auto")
     model, tok = common.load_policy(a.model, device)
     prompts = [e.prompt_ids for e in tasks.load_task("arith", tok, num_eval=64).eval]
     out = {"device": str(device)}

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import tasks
+from rlvr_utils import tasks
 
 PROMPTS, G, MAX_NEW = 8, 8, 48
 

@@ -44,7 +44,7 @@ def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
 
     sys.path.insert(0, str(ROOT))
     import common
-    import tasks
+    from rlvr_utils import tasks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()

@@ -40,9 +40,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-import arith
+from rlvr_utils import arith
 import common
-import tasks
+from rlvr_utils import tasks
 
 torch.manual_seed({seed})
 tok = common._load_tokenizer(common.DEFAULT_MODEL)

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rewards  # noqa: E402
+from rlvr_utils import rewards  # noqa: E402
 
 
 def main() -> None:

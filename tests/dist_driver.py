@@ -16,9 +16,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import arith
-import distributed
-import logprob_kernels
+from rlvr_utils import arith
+from rlvr_utils import distributed
+from rlvr_utils import logprob_kernels
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):

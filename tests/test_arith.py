@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-import arith
+from rlvr_utils import arith
 
 
 def test_arith_problem_and_solution():

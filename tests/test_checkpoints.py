@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import checkpoints
+from rlvr_utils import checkpoints
 import common
 from conftest import ROOT
 from helpers import run_dir, run_script

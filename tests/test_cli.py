@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import cli
+from rlvr_utils import cli
 from helpers import run_script
 
 CASES = [  # (script, flags, words the one line must hold)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-import checkpoints
+from rlvr_utils import checkpoints
 import common
-import logprob_kernels
+from rlvr_utils import logprob_kernels
 from helpers import padded_batch, random_model
 
 
@@ -347,7 +347,7 @@ class _Args:
 
 def _scripted_task(tok, scores_by_id):
     """A task whose reward is looked up by the example id and the completion's index in its group."""
-    import tasks
+    from rlvr_utils import tasks
 
     task = tasks.load_task("arith", tok, seed=0, num_eval=2, arith_num_train=50)
     seen = {}
@@ -363,7 +363,7 @@ def _scripted_task(tok, scores_by_id):
 def test_dynamic_sampling_drops_constant_groups_and_refills(tiny):
     """Prompts with an even id get all-equal rewards (no signal): with --dynamic-sampling they are dropped and more
     prompts are drawn until the batch holds prompts_per_step groups with a signal."""
-    import distributed
+    from rlvr_utils import distributed
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 1.0 if i % 2 == 0 else float(k % 2))
@@ -380,7 +380,7 @@ def test_dynamic_sampling_drops_constant_groups_and_refills(tiny):
 
 
 def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
-    import distributed
+    from rlvr_utils import distributed
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 0.0)  # nothing ever has a signal
@@ -396,7 +396,7 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
 def test_overlong_penalty_is_dapos_linear_ramp(tiny):
     """DAPO: 0 up to max - buffer tokens, then (max - buffer - L) / buffer * factor, -factor at max. Hand values with
     max 48, buffer 16, factor 0.5: L <= 32 -> 0, L = 40 -> -0.25, L = 48 -> -0.5."""
-    import distributed
+    from rlvr_utils import distributed
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 1.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-import tasks
+from rlvr_utils import tasks
 from ep_grpo import cell_zscore, entropy_gate, ep_advantages, ep_metrics, progress_windows, row_quantile
 from helpers import read_metrics, run_inprocess, run_script
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-import tasks
+from rlvr_utils import tasks
 from conftest import TINY_MODEL
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 

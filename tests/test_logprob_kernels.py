@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import common
-import logprob_kernels
+from rlvr_utils import logprob_kernels
 from helpers import padded_batch, random_model
 
 

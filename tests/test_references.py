@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import common
-import tasks
+from rlvr_utils import tasks
 from helpers import read_metrics, run_inprocess
 
 FAST = ["--num-eval", "2", "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16",

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-import rewards
+from rlvr_utils import rewards
 from conftest import shared_file
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import sandbox
+from rlvr_utils import sandbox
 from conftest import shared_file
 
 ADD = "def add(a, b):\n    return a + b\n"

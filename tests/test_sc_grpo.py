@@ -6,9 +6,9 @@ import itertools
 import pytest
 import torch
 
-import arith
+from rlvr_utils import arith
 import common
-import tasks
+from rlvr_utils import tasks
 import sc_grpo
 from helpers import read_metrics, run_inprocess, run_script
 
@@ -159,7 +159,7 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     with torch.no_grad():
         _, _, D_same, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
-        teach = [tasks.encode_prompt(tok, sc_grpo.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))] * 2
+        teach = [tasks.encode_prompt(tok, arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
         _, _, D, cost = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
         # direct: one unpadded forward each, full log-softmax
@@ -182,7 +182,7 @@ def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad)
     comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1", "12+3=15\n15-4=11\n#### 11"]
     prompt_ids, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
     problem = arith.parse_arith_problem("12+3-4")
-    teach = [None] + [tasks.encode_prompt(tok, sc_grpo.arith_reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")]
+    teach = [None] + [tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")]
     m = attn[:, -T:].double()
     active = m * torch.tensor([0.0, 1, 1, 1])[:, None]
     A = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)[:, None]
@@ -213,7 +213,7 @@ def test_f_carries_no_gradient(tiny, fused):
     comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1"]
     _, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
     problem = arith.parse_arith_problem("12+3-4")
-    teach = [None] + [tasks.encode_prompt(tok, sc_grpo.arith_reference_prompt(problem, comps[0]))] * 2
+    teach = [None] + [tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, comps[0]))] * 2
     m = attn[:, -T:].float()
     model.zero_grad()
     logp, _, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
@@ -364,7 +364,7 @@ def test_the_fused_update_learns_as_the_unfused_one(tmp_path, monkeypatch):
     """sc_grpo.py at its defaults, 3 steps of the built-in task on the tiny model: the memory-bounded path (hidden
     states through the fused kernels) and the [b, T, V] logits path (forced everywhere) log the same metrics to float
     error, so the fused update changed nothing SC-GRPO learns."""
-    import logprob_kernels
+    from rlvr_utils import logprob_kernels
 
     flags = ("--total-steps", "3", "--num-eval", "8", "--eval-every", "3", "--prompts-per-step", "4",
              "--num-generations", "4", "--max-new-tokens", "32")

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-import arith
+from rlvr_utils import arith
 import common
-import tasks
+from rlvr_utils import tasks
 import srpo
 from helpers import read_metrics, run_inprocess, run_script
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-import arith
-import sandbox
-import tasks
+from rlvr_utils import arith
+from rlvr_utils import sandbox
+from rlvr_utils import tasks
 from conftest import shared_file
 from helpers import read_metrics, run_script
 

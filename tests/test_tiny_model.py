@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import arith
-import rewards
+from rlvr_utils import arith
+from rlvr_utils import rewards
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import common
-import engines
-import tasks
+from rlvr_utils import engines
+from rlvr_utils import tasks
 from helpers import read_metrics, run_script
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -36,12 +36,12 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import arith  # noqa: E402
-import checkpoints  # noqa: E402
+from rlvr_utils import arith  # noqa: E402
+from rlvr_utils import checkpoints  # noqa: E402
 import common  # noqa: E402
-import rewards  # noqa: E402
-from sc_grpo import arith_reference_prompt  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
-from srpo import arith_localization_prompt  # noqa: E402  (format (b): what SRPO's self-localization asks)
+from rlvr_utils import rewards  # noqa: E402
+from rlvr_utils.arith import arith_localization_prompt  # noqa: E402  (format (b): what SRPO's self-localization asks)
+from rlvr_utils.arith import arith_reference_prompt  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
 
 
 @dataclasses.dataclass

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-import arith
-import rewards
-import sandbox
+from rlvr_utils import arith
+from rlvr_utils import rewards
+from rlvr_utils import sandbox
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main", "train", "test"), "math": ("HuggingFaceH4/MATH-500", None, "test", None),

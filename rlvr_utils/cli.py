@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-import tasks
+from rlvr_utils import tasks
 
 
 def usage_error(message: str) -> NoReturn:

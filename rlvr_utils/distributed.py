@@ -13,9 +13,8 @@ from typing import Sequence
 
 import torch
 
-import checkpoints
-import cli
-import common
+from rlvr_utils import checkpoints
+from rlvr_utils import cli
 
 
 @dataclasses.dataclass
@@ -116,12 +115,19 @@ class Dist:
             torch.distributed.destroy_process_group()
 
 
+def pick_device(device: str = "auto") -> torch.device:
+    """auto: cuda when available, else cpu; otherwise the device named."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def init_distributed(device: str, args: dict, prompts_per_step: int, timeout_s: int = 1800, fsdp: bool = False) -> tuple[Dist, torch.device]:
     """Join the torchrun job when there is one (WORLD_SIZE > 1), else a world of 1. Checks that every
     rank got the same flags and that the world size divides `prompts_per_step`. Collectives time out
     after `timeout_s`, so a rank that died makes the others exit with an error instead of hanging."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dev = common.pick_device(device)
+    dev = pick_device(device)
     if world == 1:
         return Dist(device=dev), dev
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

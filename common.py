@@ -1,46 +1,51 @@
 """What every algorithm script uses: seeding, model loading, prompt batches, rollouts and their rewards (with DAPO's
 dynamic sampling and overlong penalty), token log-probs, group advantages, mini-batches, loss aggregation, update
-diagnostics, evaluation, logging, the non-finite guard and metrics.
+diagnostics, evaluation, metrics, and the run's plumbing (`Run`: set-up and the end of a step, one call each).
 
 Nothing here is an algorithm: each `<algo>.py` keeps its credit assignment and loss inline, so
-`diff grpo.py <algo>.py` shows only the method. Everything else lives in a sibling module named for its topic:
-  tasks.py            prompts and rewards of a task (load_task), built on:
-    arith.py            the built-in arithmetic task, its verifier and first-wrong-step oracle
-    rewards.py          GSM8K and MATH (math-verify) rewards
-    sandbox.py          the code task: running programs against unit tests (harness: sandbox_harness.py)
-  logprob_kernels.py  what token_logprobs is built on: the padded batch's layout, the fused and unfused kernels
-  checkpoints.py      atomic model saves, resumable checkpoints (--save-every, --resume), Ctrl-C
-  cli.py              flag checks before anything loads (one-line errors), --resume's flags, --threads
-  distributed.py      torchrun: DDP / FSDP2, sharded prompts, global loss normalization
-  engines.py          the colocated vLLM rollout engine
+`diff grpo.py <algo>.py` shows only the method. What is neither lives in the support package `rlvr_utils/`, one
+module per topic (its __init__ lists them); nothing there imports this file.
 
 Sections: 1. seeding  2. models  3. prompt batches and rollouts  4. token log-probs  5. advantages and losses
-6. evaluation, logging, metrics
+6. evaluation and metrics  7. the run (TRY NOT TO MODIFY)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
 import random
+import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from rlvr_utils.logprob_kernels import MAX_LOG_RATIO, FusedLinearLogProb, SelectedLogProb, completion_hidden, \
-    completion_logits, entropy_from_logits, fused_logprobs_ok, unwrap
+from rlvr_utils import checkpoints, cli, distributed, engines, tasks
+from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
+from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
+from rlvr_utils.logprob_kernels import (
+    FusedLinearLogProb,
+    SelectedLogProb,
+    completion_hidden,
+    completion_logits,
+    entropy_from_logits,
+    fused_logprobs_ok,
+    unwrap,
+)
+from rlvr_utils.models import load_policy as load_policy
+from rlvr_utils.rollouts import Rollouts as Rollouts
+from rlvr_utils.rollouts import generate_rollouts, make_rollouts, stop_token_ids
+from rlvr_utils.rollouts import pad_left as pad_left
+from rlvr_utils.tracking import Logger
 
 if TYPE_CHECKING:
     from rlvr_utils.distributed import Dist
     from rlvr_utils.tasks import Example, Task
-
-REPO_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL = str(REPO_DIR / "assets" / "tiny-arith")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,62 +63,6 @@ def seed_everything(seed: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # 2. Models
 # ----------------------------------------------------------------------------------------------
-def _load_tokenizer(name_or_path: str):
-    """AutoTokenizer, except for a tokenizer saved with the generic class (the bundled character
-    tokenizer): AutoTokenizer would rebuild it from config.json's model type (Qwen2Tokenizer) and
-    silently drop its spaces and newlines, so it is loaded as exactly what was saved."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    cfg = Path(name_or_path).expanduser() / "tokenizer_config.json"
-    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(name_or_path)
-    return AutoTokenizer.from_pretrained(name_or_path)
-
-
-def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
-    """`from_pretrained` a causal LM and its tokenizer (left padding for generation). dtype "auto": bfloat16 on CUDA,
-    float32 on CPU. A missing local path or an unreachable hub id is a clear error that names it. Dropout is off
-    (log-probs must be the sampling distribution's). `gradient_checkpointing`: each decoder layer is recomputed in
-    the backward (non-reentrant); the model is then kept in train mode, which that needs (generation switches to
-    eval mode and back)."""
-    from transformers import AutoModelForCausalLM
-
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
-    if looks_local and not Path(name_or_path).expanduser().exists():
-        raise SystemExit(f"--model {name_or_path}: no such directory")
-    torch_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-                   "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    try:
-        tokenizer = _load_tokenizer(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device)
-    except (OSError, ValueError) as e:
-        raise SystemExit(
-            f"--model {name_or_path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
-            "Pass a local Hugging Face directory, or a hub id on a machine with internet access."
-        ) from e
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    disable_dropout(model)
-    if gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # transformers checkpoints a layer only in train mode
-    return model, tokenizer
-
-
-def disable_dropout(model) -> None:
-    """Every dropout of the model to 0: nn.Dropout modules and the attention-dropout floats attention layers keep."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
     torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
@@ -124,22 +73,15 @@ def peak_memory(device: torch.device) -> dict:
     return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Every token id that ends a completion (generation config's EOS ids and the tokenizer's)."""
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
 # ----------------------------------------------------------------------------------------------
 # 3. Prompt batches and rollouts
 # ----------------------------------------------------------------------------------------------
 def prompt_batches(examples: Sequence[Example], n: int, seed: int):
     """Endless stream of `n`-prompt batches, reshuffled every epoch (seeded)."""
     if n < 1 or not examples:
-        raise ValueError(f"need at least one prompt per batch and a non-empty prompt set (n={n}, {len(examples)} prompts)")
+        raise ValueError(
+            f"need at least one prompt per batch and a non-empty prompt set (n={n}, {len(examples)} prompts)"
+        )
     rng = random.Random(seed)
     order: list[int] = []
     while True:
@@ -152,117 +94,6 @@ def prompt_batches(examples: Sequence[Example], n: int, seed: int):
         yield batch
 
 
-@dataclasses.dataclass
-class Rollouts:
-    """N = prompts x G completions. Prompts left-padded to P tokens, completions right-padded to T."""
-
-    prompt_ids: torch.Tensor  # [N, P]
-    prompt_mask: torch.Tensor  # [N, P]
-    completion_ids: torch.Tensor  # [N, T]
-    completion_mask: torch.Tensor  # [N, T] 1 up to and including the stop token
-    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without a stop token
-    group_ids: torch.Tensor  # [N] long: the prompt's Example.id
-    texts: list[str]  # decoded completions, special tokens removed
-    engine_logp: torch.Tensor | None = None  # [N, T] the vLLM engine's log-probs of the sampled tokens (None with HF)
-    scores: torch.Tensor | None = None  # [N] the verifier's rewards (before any shaping), from rollouts_with_rewards
-    engine_released_gb: float = 0.0  # GPU memory the engine released by sleeping after this generation
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
-
-    def __len__(self) -> int:
-        return self.completion_ids.shape[0]
-
-
-def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and attention mask [n, P] of token-id lists, left-padded to the longest."""
-    P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, P - len(s):] = torch.tensor(list(s))
-            mask[i, P - len(s):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def completion_mask_from_ids(completion_ids: torch.Tensor, stop_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask = 1 up to and including the first stop token; truncated = no stop token in the row."""
-    is_stop = torch.isin(completion_ids, torch.tensor(list(stop_ids), device=completion_ids.device))
-    after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0  # strictly after the first stop
-    mask = (~after_stop).long()
-    return mask, ~is_stop.any(1)
-
-
-def make_rollouts(tokenizer, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                  group_ids: Sequence[int], stop_ids: Sequence[int], device=None) -> Rollouts:
-    """Assemble a Rollouts batch from token-id lists: prompts left-padded, completions right-padded,
-    completion mask 1 over each completion's own tokens, truncated = no stop token in it. For
-    trajectories not sampled in one generate() call (SRPO's prefix + suffix continuations)."""
-    p_ids, p_mask = pad_left(prompts, tokenizer.pad_token_id, device)
-    T = max(max((len(c) for c in completions), default=0), 1)
-    c_ids = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)
-    c_mask = torch.zeros((len(completions), T), dtype=torch.long)
-    for i, c in enumerate(completions):
-        c_ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-        c_mask[i, : len(c)] = 1
-    truncated = ~(torch.isin(c_ids, torch.tensor(list(stop_ids))) & c_mask.bool()).any(1)
-    texts = tokenizer.batch_decode([list(c) for c in completions], skip_special_tokens=True)
-    return Rollouts(p_ids, p_mask, c_ids.to(device), c_mask.to(device), truncated.to(device),
-                    torch.tensor(list(group_ids), device=device), texts)
-
-
-@torch.no_grad()
-def generate_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], num_generations: int,
-                      max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      do_sample: bool = True, batch_size: int = 64) -> Rollouts:
-    """Sample `num_generations` completions per prompt with batched `model.generate` (KV cache,
-    left padding, stop at EOS). Sampling is plain temperature sampling (top-p 1, top-k off) unless
-    asked, so it matches the distribution `token_logprobs(..., temperature)` scores.
-    """
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt (no tokens)")
-    device = next(model.parameters()).device
-    stops = stop_token_ids(model, tokenizer)
-    flat = [(list(p), g) for p, g in zip(prompts, group_ids) for _ in range(num_generations)]
-    engine = getattr(model, "_rlvr_engine", None)
-    if engine is not None:  # vLLM: same sampling settings, token ids in and out, plus its log-probs
-        comps, logps = engine.generate(prompts, num_generations, max_new_tokens, temperature, top_p, top_k, do_sample, stops)
-        ro = make_rollouts(tokenizer, [p for p, _ in flat], comps, [g for _, g in flat], stops, device)
-        T = ro.completion_ids.shape[1]
-        ro.engine_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], dtype=torch.float32, device=device)
-        engine.sleep()  # GPU: weights and KV cache released while the trainer works (woken by the next call or sync)
-        ro.engine_released_gb = engine.released_gb
-        return ro
-    was_training = model.training
-    model.eval()
-    completions: list[list[int]] = []
-    for s in range(0, len(flat), batch_size):
-        chunk = [p for p, _ in flat[s : s + batch_size]]
-        ids, mask = pad_left(chunk, tokenizer.pad_token_id, device)
-        kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stops, synced_gpus=getattr(model, "_rlvr_synced_gpus", False), **kw,
-        )
-        completions.extend(out[:, ids.shape[1]:].tolist())
-    model.train(was_training)
-    T = max(len(c) for c in completions)
-    raw = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)
-    for i, c in enumerate(completions):
-        raw[i, : len(c)] = torch.tensor(c)
-    kept = completion_mask_from_ids(raw, stops)[0].sum(1).tolist()  # tokens up to and including the stop
-    return make_rollouts(tokenizer, [p for p, _ in flat], [c[:n] for c, n in zip(completions, kept)],
-                         [g for _, g in flat], stops, device)
-
-
 def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, args, keep_group=None):
     """Steps 1-2 of the GRPO-style scripts: the next prompt batch (this rank's share), `args.num_generations`
     completions per prompt, and their rewards. `args.dynamic_sampling` (DAPO): groups whose verifier scores are all
@@ -273,8 +104,18 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
     G, want, kept, dropped, drawn, generated = args.num_generations, args.prompts_per_step // dist.world, [], [], 0, 0
     for rnd in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
         examples = dist.shard(next(batches))
-        ro = generate_rollouts(model, tokenizer, [e.prompt_ids for e in examples], [e.id for e in examples], G,
-                               args.max_new_tokens, args.temperature, args.top_p, args.top_k, batch_size=args.gen_batch_size)
+        ro = generate_rollouts(
+            model,
+            tokenizer,
+            [e.prompt_ids for e in examples],
+            [e.id for e in examples],
+            G,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            batch_size=args.gen_batch_size,
+        )
         ro.scores = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]), dtype=torch.float32)
         drawn, generated = drawn + len(examples), generated + int(ro.completion_mask.sum())
         for rows in torch.arange(len(ro)).split(G):
@@ -286,20 +127,39 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
     if args.dynamic_sampling:  # one batch of the groups, re-padded
         groups = (kept + dropped)[:want]
         ids = [(r, int(i)) for r, rows in groups for i in rows]
-        ro = make_rollouts(tokenizer, [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids],
-                           [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids],
-                           [int(r.group_ids[i]) for r, i in ids], stop_token_ids(model, tokenizer), ro.completion_ids.device)
-        ro.truncated, ro.scores = torch.stack([r.truncated[i] for r, i in ids]), torch.stack([r.scores[i] for r, i in ids])
+        ro = make_rollouts(
+            tokenizer,
+            [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids],
+            [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids],
+            [int(r.group_ids[i]) for r, i in ids],
+            stop_token_ids(model, tokenizer),
+            ro.completion_ids.device,
+        )
+        ro.truncated, ro.scores = (
+            torch.stack([r.truncated[i] for r, i in ids]),
+            torch.stack([r.scores[i] for r, i in ids]),
+        )
         if groups[0][0].engine_logp is not None:
             T = ro.completion_ids.shape[1]
-            ro.engine_logp = torch.stack([torch.nn.functional.pad(r.engine_logp[i, :T], (0, T - min(T, r.engine_logp.shape[1])))
-                                          for r, i in ids])
+            ro.engine_logp = torch.stack(
+                [torch.nn.functional.pad(r.engine_logp[i, :T], (0, T - min(T, r.engine_logp.shape[1]))) for r, i in ids]
+            )
     out = {"num_tokens": float(ro.completion_mask.sum()), "sampling/generated_tokens": float(generated)}
     if args.dynamic_sampling:
-        out.update({"sampling/prompts_drawn": drawn, "sampling/rounds": rnd + 1, "sampling/groups_kept": min(len(kept), want) / want})
+        out.update(
+            {
+                "sampling/prompts_drawn": drawn,
+                "sampling/rounds": rnd + 1,
+                "sampling/groups_kept": min(len(kept), want) / want,
+            }
+        )
     rewards = ro.scores.clone()
-    if args.overlong_buffer:  # DAPO's soft overlong punishment: 0 up to max - buffer tokens, then linearly down to -factor
-        penalty = ((args.max_new_tokens - args.overlong_buffer - ro.completion_mask.sum(1).cpu().float()) / args.overlong_buffer)
+    if (
+        args.overlong_buffer
+    ):  # DAPO's soft overlong punishment: 0 up to max - buffer tokens, then linearly down to -factor
+        penalty = (
+            args.max_new_tokens - args.overlong_buffer - ro.completion_mask.sum(1).cpu().float()
+        ) / args.overlong_buffer
         rewards = rewards + penalty.clamp(-1.0, 0.0) * args.overlong_penalty_factor
         out["reward/overlong_penalty"] = (rewards - ro.scores).mean().item()
     return ro, rewards, out
@@ -308,9 +168,17 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
 # ----------------------------------------------------------------------------------------------
 # 4. Token log-probs (the layout and kernels: logprob_kernels.py)
 # ----------------------------------------------------------------------------------------------
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                   temperature: float = 1.0, chunk_size: int = 8, with_entropy: bool = False, entropy_chunk: int = 128,
-                   fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float = 1.0,
+    chunk_size: int = 8,
+    with_entropy: bool = False,
+    entropy_chunk: int = 128,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
 
     input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded). Returns logp [B, T] and, when
@@ -335,8 +203,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
         if fused:
             h = completion_hidden(model, ids, mask, T)  # [b, T, H]
-            lp, ent = FusedLinearLogProb.apply(h.reshape(-1, h.shape[-1]), lm.weight, lm.bias,
-                                               ids[:, -T:].reshape(-1), temperature, positions, with_entropy)
+            lp, ent = FusedLinearLogProb.apply(
+                h.reshape(-1, h.shape[-1]),
+                lm.weight,
+                lm.bias,
+                ids[:, -T:].reshape(-1),
+                temperature,
+                positions,
+                with_entropy,
+            )
             logps.append(lp.view(ids.shape[0], T))
             if with_entropy:
                 ents.append(ent.view(ids.shape[0], T))
@@ -364,8 +239,14 @@ def constant_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[tor
     return inv, gmax == gmin
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int | None, scale: str = "group", eps: float = 1e-4,
-                     group_ids: torch.Tensor | None = None, unbiased: bool = True) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None,
+    scale: str = "group",
+    eps: float = 1e-4,
+    group_ids: torch.Tensor | None = None,
+    unbiased: bool = True,
+) -> torch.Tensor:
     """GRPO's outcome advantage per completion: reward minus its group's mean, scaled.
 
     rewards: [N]. Groups are the completions sharing a `group_ids` value (the prompt id); without `group_ids`,
@@ -414,8 +295,14 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_completion_length: int | None = None,
-                   num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    max_completion_length: int | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar (verl's names; TRL's in brackets).
 
     token-mean               sum over all tokens / number of tokens           (DAPO, TRL "dapo"/"bnpo")
@@ -445,10 +332,15 @@ def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Ten
     ids = group_ids.tolist()
     groups = list(dict.fromkeys(ids))
     if len(groups) % num_minibatches:
-        raise ValueError(f"--num-minibatches {num_minibatches} must divide the {len(groups)} prompts of this rank's batch")
+        raise ValueError(
+            f"--num-minibatches {num_minibatches} must divide the {len(groups)} prompts of this rank's batch"
+        )
     per = len(groups) // num_minibatches
     where = {g: i // per for i, g in enumerate(groups)}
-    return [torch.tensor([r for r, g in enumerate(ids) if where[g] == k], device=group_ids.device) for k in range(num_minibatches)]
+    return [
+        torch.tensor([r for r, g in enumerate(ids) if where[g] == k], device=group_ids.device)
+        for k in range(num_minibatches)
+    ]
 
 
 class UpdateStats:
@@ -481,15 +373,26 @@ class UpdateStats:
 
     def metrics(self) -> dict:
         out = {k: v / (self.tokens * (1 if k == "entropy" else self.passes)) for k, v in self.sums.items()}
-        out.update(self.engine_stats, policy_loss=sum(self.losses) / len(self.losses), grad_norm=sum(self.norms) / len(self.norms))
+        out.update(
+            self.engine_stats,
+            policy_loss=sum(self.losses) / len(self.losses),
+            grad_norm=sum(self.norms) / len(self.norms),
+        )
         return out
 
 
 # ----------------------------------------------------------------------------------------------
 # 6. Evaluation, logging, metrics
 # ----------------------------------------------------------------------------------------------
-def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64, temperature: float = 0.0,
-             dist: Dist | None = None) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    task: Task,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    dist: Dist | None = None,
+) -> dict:
     """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
     sample at that temperature. Returns {"eval/accuracy", "eval/mean_length"}. Under torchrun each
     rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
@@ -500,8 +403,15 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int 
     counted = len(mine)
     mine = mine + [ex[0]] * (n - counted)  # equal slices: FSDP ranks must run the same generate calls
     ro = generate_rollouts(
-        model, tokenizer, [e.prompt_ids for e in mine], [e.id for e in mine], 1, max_new_tokens,
-        temperature=max(temperature, 1e-5), do_sample=temperature > 0, batch_size=batch_size,
+        model,
+        tokenizer,
+        [e.prompt_ids for e in mine],
+        [e.id for e in mine],
+        1,
+        max_new_tokens,
+        temperature=max(temperature, 1e-5),
+        do_sample=temperature > 0,
+        batch_size=batch_size,
     )
     correct = sum(task.rewards(ro.texts[:counted], mine[:counted]))
     length = ro.completion_mask[:counted].sum().item()
@@ -510,68 +420,16 @@ def evaluate(model, tokenizer, task: Task, max_new_tokens: int, batch_size: int 
     return {"eval/accuracy": correct / len(ex), "eval/mean_length": length / len(ex)}
 
 
-class Logger:
-    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`. `resume_step` k > 0
-    (--resume): the rows after step k are dropped from metrics.jsonl and TensorBoard before the run goes on.
-    `last_eval`: the latest evaluation metrics logged (or read back from metrics.jsonl when resuming)."""
-
-    def __init__(self, run_dir: str | os.PathLike, config: dict, track: bool = False, wandb_project: str = "credit-rlvr",
-                 enabled: bool = True, resume_step: int = 0):
-        self.enabled, self.run_dir, self.last_eval = enabled, Path(run_dir), None  # enabled: False on torchrun ranks > 0
-        if resume_step:
-            rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").open() if line.strip()]
-            rows = [r for r in rows if r["step"] <= resume_step]
-            self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
-            if enabled:
-                tmp = self.run_dir / "metrics.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                os.replace(tmp, self.run_dir / "metrics.jsonl")
-        if not enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(self.run_dir), purge_step=resume_step + 1 if resume_step else None)
-        if not resume_step:
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
-            (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.wandb = None
-        if track:
-            import wandb
-
-            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=self.run_dir.name, resume="allow",
-                                    config=config, dir=str(self.run_dir))
-
-    def log(self, metrics: dict, step: int) -> None:
-        if "eval/accuracy" in metrics:
-            self.last_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        if not self.enabled:
-            return
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self.writer.close()
-        self.jsonl.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
 def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict) -> None:
     """Stop the run (exit code 1) with the step and the last metrics when `value` is NaN/inf.
     Called before the optimizer step, so no update and no checkpoint is made from NaN weights."""
     v = float(value.detach()) if torch.is_tensor(value) else float(value)
     if not math.isfinite(v):
         shown = {k: round(x, 4) if isinstance(x, float) else x for k, x in last_metrics.items()}
-        raise SystemExit(f"non-finite {what} ({v}) at step {step}; stopping without an update or a checkpoint. "
-                         f"Last metrics: {json.dumps(shown)}")
+        raise SystemExit(
+            f"non-finite {what} ({v}) at step {step}; stopping without an update or a checkpoint. "
+            f"Last metrics: {json.dumps(shown)}"
+        )
 
 
 def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> dict:
@@ -588,3 +446,151 @@ def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> 
         "completions/min_length": lengths.min().item(),
         "completions/clipped_ratio": ro.truncated.float().mean().item(),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
+# ----------------------------------------------------------------------------------------------
+TASK_FLAGS = (
+    "seed",
+    "num_eval",
+    "data_path",
+    "eval_data_path",
+    "max_prompt_length",
+    "arith_steps",
+    "arith_max_value",
+    "arith_max_operand",
+    "code_timeout",
+)
+
+
+def load_task(args, tokenizer) -> Task:
+    """The task named by --task, built with the shared task flags (rlvr_utils.tasks.load_task)."""
+    return tasks.load_task(args.task, tokenizer, **{k: getattr(args, k) for k in TASK_FLAGS})
+
+
+class Run:
+    """The plumbing of a run, so that a script's loop shows only rollouts, rewards, credit, loss and update.
+
+        run = Run(args)                 threads, the run directory, torchrun (run.dist, run.device), seeding
+        ... the script loads its model and task and builds its optimizer ...
+        run.start(model, tokenizer, optimizer, task)   prompt batches, --resume, the vLLM engine, logging, step-0 eval
+        for step in run.steps():        a progress bar; each step's peak memory and clock start here
+            run.lap("generation")       seconds since the step (or the last lap) began, logged as time/generation
+            run.end_step(step, ro, rewards, stats, extra)  metrics, evaluation, logging, checkpoint, Ctrl-C
+        run.finish()                    the final accuracy, --save-model, the process group
+
+    `state`: objects (RNGs, models) whose state a checkpoint must hold besides the policy, optimizer and data position.
+    """
+
+    def __init__(self, args):
+        cli.set_threads(args.threads)
+        self.args, self.state, self.metrics, self.times = args, {}, {}, {}
+        stamp = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.dir = Path(args.resume or Path(args.output_dir) / stamp)
+        self.dist, self.device = distributed.init_distributed(
+            args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
+        )
+        seed_everything(
+            args.seed + self.dist.rank
+        )  # per-rank sampling; every rank draws the same global prompt batches
+
+    def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
+        a, dist = self.args, self.dist
+        self.model, self.tokenizer, self.optimizer, self.task, self.state = (
+            model,
+            tokenizer,
+            optimizer,
+            task,
+            state or {},
+        )
+        self.batches = checkpoints.CountingBatches(lambda: prompt_batches(task.train, a.prompts_per_step, a.seed))
+        self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), checkpoints.GracefulStop()
+        self.first = self.ckpt.restore(model, optimizer, self.batches, self.state) + 1 if a.resume else 1
+        engines.attach_engine(
+            a.engine, model, optimizer, a.model, a.vllm_gpu_memory_utilization, seed=a.seed + dist.rank
+        )
+        resumed = self.first - 1
+        self.logger = Logger(self.dir, vars(a), a.track, a.wandb_project, enabled=dist.main, resume_step=resumed)
+        dist.print(
+            f"run {self.dir.name}: logs in {self.dir}/ (tensorboard --logdir {self.dir.parent}); "
+            f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}"
+            + (f"; resumed after step {resumed}" if resumed else "")
+        )
+        if not resumed:  # a resumed run has its evaluations in its metrics.jsonl already
+            self.logger.log(self.evaluate(), 0)
+        self.metrics = self.logger.last_eval
+
+    def evaluate(self) -> dict:
+        a = self.args
+        return evaluate(
+            self.model, self.tokenizer, self.task, a.max_new_tokens, a.gen_batch_size, a.eval_temperature, self.dist
+        )
+
+    def steps(self):
+        """The steps still to run, with a progress bar; each starts a new peak-memory measurement and clock."""
+        a = self.args
+        self.bar = tqdm(
+            range(self.first, a.total_steps + 1),
+            initial=self.first - 1,
+            total=a.total_steps,
+            desc=Path(sys.argv[0]).stem,
+            dynamic_ncols=True,
+            disable=not self.dist.main,
+        )
+        for step in self.bar:
+            reset_peak_memory(self.device)
+            self.step, self.times, self.clock = step, {}, time.time()
+            yield step
+
+    def lap(self, name: str) -> float:
+        """Seconds since the step or the last lap began, logged as time/<name>."""
+        now = time.time()
+        self.times[name], self.clock = now - self.clock, now
+        return self.times[name]
+
+    def stop_if_nonfinite(self, value, what: str) -> None:
+        stop_if_nonfinite(value, what, self.step, self.metrics)
+
+    def end_step(self, step: int, ro: Rollouts, rewards: torch.Tensor, stats: UpdateStats, extra: dict) -> None:
+        """The step's metrics (TRL's names; `extra`: the sampling metrics and the method's own), the evaluation when
+        due, logging, the checkpoint when due, and Ctrl-C: save and leave after this step (exit code 130)."""
+        a, dist = self.args, self.dist
+        step_time = sum(self.times.values())
+        num_tokens = extra.get("num_tokens", float(ro.completion_mask.sum()))
+        metrics = {
+            **completion_metrics(ro, rewards, a.num_generations),
+            "num_tokens": num_tokens,
+            **extra,
+            **stats.metrics(),
+            "learning_rate": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_second": num_tokens / step_time,
+            **{f"time/{k}": v for k, v in self.times.items()},
+            "time/step": step_time,
+            **peak_memory(self.device),
+        }
+        if step == a.total_steps or (a.eval_every and step % a.eval_every == 0):
+            metrics.update(self.evaluate())
+        self.metrics = metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
+        self.logger.log(metrics, step)
+        self.bar.set_postfix(
+            reward=f"{metrics['reward']:.3f}", eval_acc=f"{self.logger.last_eval['eval/accuracy']:.3f}"
+        )
+        stopping = self.stop.requested(dist)
+        if self.ckpt.due(step, a.total_steps) or stopping:
+            self.ckpt.save(step, self.model, self.tokenizer, self.optimizer, self.batches, self.state)
+        if stopping:
+            self.logger.close()
+            dist.print(
+                f"stopped after step {step}; checkpoint in {self.dir}/checkpoint: continue with --resume {self.dir}"
+            )
+            raise SystemExit(130)
+
+    def finish(self) -> None:
+        self.logger.close()
+        self.dist.print(
+            f"final eval accuracy {self.logger.last_eval['eval/accuracy']:.3f}; metrics in {self.dir}/metrics.jsonl"
+        )
+        if self.args.save_model:  # every rank joins the save
+            self.dist.print(f"saved model to {self.dist.save(self.model, self.tokenizer, self.dir / 'model')}")
+        self.dist.close()

@@ -25,19 +25,15 @@ import dataclasses
 import inspect
 import math
 import time
-from pathlib import Path
 import typing
+from pathlib import Path
 from typing import Literal
 
 import torch
 from tqdm import trange
 
-from rlvr_utils import checkpoints
-from rlvr_utils import cli
 import common
-from rlvr_utils import distributed
-from rlvr_utils import engines
-from rlvr_utils import tasks
+from rlvr_utils import checkpoints, cli, distributed, engines, tasks
 
 
 @dataclasses.dataclass
@@ -260,7 +256,9 @@ def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="res
     elif gate == "zsig":
         g = torch.sigmoid((H - tau) / temp)
     else:
-        g = {"hard": lambda: (H > tau).float(), "gtpo": lambda: H.clamp(min=0), "none": lambda: torch.ones_like(H)}[gate]()
+        g = {"hard": lambda: (H > tau).float(), "gtpo": lambda: H.clamp(min=0), "none": lambda: torch.ones_like(H)}[
+            gate
+        ]()
     g = g * m
     if norm == "none":
         return g
@@ -304,12 +302,36 @@ def cell_zscore(x, valid, cell, num_cells, clip=3.0, std_min=1e-3) -> tuple[torc
 
 
 def ep_advantages(
-    entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, *, scale_rewards="group",
-    outcome_std="population", gate="soft",
-    pivot_quantile=0.8, pivot_scope="batch", gate_alpha=1.0, gate_temp=0.1, gate_norm="response",
-    gate_gamma=1.0, process_granularity="token", process_polarity="outcome", reward_threshold=0.5,
-    anchor_form="additive", process_coef=0.2, process_coef_zero_var=None, process_clip=3.0, process_std_min=1e-3,
-    progress="entropy", num_buckets=10, advantage_form="A", implicit_beta=0.05, return_parts=False,
+    entropy,
+    logp_old,
+    logp_ref,
+    mask,
+    rewards,
+    group_size,
+    group_ids=None,
+    *,
+    scale_rewards="group",
+    outcome_std="population",
+    gate="soft",
+    pivot_quantile=0.8,
+    pivot_scope="batch",
+    gate_alpha=1.0,
+    gate_temp=0.1,
+    gate_norm="response",
+    gate_gamma=1.0,
+    process_granularity="token",
+    process_polarity="outcome",
+    reward_threshold=0.5,
+    anchor_form="additive",
+    process_coef=0.2,
+    process_coef_zero_var=None,
+    process_clip=3.0,
+    process_std_min=1e-3,
+    progress="entropy",
+    num_buckets=10,
+    advantage_form="A",
+    implicit_beta=0.05,
+    return_parts=False,
 ):
     """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * d * P) (0 at padded positions).
 
@@ -324,19 +346,31 @@ def ep_advantages(
     The keyword flags are the script's (see Args). Pure: no state, no gradient needed.
     return_parts: also return a dict of the pieces (outcome [B], gate, process P, windows [B, T], ...) for ep_metrics.
     """
-    choices = dict(outcome_std=outcome_std, gate=gate, pivot_scope=pivot_scope, gate_norm=gate_norm, process_granularity=process_granularity,
-                   process_polarity=process_polarity, anchor_form=anchor_form, progress=progress, advantage_form=advantage_form)
+    choices = dict(
+        outcome_std=outcome_std,
+        gate=gate,
+        pivot_scope=pivot_scope,
+        gate_norm=gate_norm,
+        process_granularity=process_granularity,
+        process_polarity=process_polarity,
+        anchor_form=anchor_form,
+        progress=progress,
+        advantage_form=advantage_form,
+    )
     for name in [k for k, v in choices.items() if v not in CHOICES[k]]:
         raise ValueError(f"{name}={choices[name]!r}: choose one of {CHOICES[name]}")
     if num_buckets < 1 or not 0 <= pivot_quantile <= 1:
-        raise ValueError(f"need num_buckets >= 1 (got {num_buckets}) and pivot_quantile in [0, 1] (got {pivot_quantile})")
+        raise ValueError(
+            f"need num_buckets >= 1 (got {num_buckets}) and pivot_quantile in [0, 1] (got {pivot_quantile})"
+        )
     B, T = mask.shape
     dev, valid, m = entropy.device, mask.bool(), mask.float()
-    gid = (torch.arange(B) // group_size if group_ids is None else group_ids.cpu())
+    gid = torch.arange(B) // group_size if group_ids is None else group_ids.cpu()
     _, inv = torch.unique(gid, return_inverse=True)
     unbiased = outcome_std == "unbiased"  # population: (r - mean) / (std_pop + 1e-6); unbiased: grpo.py's
-    a_out = common.group_advantages(rewards.float().cpu(), group_size, scale_rewards, 1e-4 if unbiased else 1e-6,
-                                    group_ids=gid, unbiased=unbiased).to(dev)
+    a_out = common.group_advantages(
+        rewards.float().cpu(), group_size, scale_rewards, 1e-4 if unbiased else 1e-6, group_ids=gid, unbiased=unbiased
+    ).to(dev)
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
     zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
     # outcome polarity d: the verifier decides the direction of the process credit; all-wrong groups get -1, so there
@@ -345,7 +379,11 @@ def ep_advantages(
     polarity = polarity if process_polarity == "outcome" else torch.ones_like(r)
     # entropy gate around the rho-quantile of the batch's (group's, response's) token entropies
     H = entropy.float()
-    rows = {"batch": lambda: torch.zeros_like(inv), "group": lambda: inv, "response": lambda: torch.arange(B, device=dev)}
+    rows = {
+        "batch": lambda: torch.zeros_like(inv),
+        "group": lambda: inv,
+        "response": lambda: torch.arange(B, device=dev),
+    }
     owner = rows[pivot_scope]()  # which pool each row's threshold comes from
     order = torch.argsort(owner, stable=True)
     pools = int(owner.max()) + 1
@@ -384,9 +422,21 @@ def ep_advantages(
     A = A * m
     if not return_parts:
         return A
-    parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv,
-                 zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok, polarity=polarity, delta=delta,
-                 above_threshold=r > reward_threshold)
+    parts = dict(
+        outcome=a_out,
+        gate=g_hat,
+        process=P,
+        windows=b,
+        tau=tau,
+        zero_var=zero_var,
+        group_index=inv,
+        zero_entropy=zero_entropy,
+        cell_members=n_cell,
+        cell_ok=ok,
+        polarity=polarity,
+        delta=delta,
+        above_threshold=r > reward_threshold,
+    )
     return A, parts
 
 
@@ -404,7 +454,9 @@ def ep_metrics(adv, parts, entropy, mask) -> dict:
     top = H.topk(max(1, math.ceil(0.2 * H.numel()))).values.sum() if H.numel() else 0.0
     n_groups = int(inv.max()) + 1
     zv_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, zv.float(), "amax")
-    grad_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, ((adv.abs() * m).sum(1) > 0).float(), "amax")
+    grad_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(
+        0, inv, ((adv.abs() * m).sum(1) > 0).float(), "amax"
+    )
     a_out, P, n, ok = parts["outcome"][:, None], parts["process"].abs() * m, parts["cell_members"], parts["cell_ok"]
     right_g = torch.zeros(n_groups, device=inv.device).scatter_reduce(0, inv, parts["above_threshold"].float(), "amax")
     return {
@@ -433,56 +485,96 @@ def validate(args: Args) -> Args:
     """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
     args = cli.resume_args(args, Args) if args.resume else args
     cli.check_common(args)
-    cli.need(args.num_generations >= 2, f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), "
-             f"got {args.num_generations}")
-    cli.need(args.anchor_lag >= 1 and 0 <= args.anchor_ema_decay <= 1, f"need --anchor-lag >= 1 (got {args.anchor_lag}) and "  # ALGO LOGIC
-             f"--anchor-ema-decay in [0, 1] (got {args.anchor_ema_decay})")
-    cli.need(args.num_buckets >= 1 and 0 <= args.pivot_quantile <= 1, f"need --num-buckets >= 1 (got {args.num_buckets}) and "
-             f"--pivot-quantile in [0, 1] (got {args.pivot_quantile})")
+    cli.need(
+        args.num_generations >= 2,
+        f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), got {args.num_generations}",
+    )
+    cli.need(
+        args.anchor_lag >= 1 and 0 <= args.anchor_ema_decay <= 1,
+        f"need --anchor-lag >= 1 (got {args.anchor_lag}) and "  # ALGO LOGIC
+        f"--anchor-ema-decay in [0, 1] (got {args.anchor_ema_decay})",
+    )
+    cli.need(
+        args.num_buckets >= 1 and 0 <= args.pivot_quantile <= 1,
+        f"need --num-buckets >= 1 (got {args.num_buckets}) and --pivot-quantile in [0, 1] (got {args.pivot_quantile})",
+    )
     cli.need(args.gate_gamma > 0, f"--gate-gamma must be > 0, got {args.gate_gamma}")
-    cli.need(args.gate_temp > 0 and args.process_clip > 0 and args.process_std_min >= 0, "need --gate-temp > 0, --process-clip > 0 "
-             f"and --process-std-min >= 0 (got {args.gate_temp}, {args.process_clip}, {args.process_std_min})")
+    cli.need(
+        args.gate_temp > 0 and args.process_clip > 0 and args.process_std_min >= 0,
+        "need --gate-temp > 0, --process-clip > 0 "
+        f"and --process-std-min >= 0 (got {args.gate_temp}, {args.process_clip}, {args.process_std_min})",
+    )
     return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)
 
 
 if __name__ == "__main__":
     args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
     cli.set_threads(args.threads)
-    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = Path(
+        args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    )
 
     # seeding, model, task; a resumed run then restores its checkpoint into them
-    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(
+        args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
+    )
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     # ALGO LOGIC: the frozen reference is loaded even at --beta 0: delta = log pi_old - log pi_ref needs it. A moving
     # anchor (--process-anchor ema / lagged) is its own copy; then the reference is needed only for the KL term.
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.process_anchor == "ref" or args.beta > 0 else None
+    ref_model = (
+        copy.deepcopy(model).eval().requires_grad_(False) if args.process_anchor == "ref" or args.beta > 0 else None
+    )
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     anchor = ref_model if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
     task = tasks.load_task(
-        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
-        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
-        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
+        args.task,
+        tokenizer,
+        seed=args.seed,
+        num_eval=args.num_eval,
+        data_path=args.data_path,
+        eval_data_path=args.eval_data_path,
+        max_prompt_length=args.max_prompt_length,
+        arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value,
+        arith_max_operand=args.arith_max_operand,
+        code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
     ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
     moving = {} if anchor is ref_model else {"anchor": anchor}  # ALGO LOGIC: a moving anchor is part of the checkpoint
     start = ckpt.restore(model, optimizer, batches, moving) if args.resume else 0
-    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(
+        args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank
+    )
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
-    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
-               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
+    dist.print(
+        f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+        f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else "")
+    )
     G = args.num_generations
     # ALGO LOGIC: every EP-GRPO flag goes to ep_advantages under its own name (--gate -> gate=..., and so on)
     ep_flags = {k: getattr(args, k) for k in inspect.signature(ep_advantages).parameters if hasattr(args, k)}
     ep_flags["return_parts"] = True
 
     if not start:  # a resumed run has its evaluations in its metrics.jsonl already
-        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+        logger.log(
+            common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            ),
+            0,
+        )
     eval_metrics = metrics = logger.last_eval
-    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc="ep_grpo", dynamic_ncols=True,
-                 disable=not dist.main)
+    bar = trange(
+        start + 1,
+        args.total_steps + 1,
+        initial=start,
+        total=args.total_steps,
+        desc="ep_grpo",
+        dynamic_ncols=True,
+        disable=not dist.main,
+    )
     for step in bar:
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
         #      DAPO's dynamic sampling and overlong penalty when asked
@@ -498,9 +590,15 @@ if __name__ == "__main__":
         t0 = time.time()
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
-            old_logp, old_entropy = common.token_logprobs(model, input_ids, attn, T, args.temperature, with_entropy=True)
+            old_logp, old_entropy = common.token_logprobs(
+                model, input_ids, attn, T, args.temperature, with_entropy=True
+            )
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
-            anchor_logp = ref_logp if anchor is ref_model else common.token_logprobs(anchor, input_ids, attn, T, args.temperature)[0]
+            anchor_logp = (
+                ref_logp
+                if anchor is ref_model
+                else common.token_logprobs(anchor, input_ids, attn, T, args.temperature)[0]
+            )
         t_logp = time.time() - t0
 
         # 4. ALGO LOGIC: credit assignment. A = gate * (GRPO advantage + lambda * d * P), per token.
@@ -521,17 +619,27 @@ if __name__ == "__main__":
                 for k, mb in enumerate(micro):
                     dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
                     m = mask[mb].float()
-                    logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                    logp, entropy = common.token_logprobs(
+                        train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
+                    )
                     old = old_logp[mb]
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                    ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
+                    ratio = torch.exp(
+                        torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
+                    )  # fp32; clamped as verl
                     A = token_adv[mb]
                     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                    per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    per_token_loss = -surrogate * engines.engine_correction(
+                        ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens
+                    )  # vLLM: truncated IS
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3 estimator
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    loss = common.aggregate_loss(
+                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
+                    )
                     common.stop_if_nonfinite(loss, "loss", step, metrics)
                     loss.backward()
                     stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
@@ -551,12 +659,23 @@ if __name__ == "__main__":
         # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_adv + t_update  # ALGO LOGIC: + credit assignment time and EP-GRPO's logs
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **sampling, **stats.metrics(), **ep_stats, "time/advantages": t_adv, "learning_rate": optimizer.param_groups[0]["lr"],
-            "tokens_per_second": sampling["num_tokens"] / step_time, "time/generation": t_gen, "time/logprobs": t_logp,
-            "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
+            **common.completion_metrics(ro, rewards, G),
+            **sampling,
+            **stats.metrics(),
+            **ep_stats,
+            "time/advantages": t_adv,
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": sampling["num_tokens"] / step_time,
+            "time/generation": t_gen,
+            "time/logprobs": t_logp,
+            "time/update": t_update,
+            "time/step": step_time,
+            **common.peak_memory(device),
         }
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
-            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
+            eval_metrics = common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            )
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
@@ -566,7 +685,9 @@ if __name__ == "__main__":
             ckpt.save(step, model, tokenizer, optimizer, batches, moving)
         if stopping:
             logger.close()
-            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            dist.print(
+                f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}"
+            )
             raise SystemExit(130)
 
     logger.close()

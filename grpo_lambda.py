@@ -23,12 +23,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import trange
 
-from rlvr_utils import checkpoints
-from rlvr_utils import cli
 import common
-from rlvr_utils import distributed
-from rlvr_utils import engines
-from rlvr_utils import tasks
+from rlvr_utils import checkpoints, cli, distributed, engines, tasks
 
 
 @dataclasses.dataclass
@@ -204,8 +200,9 @@ def _recent_trace(x: torch.Tensor, a: float, chunk: int = 64) -> torch.Tensor:
     return z.reshape(B, n * C)[:, :T]
 
 
-def trace_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, lam: float, gamma: float = 1.0,
-                    style: str = "both", chunk: int = 64) -> torch.Tensor:
+def trace_log_ratio(
+    log_ratio: torch.Tensor, mask: torch.Tensor, lam: float, gamma: float = 1.0, style: str = "both", chunk: int = 64
+) -> torch.Tensor:
     """Traced log-ratio z_t = Σ_{k≤t} w(t,k)·x_k of each row, the exponent of GRPO-λ's ratio (paper §3.2, Eq. 2).
 
     log_ratio x: [B, T] log π_θ − log π_old per token (nats; any per-token quantity can be traced).
@@ -229,8 +226,14 @@ def trace_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, lam: float, gam
     return torch.where(valid, z, 0.0)
 
 
-def trace_multipliers(lengths: torch.Tensor, lam: float, gamma: float = 1.0, style: str = "both",
-                      T: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def trace_multipliers(
+    lengths: torch.Tensor,
+    lam: float,
+    gamma: float = 1.0,
+    style: str = "both",
+    T: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """On-policy per-token advantage multipliers c_k = Σ_{t=k}^{L−1} w(t,k) (docs/grpo_lambda.md): at θ = θ_old the
     GRPO-λ gradient is exactly GRPO's with token k's advantage times c_k. lengths: [B] tokens per row (L).
     Returns c [B, T] (T: longest row by default), 0 past each row's end. With S(n) = Σ_{j<n} a^j:
@@ -253,9 +256,19 @@ def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.T
     return adv.clone() if floor is None else adv.clamp(min=floor)
 
 
-def grpo_lambda_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                           lam: float, gamma: float = 1.0, style: str = "both", apply: str = "trace",
-                           epsilon: float = 0.2, epsilon_high: float = 0.2, max_log_ratio: float = 20.0):
+def grpo_lambda_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    lam: float,
+    gamma: float = 1.0,
+    style: str = "both",
+    apply: str = "trace",
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.2,
+    max_log_ratio: float = 20.0,
+):
     """GRPO-λ's per-token policy loss [B, T] before aggregation and KL (paper §3.2, Eq. 2; docs/grpo_lambda.md). logp, old_logp: [B, T]
     log-probs of the completion tokens (nats); adv: [B, T] clamped advantage (the critic-free TD error).
     "trace" (ϵ-trace): ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
@@ -267,7 +280,11 @@ def grpo_lambda_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torc
         raise ValueError(f"unknown trace application {apply!r}: choose trace or weight")
     x = logp - old_logp
     z = trace_log_ratio(x if apply == "trace" else x.detach(), mask, lam, gamma, style)  # Eq. 2
-    ratio = torch.exp(z.clamp(-max_log_ratio, max_log_ratio)) if apply == "trace" else torch.exp(x.clamp(-max_log_ratio, max_log_ratio))
+    ratio = (
+        torch.exp(z.clamp(-max_log_ratio, max_log_ratio))
+        if apply == "trace"
+        else torch.exp(x.clamp(-max_log_ratio, max_log_ratio))
+    )
     loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
     if apply == "weight":
         loss = loss * trace_log_ratio(1 + torch.sigmoid(logp - 1), mask, lam, gamma, style)
@@ -278,11 +295,17 @@ def validate(args: Args) -> Args:
     """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
     args = cli.resume_args(args, Args) if args.resume else args
     cli.check_common(args)
-    cli.need(args.num_generations >= 2, f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), "
-             f"got {args.num_generations}")
-    cli.need(0.0 <= args.gamma * args.lam <= 1.0, f"--gamma x --lam must be in [0, 1], got {args.gamma * args.lam}")  # ALGO LOGIC
-    cli.need(args.adv_clamp.lower() == "none" or _is_float(args.adv_clamp) and float(args.adv_clamp) <= 0,
-             f"--adv-clamp must be a number <= 0 or none, got {args.adv_clamp}")
+    cli.need(
+        args.num_generations >= 2,
+        f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), got {args.num_generations}",
+    )
+    cli.need(
+        0.0 <= args.gamma * args.lam <= 1.0, f"--gamma x --lam must be in [0, 1], got {args.gamma * args.lam}"
+    )  # ALGO LOGIC
+    cli.need(
+        args.adv_clamp.lower() == "none" or _is_float(args.adv_clamp) and float(args.adv_clamp) <= 0,
+        f"--adv-clamp must be a number <= 0 or none, got {args.adv_clamp}",
+    )
     cli.need(args.max_log_ratio > 0, f"--max-log-ratio must be > 0, got {args.max_log_ratio}")
     return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)
 
@@ -299,34 +322,62 @@ if __name__ == "__main__":
     args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
     cli.set_threads(args.threads)
     adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
-    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = Path(
+        args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    )
 
     # seeding, model, task; a resumed run then restores its checkpoint into them
-    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(
+        args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
+    )
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     task = tasks.load_task(
-        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
-        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
-        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
+        args.task,
+        tokenizer,
+        seed=args.seed,
+        num_eval=args.num_eval,
+        data_path=args.data_path,
+        eval_data_path=args.eval_data_path,
+        max_prompt_length=args.max_prompt_length,
+        arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value,
+        arith_max_operand=args.arith_max_operand,
+        code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
     ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
     start = ckpt.restore(model, optimizer, batches) if args.resume else 0
-    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(
+        args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank
+    )
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
-    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
-               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
+    dist.print(
+        f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+        f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else "")
+    )
     G = args.num_generations
 
     if not start:  # a resumed run has its evaluations in its metrics.jsonl already
-        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+        logger.log(
+            common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            ),
+            0,
+        )
     eval_metrics = metrics = logger.last_eval
-    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc="grpo_lambda", dynamic_ncols=True,
-                 disable=not dist.main)
+    bar = trange(
+        start + 1,
+        args.total_steps + 1,
+        initial=start,
+        total=args.total_steps,
+        desc="grpo_lambda",
+        dynamic_ncols=True,
+        disable=not dist.main,
+    )
     for step in bar:
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
         #      DAPO's dynamic sampling and overlong penalty when asked
@@ -357,7 +408,13 @@ if __name__ == "__main__":
         #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         t0 = time.time()
         stats = common.UpdateStats(mask, args.num_iterations)
-        trace = {"trace/log_ratio_mean": 0.0, "trace/log_ratio_max": 0.0, "trace/clamped_frac": 0.0, "credit": 0.0, "adv": 0.0}  # ALGO LOGIC
+        trace = {
+            "trace/log_ratio_mean": 0.0,
+            "trace/log_ratio_max": 0.0,
+            "trace/clamped_frac": 0.0,
+            "credit": 0.0,
+            "adv": 0.0,
+        }  # ALGO LOGIC
         for it in range(args.num_iterations):
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
@@ -366,31 +423,50 @@ if __name__ == "__main__":
                 for k, mb in enumerate(micro):
                     dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
                     m = mask[mb].float()
-                    logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                    logp, entropy = common.token_logprobs(
+                        train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
+                    )
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the traced ratio (ϵ-trace) or eligibility-weighted (ϵ-weight)
                     A = token_adv[mb]
                     per_token_loss, ratio, z = grpo_lambda_token_loss(
-                        logp, old, A, m, args.lam, args.gamma, args.trace_style, args.trace_apply, args.epsilon,
-                        args.epsilon_high, args.max_log_ratio,
+                        logp,
+                        old,
+                        A,
+                        m,
+                        args.lam,
+                        args.gamma,
+                        args.trace_style,
+                        args.trace_apply,
+                        args.epsilon,
+                        args.epsilon_high,
+                        args.max_log_ratio,
                     )
                     if it == 0:  # ALGO LOGIC: c_k = -(d loss / d log p_k) / A_k, the credit the loss gives each token
                         g = torch.autograd.grad(per_token_loss.sum(), logp, retain_graph=True)[0]
                         has_adv = (A != 0) * m
                         trace["credit"] += (-g / torch.where(A != 0, A, 1.0) * has_adv).sum().item()
                         trace["adv"] += has_adv.sum().item()
-                    per_token_loss = per_token_loss * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    per_token_loss = per_token_loss * engines.engine_correction(
+                        ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens
+                    )  # vLLM: truncated IS
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3 estimator
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    loss = common.aggregate_loss(
+                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
+                    )
                     common.stop_if_nonfinite(loss, "loss", step, metrics)
                     loss.backward()
                     stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
                     z = z.detach()  # ALGO LOGIC: traced log-ratio diagnostics (max = largest |z|)
                     trace["trace/log_ratio_mean"] += (z * m).sum().item() / (stats.tokens * args.num_iterations)
                     trace["trace/log_ratio_max"] = max(trace["trace/log_ratio_max"], (z.abs() * m).max().item())
-                    trace["trace/clamped_frac"] += ((z.abs() > args.max_log_ratio) * m).sum().item() / (stats.tokens * args.num_iterations)
+                    trace["trace/clamped_frac"] += ((z.abs() > args.max_log_ratio) * m).sum().item() / (
+                        stats.tokens * args.num_iterations
+                    )
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 common.stop_if_nonfinite(grad_norm, "gradient norm", step, metrics)
                 optimizer.step()
@@ -400,16 +476,25 @@ if __name__ == "__main__":
         # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_update
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **sampling, **stats.metrics(), "learning_rate": optimizer.param_groups[0]["lr"],
+            **common.completion_metrics(ro, rewards, G),
+            **sampling,
+            **stats.metrics(),
+            "learning_rate": optimizer.param_groups[0]["lr"],
             # ALGO LOGIC: the traced log-ratio, and the mean credit multiplier c_k measured on the loss over the tokens with an
             # advantage (GRPO: 1; on-policy GRPO-λ: trace_multipliers, up to 1/(1 - γλ) early in a completion)
             **{k: v for k, v in trace.items() if k.startswith("trace/")},
             "trace/multiplier_mean": trace["credit"] / trace["adv"] if trace["adv"] else 0.0,
-            "tokens_per_second": sampling["num_tokens"] / step_time, "time/generation": t_gen, "time/logprobs": t_logp,
-            "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
+            "tokens_per_second": sampling["num_tokens"] / step_time,
+            "time/generation": t_gen,
+            "time/logprobs": t_logp,
+            "time/update": t_update,
+            "time/step": step_time,
+            **common.peak_memory(device),
         }
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
-            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
+            eval_metrics = common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            )
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
@@ -419,7 +504,9 @@ if __name__ == "__main__":
             ckpt.save(step, model, tokenizer, optimizer, batches)
         if stopping:
             logger.close()
-            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            dist.print(
+                f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}"
+            )
             raise SystemExit(130)
 
     logger.close()

@@ -26,14 +26,8 @@ import numpy as np
 import torch
 from tqdm import trange
 
-from rlvr_utils import arith
-from rlvr_utils import checkpoints
-from rlvr_utils import cli
 import common
-from rlvr_utils import logprob_kernels
-from rlvr_utils import distributed
-from rlvr_utils import engines
-from rlvr_utils import tasks
+from rlvr_utils import arith, checkpoints, cli, distributed, engines, logprob_kernels, tasks
 
 
 @dataclasses.dataclass
@@ -194,8 +188,10 @@ class Args:
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: SC-GRPO's own functions (pure; the equations are in docs/sc_grpo.md, the paper's section 5)
 # ----------------------------------------------------------------------------------------------
-GUIDE = ("Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
-         "the problem.\n\nReference solution:\n")  # chat models: the teacher's system message, then tau (docs/sc_grpo.md)
+GUIDE = (
+    "Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
+    "the problem.\n\nReference solution:\n"
+)  # chat models: the teacher's system message, then tau (docs/sc_grpo.md)
 
 
 def group_rows(group_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -204,8 +200,14 @@ def group_rows(group_ids: torch.Tensor) -> list[torch.Tensor]:
     return [torch.tensor([i for i, g in enumerate(ids) if g == u]) for u in dict.fromkeys(ids)]
 
 
-def route_groups(correct: torch.Tensor, group_size: int, generator: torch.Generator, group_ids: torch.Tensor | None = None,
-                 weighted: tuple[str, ...] = ("partial", "none"), scores: torch.Tensor | None = None) -> tuple[list[str], torch.Tensor]:
+def route_groups(
+    correct: torch.Tensor,
+    group_size: int,
+    generator: torch.Generator,
+    group_ids: torch.Tensor | None = None,
+    weighted: tuple[str, ...] = ("partial", "none"),
+    scores: torch.Tensor | None = None,
+) -> tuple[list[str], torch.Tensor]:
     """Each group's mode, by n_c = its number of correct rollouts, and each rollout's reference (paper §5.1).
 
     correct: [N] bool; groups share a `group_ids` value (default: consecutive blocks of `group_size`).
@@ -239,8 +241,9 @@ def route_groups(correct: torch.Tensor, group_size: int, generator: torch.Genera
     return modes, ref
 
 
-def micro_batches_of_groups(rows: torch.Tensor, group_ids: torch.Tensor, group_size: int, micro_batch_size: int,
-                            whole_groups: bool = True) -> list[torch.Tensor]:
+def micro_batches_of_groups(
+    rows: torch.Tensor, group_ids: torch.Tensor, group_size: int, micro_batch_size: int, whole_groups: bool = True
+) -> list[torch.Tensor]:
     """Micro-batches of a mini-batch's rows (in order): whole groups, micro_batch_size // G of them per micro-batch
     (c is a micro-batch's percentile and a solve-none group is z-scored together); whole_groups False: grpo.py's."""
     if not whole_groups:
@@ -257,7 +260,9 @@ def default_system_message(tokenizer) -> str:
     without one differs exactly there."""
     probe, user = "\u2063sc-grpo-probe\u2063", [{"role": "user", "content": "x"}]
     plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    with_probe = tokenizer.apply_chat_template([{"role": "system", "content": probe}] + user, add_generation_prompt=True, tokenize=False)
+    with_probe = tokenizer.apply_chat_template(
+        [{"role": "system", "content": probe}] + user, add_generation_prompt=True, tokenize=False
+    )
     head = len(os.path.commonprefix([plain, with_probe]))
     tail = len(os.path.commonprefix([plain[head:][::-1], with_probe[head:][::-1]]))
     return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
@@ -271,9 +276,13 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
     tau = tau.strip()
     if tasks.has_chat_template(tokenizer):
         if not example.user:
-            raise ValueError(f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's")
+            raise ValueError(
+                f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's"
+            )
         base = default_system_message(tokenizer)
-        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=(base + "\n\n" if base else "") + GUIDE + tau)
+        text = tasks.render_prompt(
+            tokenizer, example.user, example.prompt, system=(base + "\n\n" if base else "") + GUIDE + tau
+        )
     elif task == "arith":
         text = arith.arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
     else:
@@ -281,8 +290,17 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
     return tasks.encode_prompt(tokenizer, text)
 
 
-def build_teachers(tokenizer, task: str, ro: common.Rollouts, row_examples, correct, ref, limit: int, max_ref_tokens: int,
-                   generator: torch.Generator):
+def build_teachers(
+    tokenizer,
+    task: str,
+    ro: common.Rollouts,
+    row_examples,
+    correct,
+    ref,
+    limit: int,
+    max_ref_tokens: int,
+    generator: torch.Generator,
+):
     """Each row's teacher prompt ids (None: no teacher), role, weighted length, and the bad-input counts.
 
     A reference whose teacher prompt exceeds `limit` tokens (the context window minus the completions) or that has
@@ -298,7 +316,9 @@ def build_teachers(tokenizer, task: str, ro: common.Rollouts, row_examples, corr
     role[(ref < 0) & ~correct & torch.isin(torch.arange(len(ro)), ref)] = 3  # the solve-none reference o_r
     for i in (ref >= 0).nonzero().flatten().tolist():
         j = int(ref[i])
-        sibs = [k for k in (gids == gids[i]).nonzero().flatten().tolist() if correct[j] and correct[k] and k not in (i, j)]
+        sibs = [
+            k for k in (gids == gids[i]).nonzero().flatten().tolist() if correct[j] and correct[k] and k not in (i, j)
+        ]
         for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]:
             ids = teacher_prompt(tokenizer, task, row_examples[i], ro.texts[k])
             if len(ids) <= limit and n_tok(ro.texts[k]) <= max_ref_tokens:
@@ -309,7 +329,9 @@ def build_teachers(tokenizer, task: str, ro: common.Rollouts, row_examples, corr
             tau = tokenizer(ro.texts[j], add_special_tokens=False).input_ids
             over = len(teacher_prompt(tokenizer, task, row_examples[i], ro.texts[j])) - limit
             keep = min(max_ref_tokens, len(tau) - max(over, 0)) - 8
-            cut = tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2):])
+            cut = (
+                tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2) :])
+            )
             ids = teacher_prompt(tokenizer, task, row_examples[i], cut) if keep > 0 else None
             prompts[i] = ids if ids is not None and len(ids) <= limit else None
             counts["sc/tau_truncated" if prompts[i] is not None else "sc/no_reference"] += 1
@@ -325,9 +347,20 @@ def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torc
     return (lt.exp() * (lt - ls)).sum(-1)
 
 
-def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None,
-                    pad_id: int = 0, with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = 8,
-                    time_chunk: int = 128, fused: bool | None = None):
+def logprobs_and_kl(
+    model,
+    input_ids,
+    attention_mask,
+    T: int,
+    temperature: float = 1.0,
+    teacher_prompts=None,
+    pad_id: int = 0,
+    with_entropy: bool = False,
+    kl_grad: bool = False,
+    chunk_size: int = 8,
+    time_chunk: int = 128,
+    fused: bool | None = None,
+):
     """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
     elsewhere 0). The teacher is the same model under no_grad fed teacher_prompts[i] + the row's completion; the
@@ -348,8 +381,9 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
         if fused:
             out = logprob_kernels.completion_hidden(model, ids, mask, T)  # [b, T, H], with gradient
-            lp, ent = logprob_kernels.FusedLinearLogProb.apply(out.flatten(0, 1), lm.weight, lm.bias, ids[:, -T:].flatten(),
-                                                               temperature, positions, with_entropy)
+            lp, ent = logprob_kernels.FusedLinearLogProb.apply(
+                out.flatten(0, 1), lm.weight, lm.bias, ids[:, -T:].flatten(), temperature, positions, with_entropy
+            )
             logps.append(lp.view(ids.shape[0], T))
             ents.extend([ent.view(ids.shape[0], T)] if with_entropy else [])
         else:
@@ -369,12 +403,23 @@ def logprobs_and_kl(model, input_ids, attention_mask, T: int, temperature: float
             zs = out[idx] if kl_grad else out.detach()[idx]
             with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
                 if fused:  # [positions, V] fp32 temporaries of about 64 MB
-                    kl = logprob_kernels.FusedLinearKL.apply(zs.flatten(0, 1), zt.flatten(0, 1), lm.weight, lm.bias,
-                                                             temperature, max(1, 2**24 // lm.out_features))
+                    kl = logprob_kernels.FusedLinearKL.apply(
+                        zs.flatten(0, 1),
+                        zt.flatten(0, 1),
+                        lm.weight,
+                        lm.bias,
+                        temperature,
+                        max(1, 2**24 // lm.out_features),
+                    )
                     kl = kl.view(len(rows), T)
                 else:
-                    kl = torch.cat([token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[:, t : t + time_chunk])
-                                    for t in range(0, T, time_chunk)], 1)
+                    kl = torch.cat(
+                        [
+                            token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[:, t : t + time_chunk])
+                            for t in range(0, T, time_chunk)
+                        ],
+                        1,
+                    )
                 D = D.index_put((idx,), kl)
             del zt
             cost["seconds"] += time.time() - t0
@@ -398,8 +443,9 @@ def kl_weights(kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c
     return torch.where(active, D / (D + c), torch.zeros_like(D))
 
 
-def diversity_advantage(scores: torch.Tensor, group_ids: torch.Tensor, alpha: float = 0.1, eps: float = 1e-6,
-                        unbiased: bool = False) -> torch.Tensor:
+def diversity_advantage(
+    scores: torch.Tensor, group_ids: torch.Tensor, alpha: float = 0.1, eps: float = 1e-6, unbiased: bool = False
+) -> torch.Tensor:
     """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group (population std unless
     `unbiased`), from scores [n]: s_i = mean f over a rollout's first min(|o_i|, |o_r|) tokens. group_ids: [n].
     Returns [n]."""
@@ -432,52 +478,89 @@ def validate(args: Args) -> Args:
     """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
     args = cli.resume_args(args, Args) if args.resume else args
     cli.check_common(args)
-    cli.need(args.num_generations >= 2, f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), "
-             f"got {args.num_generations}")
-    cli.need(0 <= args.percentile <= 100 and args.c_min > 0 and args.max_reference_tokens > 0,  # ALGO LOGIC
-             f"need 0 <= --percentile <= 100 (got {args.percentile}), --c-min > 0 (got {args.c_min}) and "
-             f"--max-reference-tokens > 0 (got {args.max_reference_tokens})")
-    cli.need(not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1), "sc_grpo.py does not support --fsdp yet "
-             "(its teacher passes differ in size per rank): use DDP, the default under torchrun")
+    cli.need(
+        args.num_generations >= 2,
+        f"--num-generations must be >= 2 (GRPO compares the completions of a prompt), got {args.num_generations}",
+    )
+    cli.need(
+        0 <= args.percentile <= 100 and args.c_min > 0 and args.max_reference_tokens > 0,  # ALGO LOGIC
+        f"need 0 <= --percentile <= 100 (got {args.percentile}), --c-min > 0 (got {args.c_min}) and "
+        f"--max-reference-tokens > 0 (got {args.max_reference_tokens})",
+    )
+    cli.need(
+        not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1),
+        "sc_grpo.py does not support --fsdp yet "
+        "(its teacher passes differ in size per rank): use DDP, the default under torchrun",
+    )
     return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high)
 
 
 if __name__ == "__main__":
     args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
     cli.set_threads(args.threads)
-    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = Path(
+        args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    )
 
     # seeding, model, task; a resumed run then restores its checkpoint into them
-    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(
+        args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
+    )
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     task = tasks.load_task(
-        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
-        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
-        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
+        args.task,
+        tokenizer,
+        seed=args.seed,
+        num_eval=args.num_eval,
+        data_path=args.data_path,
+        eval_data_path=args.eval_data_path,
+        max_prompt_length=args.max_prompt_length,
+        arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value,
+        arith_max_operand=args.arith_max_operand,
+        code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     G = args.num_generations
     # ALGO LOGIC: routing draws from its own generator (the sampling RNG stays grpo.py's); the teacher's context window
     route_gen = torch.Generator().manual_seed(args.seed)
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
-    solve_none = (lambda s: bool((s < 1.0).all())) if "none" in args.weighted_groups else None  # dynamic sampling keeps them
+    solve_none = (
+        (lambda s: bool((s < 1.0).all())) if "none" in args.weighted_groups else None
+    )  # dynamic sampling keeps them
     task_examples = {e.id: e for e in task.train}  # ALGO LOGIC: a row's example, by its group id
     batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
     ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
     start = ckpt.restore(model, optimizer, batches, {"routing": route_gen}) if args.resume else 0
-    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(
+        args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank
+    )
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
-    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
-               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
+    dist.print(
+        f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+        f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else "")
+    )
 
     if not start:  # a resumed run has its evaluations in its metrics.jsonl already
-        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+        logger.log(
+            common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            ),
+            0,
+        )
     eval_metrics = metrics = logger.last_eval
-    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc="sc_grpo", dynamic_ncols=True,
-                 disable=not dist.main)
+    bar = trange(
+        start + 1,
+        args.total_steps + 1,
+        initial=start,
+        total=args.total_steps,
+        desc="sc_grpo",
+        dynamic_ncols=True,
+        disable=not dist.main,
+    )
     for step in bar:
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
         #      DAPO's dynamic sampling and overlong penalty when asked
@@ -493,14 +576,16 @@ if __name__ == "__main__":
         #    f = D / (D + c) needs D, from the student's forward: step 5 sets it per micro-batch (c is the micro-batch's
         #    percentile, paper §5.1), step 4 for the whole batch with --kl-threshold-scope batch.
         unbiased = args.outcome_std == "unbiased"  # one std convention for A and the solve-none z-score
-        advantages = common.group_advantages(rewards, G, args.scale_rewards, 1e-4 if unbiased else 1e-6,
-                                             group_ids=ro.group_ids.cpu(), unbiased=unbiased).to(device)
+        advantages = common.group_advantages(
+            rewards, G, args.scale_rewards, 1e-4 if unbiased else 1e-6, group_ids=ro.group_ids.cpu(), unbiased=unbiased
+        ).to(device)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
         gid, correct = ro.group_ids.cpu(), ro.scores >= 1.0  # correct: full verifier score (not the shaped reward)
         modes, ref = route_groups(correct, G, route_gen, gid, args.weighted_groups, ro.scores)
         row_examples = [task_examples[int(i)] for i in gid]
-        teacher_prompts, role, wlen, bad = build_teachers(tokenizer, args.task, ro, row_examples, correct, ref, context - T,
-                                                          args.max_reference_tokens, route_gen)
+        teacher_prompts, role, wlen, bad = build_teachers(
+            tokenizer, args.task, ro, row_examples, correct, ref, context - T, args.max_reference_tokens, route_gen
+        )
         role, wlen = role.to(device), wlen.to(device)
         weighted = ((role == 1) | (role == 2))[:, None] & (torch.arange(T, device=device) < wlen[:, None])
         active = mask * weighted.float()  # [N, T] the weighted tokens (c's percentile is over them)
@@ -520,11 +605,13 @@ if __name__ == "__main__":
                 D = torch.zeros_like(weights)
                 for mb in micro_batches_of_groups(torch.arange(len(ro), device=device), gid, G, args.micro_batch_size):
                     prompts = [teacher_prompts[i] for i in mb.tolist()]
-                    _, _, D[mb], tstat = logprobs_and_kl(model, input_ids[mb], attn[mb], T, args.temperature, prompts,
-                                                         tokenizer.pad_token_id)
+                    _, _, D[mb], tstat = logprobs_and_kl(
+                        model, input_ids[mb], attn[mb], T, args.temperature, prompts, tokenizer.pad_token_id
+                    )
                     t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
-                weights, adv, f = weights_and_advantages(D, active, role, gid, adv, args.percentile, args.c_min,
-                                                         args.alpha, unbiased)
+                weights, adv, f = weights_and_advantages(
+                    D, active, role, gid, adv, args.percentile, args.c_min, args.alpha, unbiased
+                )
                 kl_seen, f_seen = [D[active.bool()].cpu()], [f[active.bool()].cpu()]
         t_logp = time.time() - t0
 
@@ -536,7 +623,9 @@ if __name__ == "__main__":
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                micro = micro_batches_of_groups(rows, gid, G, args.micro_batch_size, args.weight_mode == "multiply")  # ALGO LOGIC
+                micro = micro_batches_of_groups(
+                    rows, gid, G, args.micro_batch_size, args.weight_mode == "multiply"
+                )  # ALGO LOGIC
                 for k, mb in enumerate(micro):
                     dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
                     m = mask[mb].float()
@@ -544,28 +633,48 @@ if __name__ == "__main__":
                     #    f and the solve-none advantages come from the first pass (the teacher is then the current policy).
                     first = it == 0 and args.weight_mode == "multiply" and not per_batch
                     prompts = [teacher_prompts[i] for i in mb.tolist()] if first or args.kl_loss_coef > 0 else None
-                    logp, entropy, D, tstat = logprobs_and_kl(train_model, input_ids[mb], attn[mb], T, args.temperature, prompts,
-                                                              tokenizer.pad_token_id, with_entropy=it == 0, kl_grad=args.kl_loss_coef > 0)
+                    logp, entropy, D, tstat = logprobs_and_kl(
+                        train_model,
+                        input_ids[mb],
+                        attn[mb],
+                        T,
+                        args.temperature,
+                        prompts,
+                        tokenizer.pad_token_id,
+                        with_entropy=it == 0,
+                        kl_grad=args.kl_loss_coef > 0,
+                    )
                     act = active[mb]  # the weighted tokens
                     if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
-                        weights[mb], adv[mb], f = weights_and_advantages(D, act, role[mb], gid[mb.cpu()], adv[mb],
-                                                                         args.percentile, args.c_min, args.alpha, unbiased)
+                        weights[mb], adv[mb], f = weights_and_advantages(
+                            D, act, role[mb], gid[mb.cpu()], adv[mb], args.percentile, args.c_min, args.alpha, unbiased
+                        )
                         f_seen.append(f[act.bool()].cpu())
                     if it == 0 and prompts is not None and not per_batch:
                         kl_seen.append(D.detach()[act.bool()].cpu())
                     t_teacher, peak = t_teacher + tstat["seconds"], max(peak, tstat["peak_bytes"])
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage, times the per-token weight f
-                    ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
+                    ratio = torch.exp(
+                        torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
+                    )  # fp32; clamped as verl
                     A = adv[mb]
                     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                    per_token_loss = -surrogate * weights[mb] * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
+                    per_token_loss = (
+                        -surrogate
+                        * weights[mb]
+                        * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)
+                    )  # vLLM: truncated IS
                     if args.kl_loss_coef > 0:  # the additive baseline: distill toward the teacher on the routed tokens
                         per_token_loss = per_token_loss + args.kl_loss_coef * D * act
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3 estimator
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    loss = common.aggregate_loss(
+                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
+                    )
                     common.stop_if_nonfinite(loss, "loss", step, metrics)
                     loss.backward()
                     stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
@@ -578,21 +687,40 @@ if __name__ == "__main__":
         # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_update
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **sampling, **stats.metrics(), "learning_rate": optimizer.param_groups[0]["lr"],
-            "tokens_per_second": sampling["num_tokens"] / step_time, "time/generation": t_gen, "time/logprobs": t_logp,
-            "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
+            **common.completion_metrics(ro, rewards, G),
+            **sampling,
+            **stats.metrics(),
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            "tokens_per_second": sampling["num_tokens"] / step_time,
+            "time/generation": t_gen,
+            "time/logprobs": t_logp,
+            "time/update": t_update,
+            "time/step": step_time,
+            **common.peak_memory(device),
         }
         # ALGO LOGIC: D and f over this step's weighted tokens (0 when none), group routing, teacher cost, bad inputs
         kl_all, f_all = torch.cat(kl_seen + [torch.zeros(0)]), torch.cat(f_seen + [torch.zeros(0)])
         q = np.percentile(kl_all.numpy(), [75, 95]).tolist() if len(kl_all) else [0.0, 0.0]  # (no 2^24 size limit)
-        metrics.update({"sc/kl_mean": kl_all.mean().item() if len(kl_all) else 0.0, "sc/kl_p75": q[0], "sc/kl_p95": q[1],
-                        "sc/weight_mean": f_all.mean().item() if len(f_all) else 0.0, "time/teacher": t_teacher,
-                        **{f"sc/groups_{k}": modes.count(k) / len(modes) for k in ("partial", "none", "single", "all", "plain")},
-                        **bad, "sc/empty_completions": sum(not t.strip() for t in ro.texts)})
+        metrics.update(
+            {
+                "sc/kl_mean": kl_all.mean().item() if len(kl_all) else 0.0,
+                "sc/kl_p75": q[0],
+                "sc/kl_p95": q[1],
+                "sc/weight_mean": f_all.mean().item() if len(f_all) else 0.0,
+                "time/teacher": t_teacher,
+                **{
+                    f"sc/groups_{k}": modes.count(k) / len(modes) for k in ("partial", "none", "single", "all", "plain")
+                },
+                **bad,
+                "sc/empty_completions": sum(not t.strip() for t in ro.texts),
+            }
+        )
         if device.type == "cuda":
             metrics["memory/teacher_peak_gb"] = peak / 2**30
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
-            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
+            eval_metrics = common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            )
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
@@ -602,7 +730,9 @@ if __name__ == "__main__":
             ckpt.save(step, model, tokenizer, optimizer, batches, {"routing": route_gen})
         if stopping:
             logger.close()
-            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            dist.print(
+                f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}"
+            )
             raise SystemExit(130)
 
     logger.close()

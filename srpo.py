@@ -28,13 +28,8 @@ from typing import Literal
 import torch
 from tqdm import trange
 
-from rlvr_utils import arith
-from rlvr_utils import checkpoints
-from rlvr_utils import cli
 import common
-from rlvr_utils import distributed
-from rlvr_utils import engines
-from rlvr_utils import tasks
+from rlvr_utils import arith, checkpoints, cli, distributed, engines, tasks
 from rlvr_utils.rewards import last_boxed
 
 
@@ -174,7 +169,9 @@ class Args:
 
 
 MAX_THOUGHTS, THOUGHT_TOKENS = 20, 256  # the official chain: at most 20 thoughts; thoughts over 256 tokens are counted
-DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (a negative-advantage token's loss <= 3|A|)
+DUAL_CLIP = (
+    3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (a negative-advantage token's loss <= 3|A|)
+)
 LOCALIZATION_PROMPT = (
     "Your task is to localize the first erroneous step in your own previous solution to a problem.\n\n"
     "Problem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
@@ -238,8 +235,13 @@ def localization_reply_kind(text: str, num_thoughts: int) -> str:
     return "unparsable"
 
 
-def reset_index(mode: str, num_thoughts: int, rng: random.Random | None = None, reply: str | None = None,
-                oracle_step: int | None = None) -> int:
+def reset_index(
+    mode: str,
+    num_thoughts: int,
+    rng: random.Random | None = None,
+    reply: str | None = None,
+    oracle_step: int | None = None,
+) -> int:
     """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1).
 
     self: parse_error_step(reply); random: uniform on 1..num_thoughts (RRPO); oracle: the task's first
@@ -307,9 +309,23 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     K = args.num_generations if args.split == "1x8" else args.num_generations // 2  # suffixes per parent
     n_base = args.num_generations - n_parents * K
     delim, max_new = args.thought_delimiter, args.max_new_tokens
-    info = {k: 0 for k in ("loc_empty", "loc_no_error", "loc_out_of_range", "loc_unparsable", "loc_truncated",
-                           "parent_one_thought", "prefix_overflow", "generated_tokens", "fresh_chains", "long_thoughts",
-                           "oracle_early_stop", "generate_calls")}
+    info = {
+        k: 0
+        for k in (
+            "loc_empty",
+            "loc_no_error",
+            "loc_out_of_range",
+            "loc_unparsable",
+            "loc_truncated",
+            "parent_one_thought",
+            "prefix_overflow",
+            "generated_tokens",
+            "fresh_chains",
+            "long_thoughts",
+            "oracle_early_stop",
+            "generate_calls",
+        )
+    }
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
 
     def sample(prompts, max_new_tokens, temperature=args.temperature, budgets=None):
@@ -318,8 +334,18 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
         if not prompts:
             return []
         budgets = budgets or [MAX_THOUGHTS] * len(prompts)
-        ro = common.generate_rollouts(model, tokenizer, prompts, list(range(len(prompts))), 1, max_new_tokens, temperature,
-                                      args.top_p, args.top_k, batch_size=args.gen_batch_size)
+        ro = common.generate_rollouts(
+            model,
+            tokenizer,
+            prompts,
+            list(range(len(prompts))),
+            1,
+            max_new_tokens,
+            temperature,
+            args.top_p,
+            args.top_k,
+            batch_size=args.gen_batch_size,
+        )
         info["generated_tokens"] += int(ro.completion_mask.sum())
         info["generate_calls"] += 1
         out = []
@@ -328,8 +354,10 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
             cut = protocol_cut(tokenizer, ids, ro.texts[i], delim, budgets[i])
             out.append((cut, ro.texts[i] if len(cut) == len(ids) else tokenizer.decode(cut, skip_special_tokens=True)))
             if len(ids) > THOUGHT_TOKENS:  # the official loop closes a thought at 256 tokens; here they are counted
-                info["long_thoughts"] += sum(len(tokenizer(t, add_special_tokens=False).input_ids) > THOUGHT_TOKENS
-                                             for t in split_thoughts(out[-1][1], delim))
+                info["long_thoughts"] += sum(
+                    len(tokenizer(t, add_special_tokens=False).input_ids) > THOUGHT_TOKENS
+                    for t in split_thoughts(out[-1][1], delim)
+                )
         return out
 
     def budget(prefix_ids):  # the official chain stops at 20 thoughts in all, the kept prefix's included
@@ -375,7 +403,10 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     # 1. the first fresh chains of every prompt
     state = {e.id: {"parents": [], "base": [], "tried": 0, "seen": []} for e in examples}
     first = n_parents + n_base
-    chains = scored(sample([e.prompt_ids for e in examples for _ in range(first)], max_new), [e for e in examples for _ in range(first)])
+    chains = scored(
+        sample([e.prompt_ids for e in examples for _ in range(first)], max_new),
+        [e for e in examples for _ in range(first)],
+    )
     for i, e in enumerate(examples):
         assign(state[e.id], chains[i * first : (i + 1) * first])
     settled = lambda e: len(state[e.id]["parents"]) == n_parents  # noqa: E731
@@ -386,13 +417,17 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     resets, continued = [], []  # (k, thoughts, oracle k) per parent; (example, parent index, prefix) with suffixes
     t_loc = 0.0
     if args.reset != "self":
-        continued = [(e, j, reset_point(e, p)) for e in examples if settled(e) for j, p in enumerate(state[e.id]["parents"])]
+        continued = [
+            (e, j, reset_point(e, p)) for e in examples if settled(e) for j, p in enumerate(state[e.id]["parents"])
+        ]
     spare = args.num_generations - (n_base if args.split == "1x4" else 0)  # what a fallback group may need
     extra = {e.id: (args.max_fresh_attempts - state[e.id]["tried"], spare) for e in pending}
     cont_prompts = [e.prompt_ids + pre for e, _, pre in continued for _ in range(K)]
     search = [e for e in pending for _ in range(sum(extra[e.id]))]
     cont_budgets = [budget(pre) for _, _, pre in continued for _ in range(K)]
-    chains = sample(cont_prompts + [e.prompt_ids for e in search], max_new, budgets=cont_budgets + [MAX_THOUGHTS] * len(search))
+    chains = sample(
+        cont_prompts + [e.prompt_ids for e in search], max_new, budgets=cont_budgets + [MAX_THOUGHTS] * len(search)
+    )
     suffixes = chains[: len(cont_prompts)]
     found = scored(chains[len(cont_prompts) :], search)
     for e in pending:
@@ -402,8 +437,13 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     info["fresh_chains"] = sum(st["tried"] for st in state.values())
 
     # 3. reset points of the remaining parents: SRPO's self-localization, one call for all of them
-    todo = [(e, j, p) for e in examples if settled(e) for j, p in enumerate(state[e.id]["parents"])
-            if not any(c[0] is e and c[1] == j for c in continued)]
+    todo = [
+        (e, j, p)
+        for e in examples
+        if settled(e)
+        for j, p in enumerate(state[e.id]["parents"])
+        if not any(c[0] is e and c[1] == j for c in continued)
+    ]
     replies = [None] * len(todo)
     if args.reset == "self" and todo:
         t0 = time.time()
@@ -417,8 +457,18 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
                 plain = LOCALIZATION_PROMPT.format(question=e.question, steps=steps, n=len(th))
             loc_prompts.append(tasks.encode_prompt(tokenizer, tasks.render_prompt(tokenizer, plain, plain)))
         cap = args.localization_max_new_tokens or (192 if task.name == "arith" else 4096)
-        ro = common.generate_rollouts(model, tokenizer, loc_prompts, list(range(len(loc_prompts))), 1, cap,
-                                      max(args.localization_temperature, 1e-5), args.top_p, args.top_k, batch_size=args.gen_batch_size)
+        ro = common.generate_rollouts(
+            model,
+            tokenizer,
+            loc_prompts,
+            list(range(len(loc_prompts))),
+            1,
+            cap,
+            max(args.localization_temperature, 1e-5),
+            args.top_p,
+            args.top_k,
+            batch_size=args.gen_batch_size,
+        )
         info["generated_tokens"] += int(ro.completion_mask.sum())
         info["generate_calls"] += 1
         replies, info["loc_truncated"] = ro.texts, int(ro.truncated.sum())  # a cut-off reply usually parses to step 1
@@ -428,11 +478,17 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
 
     # 4. the remaining continuations (prompt + prefix, same sampling settings), then the training rows: base chains,
     #    K continuations per parent (cut to the response budget, prefix included), or a fallback group
-    suffixes += sample([e.prompt_ids + pre for e, _, pre in later for _ in range(K)], max_new,
-                       budgets=[budget(pre) for _, _, pre in later for _ in range(K)])
+    suffixes += sample(
+        [e.prompt_ids + pre for e, _, pre in later for _ in range(K)],
+        max_new,
+        budgets=[budget(pre) for _, _, pre in later for _ in range(K)],
+    )
     rows = []  # (example, response ids, suffix_start, group key, reward)
-    new = [(e, pre + s[0][: max(max_new - len(pre), 1)], len(pre), (e.id, "reset", j))
-           for i, (e, j, pre) in enumerate(continued + later) for s in suffixes[i * K : (i + 1) * K]]
+    new = [
+        (e, pre + s[0][: max(max_new - len(pre), 1)], len(pre), (e.id, "reset", j))
+        for i, (e, j, pre) in enumerate(continued + later)
+        for s in suffixes[i * K : (i + 1) * K]
+    ]
     texts = [tokenizer.decode(r[1], skip_special_tokens=True) for r in new]
     rows += [r + (reward,) for r, reward in zip(new, task.rewards(texts, [r[0] for r in new]))]
     for e in examples:
@@ -453,8 +509,14 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     # 4. the trained batch, one group id per normalization group (base, each reset group, or the fallback)
     keys, device = {}, next(model.parameters()).device
     rows.sort(key=lambda r: [e.id for e in examples].index(r[0].id))  # each prompt's rows together (stable)
-    ro = common.make_rollouts(tokenizer, [r[0].prompt_ids for r in rows], [r[1] for r in rows],
-                              [keys.setdefault(r[3], len(keys)) for r in rows], common.stop_token_ids(model, tokenizer), device)
+    ro = common.make_rollouts(
+        tokenizer,
+        [r[0].prompt_ids for r in rows],
+        [r[1] for r in rows],
+        [keys.setdefault(r[3], len(keys)) for r in rows],
+        common.stop_token_ids(model, tokenizer),
+        device,
+    )
     rewards = torch.tensor([r[4] for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r[2] for r in rows], device=device)
     prompt_of_row = torch.tensor([r[0].id for r in rows], device=device)
@@ -462,15 +524,19 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     info.update(
         normalized_position=sum((k - 1) / n for k, n in ks) / len(ks) if ks else 0.0,
         correction_rate=sum(reset_rewards) / len(reset_rewards) if reset_rewards else 0.0,
-        suffix_pass_at_k=(sum(max(r[4] for r in rows if r[3] == key) >= 1.0 for key in keys if key[1] == "reset")
-                          / max(1, len(parents))),
+        suffix_pass_at_k=(
+            sum(max(r[4] for r in rows if r[3] == key) >= 1.0 for key in keys if key[1] == "reset")
+            / max(1, len(parents))
+        ),
         fallback_share=sum(any(r[3] == (e.id, "fresh") for r in rows) for e in examples) / len(examples),
         num_parents=len(parents),
     )
     if oracle_ks:
         info["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
         info["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)
-        info["oracle_after"] = sum(k > o for (k, _), o in zip(ks, oracle_ks)) / len(ks)  # the kept prefix holds the error
+        info["oracle_after"] = sum(k > o for (k, _), o in zip(ks, oracle_ks)) / len(
+            ks
+        )  # the kept prefix holds the error
     return ro, rewards, suffix_start, prompt_of_row, info
 
 
@@ -478,66 +544,114 @@ def validate(args: Args) -> Args:
     """Every flag checked before anything loads: a user error ends with one line naming the flag, exit code 2."""
     args = cli.resume_args(args, Args) if args.resume else args
     cli.check_common(args)
-    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[args.split]  # ALGO LOGIC: the split's groups must each hold >= 2 trajectories
-    cli.need(args.num_generations >= need_g and args.num_generations % need_g == 0, f"--num-generations must be a multiple of "
-             f"{need_g} (at least {need_g}) for --split {args.split}, got {args.num_generations}")
-    cli.need(args.max_fresh_attempts >= 1 and args.localization_temperature >= 0, f"need --max-fresh-attempts >= 1 (got "
-             f"{args.max_fresh_attempts}) and --localization-temperature >= 0 (got {args.localization_temperature})")
+    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[
+        args.split
+    ]  # ALGO LOGIC: the split's groups must each hold >= 2 trajectories
+    cli.need(
+        args.num_generations >= need_g and args.num_generations % need_g == 0,
+        f"--num-generations must be a multiple of "
+        f"{need_g} (at least {need_g}) for --split {args.split}, got {args.num_generations}",
+    )
+    cli.need(
+        args.max_fresh_attempts >= 1 and args.localization_temperature >= 0,
+        f"need --max-fresh-attempts >= 1 (got "
+        f"{args.max_fresh_attempts}) and --localization-temperature >= 0 (got {args.localization_temperature})",
+    )
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
-    cli.need(not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1), "srpo.py does not support --fsdp yet (its sampling "
-             "rounds differ in size per rank): use DDP, the default under torchrun")
-    cli.need(args.reset != "oracle" or args.task == "arith", f"--reset oracle needs a task with a first-wrong-step oracle "
-             f"(arith), not --task {args.task}")
-    delimiter = args.thought_delimiter if args.thought_delimiter is not None else "\n" if args.task == "arith" else "\n\n"
-    return dataclasses.replace(args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                               thought_delimiter=delimiter)
+    cli.need(
+        not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1),
+        "srpo.py does not support --fsdp yet (its sampling "
+        "rounds differ in size per rank): use DDP, the default under torchrun",
+    )
+    cli.need(
+        args.reset != "oracle" or args.task == "arith",
+        f"--reset oracle needs a task with a first-wrong-step oracle (arith), not --task {args.task}",
+    )
+    delimiter = (
+        args.thought_delimiter if args.thought_delimiter is not None else "\n" if args.task == "arith" else "\n\n"
+    )
+    return dataclasses.replace(
+        args, epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high, thought_delimiter=delimiter
+    )
 
 
 if __name__ == "__main__":
     args = validate(cli.parse(Args))  # tyro.cli(Args), its errors on one line
     cli.set_threads(args.threads)
-    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    run_dir = Path(
+        args.resume or Path(args.output_dir) / f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    )
 
     # seeding, model, task; a resumed run then restores its checkpoint into them
-    dist, device = distributed.init_distributed(args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp)
+    dist, device = distributed.init_distributed(
+        args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
+    )
     common.seed_everything(args.seed + dist.rank)  # per-rank sampling; every rank draws the same global prompt batches
     rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws
     model, tokenizer = common.load_policy(args.model, device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     task = tasks.load_task(
-        args.task, tokenizer, seed=args.seed, num_eval=args.num_eval, data_path=args.data_path,
-        eval_data_path=args.eval_data_path, max_prompt_length=args.max_prompt_length, arith_steps=args.arith_steps,
-        arith_max_value=args.arith_max_value, arith_max_operand=args.arith_max_operand, code_timeout=args.code_timeout,
+        args.task,
+        tokenizer,
+        seed=args.seed,
+        num_eval=args.num_eval,
+        data_path=args.data_path,
+        eval_data_path=args.eval_data_path,
+        max_prompt_length=args.max_prompt_length,
+        arith_steps=args.arith_steps,
+        arith_max_value=args.arith_max_value,
+        arith_max_operand=args.arith_max_operand,
+        code_timeout=args.code_timeout,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     batches = checkpoints.CountingBatches(lambda: common.prompt_batches(task.train, args.prompts_per_step, args.seed))
     ckpt, stop = checkpoints.Checkpointer(run_dir, args.save_every, dist), checkpoints.GracefulStop()
     start = ckpt.restore(model, optimizer, batches, {"resets": rng}) if args.resume else 0
-    engines.attach_engine(args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank)
+    engines.attach_engine(
+        args.engine, model, optimizer, args.model, args.vllm_gpu_memory_utilization, seed=args.seed + dist.rank
+    )
     logger = common.Logger(run_dir, vars(args), args.track, args.wandb_project, enabled=dist.main, resume_step=start)
-    dist.print(f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
-               f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else ""))
+    dist.print(
+        f"run {run_dir.name}: logs in {run_dir}/ (tensorboard --logdir {run_dir.parent}); {len(task.train)} train / "
+        f"{len(task.eval)} eval prompts; skipped {task.skipped}" + (f"; resumed after step {start}" if start else "")
+    )
     G = args.num_generations
 
     if not start:  # a resumed run has its evaluations in its metrics.jsonl already
-        logger.log(common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist), 0)
+        logger.log(
+            common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            ),
+            0,
+        )
     eval_metrics = metrics = logger.last_eval
-    bar = trange(start + 1, args.total_steps + 1, initial=start, total=args.total_steps, desc=f"srpo[{args.reset}]", dynamic_ncols=True,
-                 disable=not dist.main)
+    bar = trange(
+        start + 1,
+        args.total_steps + 1,
+        initial=start,
+        total=args.total_steps,
+        desc=f"srpo[{args.reset}]",
+        dynamic_ncols=True,
+        disable=not dist.main,
+    )
     for step in bar:
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
         t0 = time.time()
         common.reset_peak_memory(device)
         examples = dist.shard(next(batches))
-        ro, rewards, suffix_start, prompt_of_row, reset_info = collect_rollouts(model, tokenizer, task, examples, args, rng)
+        ro, rewards, suffix_start, prompt_of_row, reset_info = collect_rollouts(
+            model, tokenizer, task, examples, args, rng
+        )
         mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
         T = mask.shape[1]
         t_gen = time.time() - t0
 
         # 3. ALGO LOGIC: credit assignment. Each normalization group (base, each reset group, or the fallback
         #    group) is z-scored on its own with the population std; the shared prefix is masked out.
-        advantages = common.group_advantages(rewards, None, "group", eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False).to(device)
+        advantages = common.group_advantages(
+            rewards, None, "group", eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False
+        ).to(device)
         token_adv = advantages[:, None].expand(-1, T)  # [N, T]
         mask = mask if args.no_mask else suffix_mask(mask, suffix_start)
 
@@ -556,28 +670,44 @@ if __name__ == "__main__":
         t0 = time.time()
         stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # ALGO LOGIC: mini-batches of whole prompts
+            for rows in common.minibatches(
+                prompt_of_row, args.num_minibatches
+            ):  # ALGO LOGIC: mini-batches of whole prompts
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
                 micro = rows.split(args.micro_batch_size)
                 for k, mb in enumerate(micro):
                     dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
                     m = mask[mb].float()
-                    logp, entropy = common.token_logprobs(train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0)
+                    logp, entropy = common.token_logprobs(
+                        train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
+                    )
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate with dual-clip 3 (verl's)
-                    ratio = torch.exp(torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO))  # fp32; clamped as verl
+                    ratio = torch.exp(
+                        torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
+                    )  # fp32; clamped as verl
                     A = token_adv[mb]
                     if args.clip:
-                        surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                        surrogate = torch.where(A < 0, torch.max(surrogate, DUAL_CLIP * A), surrogate)  # dual-clip: loss <= -3A
+                        surrogate = torch.min(
+                            ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
+                        )
+                        surrogate = torch.where(
+                            A < 0, torch.max(surrogate, DUAL_CLIP * A), surrogate
+                        )  # dual-clip: loss <= -3A
                     else:
                         surrogate = logp * A
-                    per_token_loss = -surrogate * engines.engine_correction(ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens)  # vLLM: truncated IS
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3 estimator
+                    per_token_loss = -surrogate * engines.engine_correction(
+                        ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens
+                    )  # vLLM: truncated IS
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3 estimator
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                    loss = common.aggregate_loss(
+                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
+                    )
                     common.stop_if_nonfinite(loss, "loss", step, metrics)
                     loss.backward()
                     stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
@@ -590,14 +720,24 @@ if __name__ == "__main__":
         # 6. logging, evaluation, checkpoints
         step_time = t_gen + t_logp + t_update
         metrics = {
-            **common.completion_metrics(ro, rewards, G), **stats.metrics(), "learning_rate": optimizer.param_groups[0]["lr"],
-            "num_tokens": float(ro.completion_mask.sum()), "tokens_per_second": float(ro.completion_mask.sum()) / step_time,
-            "time/generation": t_gen, "time/logprobs": t_logp, "time/update": t_update, "time/step": step_time, **common.peak_memory(device),
-            **{f"reset/{k}": v for k, v in reset_info.items() if k != "time_localization"}, "time/localization": reset_info["time_localization"],
+            **common.completion_metrics(ro, rewards, G),
+            **stats.metrics(),
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            "num_tokens": float(ro.completion_mask.sum()),
+            "tokens_per_second": float(ro.completion_mask.sum()) / step_time,
+            "time/generation": t_gen,
+            "time/logprobs": t_logp,
+            "time/update": t_update,
+            "time/step": step_time,
+            **common.peak_memory(device),
+            **{f"reset/{k}": v for k, v in reset_info.items() if k != "time_localization"},
+            "time/localization": reset_info["time_localization"],
             "sampling/generated_tokens": reset_info["generated_tokens"],
         }
         if step == args.total_steps or (args.eval_every and step % args.eval_every == 0):
-            eval_metrics = common.evaluate(model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist)
+            eval_metrics = common.evaluate(
+                model, tokenizer, task, args.max_new_tokens, args.gen_batch_size, args.eval_temperature, dist
+            )
             metrics.update(eval_metrics)
         metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         logger.log(metrics, step)
@@ -607,7 +747,9 @@ if __name__ == "__main__":
             ckpt.save(step, model, tokenizer, optimizer, batches, {"resets": rng})
         if stopping:
             logger.close()
-            dist.print(f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}")
+            dist.print(
+                f"stopped after step {step}; checkpoint in {run_dir}/checkpoint: continue with --resume {run_dir}"
+            )
             raise SystemExit(130)
 
     logger.close()

@@ -63,9 +63,11 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     print("\n| command | wall | s/step | generation | log-probs | update | peak RSS | eval acc (first → last) |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| `{result['command']}` | {wall / 60:.1f} min | {result['seconds_per_step']} | "
-          f"{result['share_generation']:.0%} | {result['share_logprobs']:.0%} | {result['share_update']:.0%} | "
-          f"{peak_mb:.0f} MB | {evals[0][1]:.3f} → {evals[-1][1]:.3f} |")
+    print(
+        f"| `{result['command']}` | {wall / 60:.1f} min | {result['seconds_per_step']} | "
+        f"{result['share_generation']:.0%} | {result['share_logprobs']:.0%} | {result['share_update']:.0%} | "
+        f"{peak_mb:.0f} MB | {evals[0][1]:.3f} → {evals[-1][1]:.3f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Engine start-up is reported apart. Needs vLLM for the second row (docs/vllm.md).
 
     python benchmarks/engine_speed.py [--num-generations 8] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,10 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
+
 import common  # noqa: E402
 from rlvr_utils import distributed, engines, tasks  # noqa: E402
-import torch  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,12 +38,16 @@ if __name__ == "__main__":
     for name in engines:
         t0 = time.time()
         if name == "vllm":
-            engines.attach_engine("vllm", model, torch.optim.SGD(model.parameters(), lr=0.0), a.model, a.vllm_gpu_memory_utilization)
+            engines.attach_engine(
+                "vllm", model, torch.optim.SGD(model.parameters(), lr=0.0), a.model, a.vllm_gpu_memory_utilization
+            )
         startup = time.time() - t0
         rates = []
         for r in range(a.rounds + 1):
             t0 = time.time()
-            ro = common.generate_rollouts(model, tok, prompts, list(range(len(prompts))), a.num_generations, 48, temperature=1.0)
+            ro = common.generate_rollouts(
+                model, tok, prompts, list(range(len(prompts))), a.num_generations, 48, temperature=1.0
+            )
             if r:  # the first round is warm-up
                 rates.append(ro.completion_mask.sum().item() / (time.time() - t0))
         out[name] = dict(tokens_per_second=statistics.median(rates), rounds=rates, startup_seconds=round(startup, 1))

@@ -14,6 +14,7 @@ Alternating, --rounds rounds, medians. `--compile` adds HF generate over `torch.
 
     python benchmarks/generation_overhead.py [--rounds 5] [--compile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,15 +42,28 @@ def bare_loop(model, ids, mask, static: bool) -> None:
         cache = StaticCache(config=model.config, max_cache_len=L + MAX_NEW) if static else DynamicCache()
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         full = torch.cat([mask, torch.zeros(mask.shape[0], MAX_NEW, dtype=mask.dtype)], 1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1, cache_position=torch.arange(L))
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            cache_position=torch.arange(L),
+        )
         nxt, p = out.logits[:, -1:].argmax(-1), pos[:, -1:]
         for i in range(MAX_NEW - 1):
             p = p + 1
             full[:, L + i] = 1
             m = full if static else full[:, : L + i + 1]
-            out = model(input_ids=nxt, attention_mask=m, position_ids=p, past_key_values=cache, use_cache=True,
-                        cache_position=torch.tensor([L + i]))
+            out = model(
+                input_ids=nxt,
+                attention_mask=m,
+                position_ids=p,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.tensor([L + i]),
+            )
             nxt = out.logits[:, -1:].argmax(-1)
 
 
@@ -90,7 +104,9 @@ if __name__ == "__main__":
             ts.append(time.perf_counter() - t0)
         out["generate, torch.compile"] = statistics.median(ts)
     print(json.dumps({k: round(v, 3) for k, v in out.items()}))
-    print(f"\n| {PROMPTS} prompts x {G}, {MAX_NEW} new tokens | seconds (median of {a.rounds}) | x generate |\n|---|---|---|")
+    print(
+        f"\n| {PROMPTS} prompts x {G}, {MAX_NEW} new tokens | seconds (median of {a.rounds}) | x generate |\n|---|---|---|"
+    )
     for k, v in out.items():
         ratio = "" if k.startswith("compile") else f"{v / out['generate']:.2f}"
         print(f"| {k} | {v:.3f} | {ratio} |")

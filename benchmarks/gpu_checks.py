@@ -11,6 +11,7 @@ Writes benchmarks/out/gpu_checks.json and prints a markdown table.
     python benchmarks/gpu_checks.py                                   # on a GPU host, both parts
     python benchmarks/gpu_checks.py --device cpu --dtype float32 --steps 2 --seeds 1 --shape tiny --big-new-tokens 8  # CPU smoke
 """
+
 import argparse
 import json
 import os
@@ -24,14 +25,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_vs_trl import build_model  # noqa: E402
 
-SCRIPTS = {"grpo": ["grpo.py"], "sc_grpo": ["sc_grpo.py"], "grpo_lambda": ["grpo_lambda.py"], "ep_grpo": ["ep_grpo.py"],
-           "srpo": ["srpo.py"], "rrpo": ["srpo.py", "--reset", "random"]}
+SCRIPTS = {
+    "grpo": ["grpo.py"],
+    "sc_grpo": ["sc_grpo.py"],
+    "grpo_lambda": ["grpo_lambda.py"],
+    "ep_grpo": ["ep_grpo.py"],
+    "srpo": ["srpo.py"],
+    "rrpo": ["srpo.py", "--reset", "random"],
+}
 
 
 def run(cmd: list[str]) -> tuple[int, list[dict], str]:
     with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([sys.executable, *cmd, "--output-dir", tmp], cwd=ROOT, capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        out = subprocess.run(
+            [sys.executable, *cmd, "--output-dir", tmp],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
         runs = [p for p in Path(tmp).iterdir() if p.is_dir()]
         rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").open()] if runs else []
         return out.returncode, rows, out.stderr[-1500:]
@@ -62,9 +74,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(a.shape, Path(tmp) / a.shape, 151936)
         for name in a.scripts:
-            rc, rows, err = run([*SCRIPTS[name], *common, "--model", str(model), "--total-steps", str(a.big_steps),
-                                 "--max-new-tokens", str(a.big_new_tokens), "--gradient-checkpointing", "--learning-rate", "1e-6",
-                                 "--micro-batch-size", "8"])
+            rc, rows, err = run(
+                [
+                    *SCRIPTS[name],
+                    *common,
+                    "--model",
+                    str(model),
+                    "--total-steps",
+                    str(a.big_steps),
+                    "--max-new-tokens",
+                    str(a.big_new_tokens),
+                    "--gradient-checkpointing",
+                    "--learning-rate",
+                    "1e-6",
+                    "--micro-batch-size",
+                    "8",
+                ]
+            )
             steps = [r for r in rows if "time/step" in r]
             if rc or not steps:
                 print(f"{name} on {a.shape}: FAILED {err}", flush=True)
@@ -73,13 +99,20 @@ def main() -> None:
             res["big"][name] = dict(s_per_step=t, peak_gb=max(r.get("memory/peak_gb", 0.0) for r in steps))
             print(f"{name} on {a.shape}: {t:.2f} s/step, peak {res['big'][name]['peak_gb']:.1f} GB", flush=True)
     base = res["big"].get("grpo", {}).get("s_per_step")
-    lines = [f"{device}; {a.shape}-shaped random-init model, bf16, gradient checkpointing, {a.big_new_tokens} new tokens",
-             "", "| script | s/step | x grpo.py | peak GB | bf16 runs without a non-finite value |", "|---|---|---|---|---|"]
+    lines = [
+        f"{device}; {a.shape}-shaped random-init model, bf16, gradient checkpointing, {a.big_new_tokens} new tokens",
+        "",
+        "| script | s/step | x grpo.py | peak GB | bf16 runs without a non-finite value |",
+        "|---|---|---|---|---|",
+    ]
     for name in a.scripts:
         b = res["big"].get(name)
         finite = sum(res["finite"].get(f"{name}/{s}", False) for s in a.seeds)
-        lines.append(f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | {finite}/{len(a.seeds)} |"
-                     if b and base else f"| {name} | – | – | – | {finite}/{len(a.seeds)} |")
+        lines.append(
+            f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | {finite}/{len(a.seeds)} |"
+            if b and base
+            else f"| {name} | – | – | – | {finite}/{len(a.seeds)} |"
+        )
     print("\n".join(lines))
     res["table"] = lines
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ costs the same compute). Per step: grpo.py's time/step and memory/peak_gb (reset
 on_step_end and torch.cuda.max_memory_allocated reset at each step's start. On CPU: peak RSS instead of GPU memory.
 Prints a side-by-side table and writes benchmarks/out/gpu_vs_trl.json. Needs trl (pip install -r benchmarks/requirements.txt).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {  # Qwen2.5 configurations (hidden, intermediate, layers, heads, kv heads, vocabulary)
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 
 
@@ -40,12 +47,21 @@ def build_model(shape: str, out: Path, vocab: int) -> Path:
 
     sys.path.insert(0, str(ROOT))
     import common
+    from rlvr_utils import models
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
-                      eos_token_id=1, pad_token_id=0, bos_token_id=None, **SHAPES[shape])
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+        **SHAPES[shape],
+    )
     model = Qwen2ForCausalLM(cfg)
-    tok = common._load_tokenizer(common.DEFAULT_MODEL)
+    tok = models.load_tokenizer(common.DEFAULT_MODEL)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -69,10 +85,10 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-import common, tasks
+from rlvr_utils import models, tasks
 
 cuda = torch.cuda.is_available()
-tok = common._load_tokenizer({model!r})
+tok = models.load_tokenizer({model!r})
 tok.padding_side = "left"
 model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.bfloat16 if cuda else torch.float32)
 task = tasks.load_task("arith", tok, seed=1, num_eval=1, arith_num_train=1000)
@@ -103,8 +119,18 @@ def run(kind: str, model: Path, a) -> dict:
         accum = max(1, a.prompts * a.generations // a.micro_batch_size)
         extra = ["--gradient-checkpointing"] if a.gradient_checkpointing else []
         code = (OURS if kind == "ours" else TRL).format(
-            model=str(model), steps=a.steps, prompts=a.prompts, G=a.generations, max_new=a.max_new_tokens, out=tmp,
-            gen_batch=a.prompts * a.generations, micro=a.micro_batch_size, accum=accum, gc=a.gradient_checkpointing, extra=extra)
+            model=str(model),
+            steps=a.steps,
+            prompts=a.prompts,
+            G=a.generations,
+            max_new=a.max_new_tokens,
+            out=tmp,
+            gen_batch=a.prompts * a.generations,
+            micro=a.micro_batch_size,
+            accum=accum,
+            gc=a.gradient_checkpointing,
+            extra=extra,
+        )
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
         if out.returncode:
@@ -130,7 +156,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_vs_trl.json"))
-    ap.add_argument("--build", metavar="DIR", help="only save the first --shapes model to DIR (for running any script on it)")
+    ap.add_argument(
+        "--build", metavar="DIR", help="only save the first --shapes model to DIR (for running any script on it)"
+    )
     a = ap.parse_args()
     if a.build:
         print(f"saved a random-init {a.shapes[0]} model to {build_model(a.shapes[0], Path(a.build), a.vocab)}")
@@ -146,17 +174,25 @@ def main() -> None:
                 res = run(kind, model, a)
                 steps = res["step_seconds"][1:] or res["step_seconds"]  # the first step is warm-up
                 mem = max(res["peak_gb"]) if torch.cuda.is_available() else res["maxrss_gb"]
-                results[f"{shape}/{kind}"] = dict(median_step_seconds=statistics.median(steps), peak_gb=mem, step_seconds=res["step_seconds"])
+                results[f"{shape}/{kind}"] = dict(
+                    median_step_seconds=statistics.median(steps), peak_gb=mem, step_seconds=res["step_seconds"]
+                )
                 print(f"{shape} {kind}: {statistics.median(steps):.2f} s/step, peak {mem:.2f} GB", flush=True)
-    lines = [f"device: {device}; {a.prompts} prompts x {a.generations} completions x {a.max_new_tokens} new tokens, "
-             f"micro-batch {a.micro_batch_size}, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}", "",
-             "| shape | grpo.py s/step | TRL s/step | ratio | grpo.py peak GB | TRL peak GB | ratio |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"device: {device}; {a.prompts} prompts x {a.generations} completions x {a.max_new_tokens} new tokens, "
+        f"micro-batch {a.micro_batch_size}, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}",
+        "",
+        "| shape | grpo.py s/step | TRL s/step | ratio | grpo.py peak GB | TRL peak GB | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for shape in a.shapes:
         o, t = results.get(f"{shape}/ours"), results.get(f"{shape}/trl")
         if o and t:
-            lines.append(f"| {shape} | {o['median_step_seconds']:.2f} | {t['median_step_seconds']:.2f} | "
-                         f"{o['median_step_seconds'] / t['median_step_seconds']:.2f} | {o['peak_gb']:.2f} | {t['peak_gb']:.2f} | "
-                         f"{o['peak_gb'] / t['peak_gb']:.2f} |")
+            lines.append(
+                f"| {shape} | {o['median_step_seconds']:.2f} | {t['median_step_seconds']:.2f} | "
+                f"{o['median_step_seconds'] / t['median_step_seconds']:.2f} | {o['peak_gb']:.2f} | {t['peak_gb']:.2f} | "
+                f"{o['peak_gb'] / t['peak_gb']:.2f} |"
+            )
     print("\n".join(lines))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(dict(device=device, args=vars(a), results=results, table=lines), indent=1))

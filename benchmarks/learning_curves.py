@@ -76,8 +76,21 @@ def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> s
         return f"{name} seed {seed}: claimed by another process ({out.with_suffix('.lock')})"
     script, *flags = script_flags
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / script), *flags, *SETTINGS[setting], "--total-steps", str(a.steps),
-               "--eval-every", str(a.eval_every), "--seed", str(seed), "--output-dir", tmp, *a.extra.split()]
+        cmd = [
+            sys.executable,
+            str(ROOT / script),
+            *flags,
+            *SETTINGS[setting],
+            "--total-steps",
+            str(a.steps),
+            "--eval-every",
+            str(a.eval_every),
+            "--seed",
+            str(seed),
+            "--output-dir",
+            tmp,
+            *a.extra.split(),
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(a.threads))
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -102,8 +115,18 @@ def cmd_run(a) -> None:
     for m in names:
         meta = Path(a.results) / a.setting / (m + tag) / "meta.json"
         meta.parent.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps({"command": METHODS[m] + SETTINGS[a.setting] + a.extra.split(), "steps": a.steps,
-                                    "eval_every": a.eval_every, "threads": a.threads, "commit": commit}, indent=1))
+        meta.write_text(
+            json.dumps(
+                {
+                    "command": METHODS[m] + SETTINGS[a.setting] + a.extra.split(),
+                    "steps": a.steps,
+                    "eval_every": a.eval_every,
+                    "threads": a.threads,
+                    "commit": commit,
+                },
+                indent=1,
+            )
+        )
     jobs = [(m + tag, METHODS[m], seed) for seed in a.seeds for m in names]
     with ThreadPoolExecutor(max_workers=a.workers) as pool:
         for line in pool.map(lambda j: run_one(a.setting, j[0], j[1], j[2], a), jobs):
@@ -120,7 +143,9 @@ def load(setting: str, results: Path) -> dict:
         for f in sorted(d.glob("seed*.jsonl")):
             tokens, points = 0.0, []
             rows = [json.loads(line) for line in f.open() if line.strip()]
-            if not rows or "eval/accuracy" not in rows[-1]:  # a run that stopped early (run_one writes only finished ones)
+            if (
+                not rows or "eval/accuracy" not in rows[-1]
+            ):  # a run that stopped early (run_one writes only finished ones)
                 print(f"skipped {f}: it does not end with an evaluation")
                 continue
             for r in rows:
@@ -160,17 +185,22 @@ def first_reach(curve, target: float):
 def cmd_report(a) -> None:
     curves = load(a.setting, Path(a.results))
     if not curves:
-        sys.exit(f"no results under {Path(a.results) / a.setting}: run `learning_curves.py run --setting {a.setting}` first")
+        sys.exit(
+            f"no results under {Path(a.results) / a.setting}: run `learning_curves.py run --setting {a.setting}` first"
+        )
     means = {m: mean_curve(by_seed) for m, by_seed in curves.items()}
     base = means.get("grpo")
     target = base[-1][2] if base else None
     final_step = base[-1][0] if base else None
     grpo_final = {k: pts[-1][2] for k, pts in curves.get("grpo", {}).items()}  # GRPO's final accuracy, by seed
-    lines = [f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
-             "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.", "",
-             "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI | mean over evals, 95% CI "
-             "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
+        "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.",
+        "",
+        "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI | mean over evals, 95% CI "
+        "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for m, curve in sorted(means.items(), key=lambda kv: ("@" in kv[0], kv[0] != "grpo")):  # defaults, then sweeps
         by_seed = curves[m]
         ends = sorted({pts[-1][0] for pts in by_seed.values()})
@@ -188,22 +218,29 @@ def cmd_report(a) -> None:
         s, tok = first_reach(curve, same) if target is not None else (None, None)
         speed = f"{final_step / s:.2f}x" if s else ("–" if s is None else "at step 0")
         tok_step = curve[-1][1] / curve[-1][0] if curve[-1][0] else 0
-        lines.append(f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | {d} | "
-                     f"{auc[0]:.3f} [{auc[1]:.3f}, {auc[2]:.3f}] | "
-                     f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
-                     f"{tok_step:.0f} |")
+        lines.append(
+            f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | {d} | "
+            f"{auc[0]:.3f} [{auc[1]:.3f}, {auc[2]:.3f}] | "
+            f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
+            f"{tok_step:.0f} |"
+        )
     table = "\n".join(lines)
     print(table)
     out = Path(a.results) / a.setting
     (out / "report.md").write_text(f"`python benchmarks/learning_curves.py report --setting {a.setting}`\n\n{table}\n")
     main = {m: c for m, c in means.items() if "@" not in m}  # the methods at their defaults
-    plot(main, Path(a.img) / f"learning_curves_{a.setting}.png",
-         f"arith '{a.setting}', tiny model: mean of {max(len(curves[m]) for m in main)} seeds, 95% bootstrap band")
+    plot(
+        main,
+        Path(a.img) / f"learning_curves_{a.setting}.png",
+        f"arith '{a.setting}', tiny model: mean of {max(len(curves[m]) for m in main)} seeds, 95% bootstrap band",
+    )
     sweeps = {m: c for m, c in means.items() if "@" in m}  # --tag runs: each beside its method at the defaults
     for base in sorted({m.split("@")[0] for m in sweeps}):  # one plot per swept method
-        plot({m: c for m, c in means.items() if m.split("@")[0] == base or m == "grpo"},
-             Path(a.img) / f"learning_curves_{a.setting}_{base}_sweeps.png",
-             f"arith '{a.setting}': {base} flag sweeps ({base}@tag) beside its defaults and GRPO; mean over their seeds")
+        plot(
+            {m: c for m, c in means.items() if m.split("@")[0] == base or m == "grpo"},
+            Path(a.img) / f"learning_curves_{a.setting}_{base}_sweeps.png",
+            f"arith '{a.setting}': {base} flag sweeps ({base}@tag) beside its defaults and GRPO; mean over their seeds",
+        )
     print(f"report: {out / 'report.md'}")
 
 

@@ -12,6 +12,7 @@ measurement through /proc/self/clear_refs) minus its RSS just before. Prompt len
     python benchmarks/logprob_memory.py                       # CPU, sizes (2,256) (4,512) (4,1024)
     python benchmarks/logprob_memory.py --device cuda --sizes 4x512 8x1024 16x2048
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                  num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
 
 
 def rss_mb() -> float:
@@ -62,7 +71,9 @@ def one(method: str, B: int, T: int, prompt: int, layers: int, device: str) -> d
         if method == "ours":
             logp = common.token_logprobs(model, ids, mask, T)[0]
         else:
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, -T - 1 : -1].float()  # every position, then sliced
+            logits = (
+                model(input_ids=ids, attention_mask=mask).logits[:, -T - 1 : -1].float()
+            )  # every position, then sliced
             target = ids[:, -T:]
             if method == "naive":
                 logp = torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
@@ -89,8 +100,17 @@ def one(method: str, B: int, T: int, prompt: int, layers: int, device: str) -> d
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else hwm_mb() - base
-    return dict(method=method, B=B, T=T, prompt=prompt, layers=layers, device=device, peak_mb=round(peak, 1),
-                seconds=round(seconds, 3), logits_mb_fp32=round(B * T * QWEN25_05B["vocab_size"] * 4 / 2**20, 1))
+    return dict(
+        method=method,
+        B=B,
+        T=T,
+        prompt=prompt,
+        layers=layers,
+        device=device,
+        peak_mb=round(peak, 1),
+        seconds=round(seconds, 3),
+        logits_mb_fp32=round(B * T * QWEN25_05B["vocab_size"] * 4 / 2**20, 1),
+    )
 
 
 if __name__ == "__main__":
@@ -109,8 +129,20 @@ if __name__ == "__main__":
     for size in a.sizes:
         B, T = map(int, size.split("x"))
         for method in a.methods:
-            cmd = [sys.executable, __file__, "--one", method, str(B), str(T), "--prompt", str(a.prompt),
-                   "--layers", str(a.layers), "--device", a.device]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                method,
+                str(B),
+                str(T),
+                "--prompt",
+                str(a.prompt),
+                "--layers",
+                str(a.layers),
+                "--device",
+                a.device,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 rows.append(dict(method=method, B=B, T=T, error=out.stderr.strip().splitlines()[-1][:200]))
@@ -125,8 +157,17 @@ if __name__ == "__main__":
         if len(r) < 3:
             continue
         cell = lambda m: f"{r[m]['peak_mb']:.0f} ({r[m]['seconds']:.2f})" if "peak_mb" in r[m] else r[m]["error"]  # noqa: E731
-        ratio = (f"{r['ours']['peak_mb'] / r['naive']['peak_mb']:.2f}" if "peak_mb" in r["ours"] and "peak_mb" in r["naive"] else "-")
+        ratio = (
+            f"{r['ours']['peak_mb'] / r['naive']['peak_mb']:.2f}"
+            if "peak_mb" in r["ours"] and "peak_mb" in r["naive"]
+            else "-"
+        )
         fp32 = next((x["logits_mb_fp32"] for x in r.values() if "logits_mb_fp32" in x), "-")
         print(f"| {B} x {T} | {fp32} | {cell('ours')} | {cell('selective')} | {cell('naive')} | {ratio} |")
     Path(ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
-    (ROOT / "benchmarks" / "out" / f"logprob_memory_{a.device}{'' if len(a.methods) == 3 else '_' + '_'.join(a.methods)}.json").write_text(json.dumps(rows, indent=1))
+    (
+        ROOT
+        / "benchmarks"
+        / "out"
+        / f"logprob_memory_{a.device}{'' if len(a.methods) == 3 else '_' + '_'.join(a.methods)}.json"
+    ).write_text(json.dumps(rows, indent=1))

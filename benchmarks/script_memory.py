@@ -18,6 +18,7 @@ step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.
     python benchmarks/script_memory.py --device cuda
     python benchmarks/script_memory.py --root /tmp/other-checkout        # the same run with another checkout's scripts
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"grpo": ["grpo.py"], "sc_grpo": ["sc_grpo.py"], "grpo_lambda": ["grpo_lambda.py"], "ep_grpo": ["ep_grpo.py"],
-           "srpo": ["srpo.py"],  # every script at its defaults; then SC-GRPO's modes that cost more
-           "sc_grpo --kl-threshold-scope batch": ["sc_grpo.py", "--kl-threshold-scope", "batch"],
-           "sc_grpo --kl-loss-coef 0.1": ["sc_grpo.py", "--kl-loss-coef", "0.1"]}
+SCRIPTS = {
+    "grpo": ["grpo.py"],
+    "sc_grpo": ["sc_grpo.py"],
+    "grpo_lambda": ["grpo_lambda.py"],
+    "ep_grpo": ["ep_grpo.py"],
+    "srpo": ["srpo.py"],  # every script at its defaults; then SC-GRPO's modes that cost more
+    "sc_grpo --kl-threshold-scope batch": ["sc_grpo.py", "--kl-threshold-scope", "batch"],
+    "sc_grpo --kl-loss-coef 0.1": ["sc_grpo.py", "--kl-loss-coef", "0.1"],
+}
 
 
 def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
@@ -44,16 +50,17 @@ def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
 
     sys.path.insert(0, str(ROOT))
     import common
-    from rlvr_utils import tasks
+    from rlvr_utils import models, tasks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    tok = common._load_tokenizer(str(src))
+    tok = models.load_tokenizer(str(src))
     task = tasks.load_task("arith", tok, seed=1, num_eval=32)
     ids, mask = common.pad_left([tasks.encode_prompt(tok, e.prompt) for e in task.eval], tok.pad_token_id)
     with torch.no_grad():
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=True,
-                              pad_token_id=tok.pad_token_id)
+        seqs = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=True, pad_token_id=tok.pad_token_id
+        )
         h = model(input_ids=seqs, output_hidden_states=True).hidden_states[-1].flatten(0, 1)  # [n, H] final (normed)
     u = -h.mean(0) / h.mean(0).norm()
     worst = (h @ u).max().item()  # the largest logit a row along u gets, per unit of scale
@@ -65,7 +72,9 @@ def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
         W = model.get_output_embeddings().weight
         W[old:] = u * (margin / -worst) + 1e-3 * torch.randn(vocab - old, W.shape[1])
         p_new = 0.0
-        for part in seqs.split(4):  # a few sequences at a time: [32, 58, V] fp32 logits are 1 GiB, their softmax another
+        for part in seqs.split(
+            4
+        ):  # a few sequences at a time: [32, 58, V] fp32 logits are 1 GiB, their softmax another
             z = model(input_ids=part).logits
             p_new = max(p_new, (z[..., old:].logsumexp(-1) - z.logsumexp(-1)).max().exp().item())
     model.save_pretrained(out)
@@ -118,9 +127,14 @@ def run_one(root: Path, cmd: list[str], threads: int) -> dict:
     Not wait4's ru_maxrss: subprocess starts the child with vfork + exec, and Linux then reports the *parent's*
     high-water mark for the child whenever the parent's is higher (here the vocabulary growing's)."""
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-c", WRAPPER, *cmd, "--output-dir", tmp, "--threads", str(threads)], cwd=root,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRAPPER, *cmd, "--output-dir", tmp, "--threads", str(threads)],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
         err = proc.stderr.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -131,11 +145,13 @@ def run_one(root: Path, cmd: list[str], threads: int) -> dict:
     rss = peaks["process"] if "process" in peaks else usage.ru_maxrss / 2**20  # ru_maxrss (KiB) only as a fallback
     res = dict(rc=proc.returncode, rss_gb=rss, update_rss_gb=max(peaks.get("update") or [0.0]), steps=len(steps))
     if steps:
-        res.update(s_per_step=statistics.median(r["time/step"] for r in steps),
-                   update_s=statistics.median(r["time/update"] for r in steps),
-                   teacher_s=statistics.median(r.get("time/teacher", 0.0) for r in steps),
-                   gpu_peak_gb=max(r.get("memory/peak_gb", 0.0) for r in steps),
-                   sc_routed=sum(r.get("sc/groups_partial", 0.0) + r.get("sc/groups_none", 0.0) for r in steps) / len(steps))
+        res.update(
+            s_per_step=statistics.median(r["time/step"] for r in steps),
+            update_s=statistics.median(r["time/update"] for r in steps),
+            teacher_s=statistics.median(r.get("time/teacher", 0.0) for r in steps),
+            gpu_peak_gb=max(r.get("memory/peak_gb", 0.0) for r in steps),
+            sc_routed=sum(r.get("sc/groups_partial", 0.0) + r.get("sc/groups_none", 0.0) for r in steps) / len(steps),
+        )
     if proc.returncode:
         res["error"] = err.strip().splitlines()[-1][:300] if err.strip() else f"exit {proc.returncode}"
     return res
@@ -157,9 +173,24 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default: benchmarks/out/script_memory_<device>.json")
     a = ap.parse_args()
     gpu = a.device.startswith("cuda")
-    flags = ["--device", a.device, "--total-steps", str(a.steps), "--prompts-per-step", str(a.prompts),
-             "--num-generations", str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--eval-every", "0",
-             "--num-eval", str(a.num_eval), "--seed", "1"]
+    flags = [
+        "--device",
+        a.device,
+        "--total-steps",
+        str(a.steps),
+        "--prompts-per-step",
+        str(a.prompts),
+        "--num-generations",
+        str(a.generations),
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--eval-every",
+        "0",
+        "--num-eval",
+        str(a.num_eval),
+        "--seed",
+        "1",
+    ]
     res = {"vocab": a.vocab, "device": a.device, "flags": flags, "root": a.root, "scripts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = grow_vocab(Path(a.model), Path(tmp) / "grown", a.vocab)
@@ -169,10 +200,16 @@ def main() -> None:
             r = res["scripts"][name] = run_one(Path(a.root), [*SCRIPTS[name], "--model", str(model), *flags], a.threads)
             print(name, json.dumps(r), flush=True)
     keys = ["gpu_peak_gb"] if gpu else ["rss_gb", "update_rss_gb"]
-    heads = ["peak GPU memory allocated, GB"] if gpu else ["peak RSS of the process, GiB", "peak RSS in the update, GiB"]
+    heads = (
+        ["peak GPU memory allocated, GB"] if gpu else ["peak RSS of the process, GiB", "peak RSS in the update, GiB"]
+    )
     base = res["scripts"].get("grpo", {})
-    lines = ["| script | " + " | ".join(f"{h} | x grpo.py" for h in heads) + " | s/step | update s | routed SC-GRPO groups |",
-             "|---|" + "---|---|" * len(keys) + "---|---|---|"]
+    lines = [
+        "| script | "
+        + " | ".join(f"{h} | x grpo.py" for h in heads)
+        + " | s/step | update s | routed SC-GRPO groups |",
+        "|---|" + "---|---|" * len(keys) + "---|---|---|",
+    ]
     for name, r in res["scripts"].items():
         if r["rc"] or not r["steps"]:
             lines.append(f"| {name} | failed: {r.get('error', '')} |")

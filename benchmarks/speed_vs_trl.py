@@ -10,6 +10,7 @@ step). Peak memory: each process's peak RSS. Needs trl: pip install -r benchmark
 
     python benchmarks/speed_vs_trl.py [--steps 6] [--rounds 2] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,11 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from rlvr_utils import arith
 import common
-from rlvr_utils import tasks
+from rlvr_utils import arith, models, tasks
 
 torch.manual_seed({seed})
-tok = common._load_tokenizer(common.DEFAULT_MODEL)
+tok = models.load_tokenizer(common.DEFAULT_MODEL)
 model = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL)
 task = tasks.load_task("arith", tok, seed={seed}, num_eval=8)
 data = Dataset.from_list([dict(prompt=e.prompt, gold=e.gold) for e in task.train[:2000]])
@@ -73,7 +73,9 @@ print("RESULT", json.dumps(dict(step_seconds=times, maxrss_mb=resource.getrusage
 
 def run(kind: str, steps: int, seed: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        code = (OURS if kind == "ours" else TRL).format(steps=steps, prompts=PROMPTS, G=G, max_new=MAX_NEW, lr=LR, out=tmp, seed=seed)
+        code = (OURS if kind == "ours" else TRL).format(
+            steps=steps, prompts=PROMPTS, G=G, max_new=MAX_NEW, lr=LR, out=tmp, seed=seed
+        )
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
         if out.returncode:
@@ -98,10 +100,23 @@ if __name__ == "__main__":
             res = run(kind, a.steps, seed=r + 1, threads=a.threads)
             times[kind] += res["step_seconds"][1:]  # the first step is warm-up
             rss[kind].append(res["maxrss_mb"])
-            print(kind, f"round {r + 1}:", " ".join(f"{t:.2f}" for t in res["step_seconds"]), f"s/step, peak RSS {res['maxrss_mb']:.0f} MB", flush=True)
+            print(
+                kind,
+                f"round {r + 1}:",
+                " ".join(f"{t:.2f}" for t in res["step_seconds"]),
+                f"s/step, peak RSS {res['maxrss_mb']:.0f} MB",
+                flush=True,
+            )
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = dict(steps=a.steps, rounds=a.rounds, threads=a.threads, median_step_seconds=med, ratio_ours_over_trl=med["ours"] / med["trl"],
-               peak_rss_mb={k: max(v) for k, v in rss.items()}, samples=times)
+    out = dict(
+        steps=a.steps,
+        rounds=a.rounds,
+        threads=a.threads,
+        median_step_seconds=med,
+        ratio_ours_over_trl=med["ours"] / med["trl"],
+        peak_rss_mb={k: max(v) for k, v in rss.items()},
+        samples=times,
+    )
     print(json.dumps(out))
     print(f"\n| | s/step (median of {len(times['ours'])}) | peak RSS |\n|---|---|---|")
     for k, name in (("ours", "grpo.py"), ("trl", "TRL GRPOTrainer")):

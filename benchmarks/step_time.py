@@ -35,12 +35,25 @@ SCRIPTS = {
 
 def run_once(script: str, extra: list[str], steps: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-c",
-               "import resource, runpy, sys; sys.argv = sys.argv[1:]; "
-               "exec('try:\\n runpy.run_path(sys.argv[0], run_name=\"__main__\")\\nfinally:\\n "
-               "print(\"PEAK_RSS_MB\", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)')",
-               str(ROOT / script), "--total-steps", str(steps), "--eval-every", "0", "--num-eval", "8",
-               "--seed", str(seed), "--output-dir", tmp, *extra]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import resource, runpy, sys; sys.argv = sys.argv[1:]; "
+            'exec(\'try:\\n runpy.run_path(sys.argv[0], run_name="__main__")\\nfinally:\\n '
+            'print("PEAK_RSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\')',
+            str(ROOT / script),
+            "--total-steps",
+            str(steps),
+            "--eval-every",
+            "0",
+            "--num-eval",
+            "8",
+            "--seed",
+            str(seed),
+            "--output-dir",
+            tmp,
+            *extra,
+        ]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         if out.returncode:
             sys.exit(f"{script} {' '.join(extra)} failed:\n{out.stderr[-3000:]}")
@@ -54,7 +67,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--scripts", nargs="*", default=None, help="script names (with flags, quoted) from the default list")
+    ap.add_argument(
+        "--scripts", nargs="*", default=None, help="script names (with flags, quoted) from the default list"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     a = ap.parse_args()
     names = [n for n in SCRIPTS if a.scripts is None or n in a.scripts or n.split()[0] in a.scripts]
@@ -75,7 +90,9 @@ def main() -> None:
             "generation": round(med("time/generation"), 3),
             "logprobs": round(med("time/logprobs"), 3),
             "update": round(med("time/update"), 3),
-            "generated_tokens": round(statistics.median(x.get("reset/generated_tokens", x["num_tokens"]) for x in rows)),
+            "generated_tokens": round(
+                statistics.median(x.get("reset/generated_tokens", x["num_tokens"]) for x in rows)
+            ),
             "trained_tokens": round(med("num_tokens")),
             "peak_rss_mb": round(c["peak_rss_mb"]),
             "steps_measured": len(rows),
@@ -83,15 +100,20 @@ def main() -> None:
     base = table.get("grpo.py", {}).get("seconds_per_step")
     for v in table.values():
         v["ratio_to_grpo"] = round(v["seconds_per_step"] / base, 2) if base else None
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads default",
-              "settings": f"{a.steps} steps x {a.rounds} rounds, defaults of each script (8 prompts x 8)", "table": table}
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads default",
+        "settings": f"{a.steps} steps x {a.rounds} rounds, defaults of each script (8 prompts x 8)",
+        "table": table,
+    }
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "step_time.json").write_text(json.dumps(result, indent=1))
     print("\n| script | s/step | × grpo.py | generation | log-probs | update | generated tokens/step | peak RSS |")
     print("|---|---|---|---|---|---|---|---|")
     for n, v in table.items():
-        print(f"| `{n}` | {v['seconds_per_step']} | {v['ratio_to_grpo']} | {v['generation']} | {v['logprobs']} | "
-              f"{v['update']} | {v['generated_tokens']} | {v['peak_rss_mb']} MB |")
+        print(
+            f"| `{n}` | {v['seconds_per_step']} | {v['ratio_to_grpo']} | {v['generation']} | {v['logprobs']} | "
+            f"{v['update']} | {v['generated_tokens']} | {v['peak_rss_mb']} MB |"
+        )
 
 
 if __name__ == "__main__":

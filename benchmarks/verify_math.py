@@ -7,6 +7,7 @@ failures, and writes benchmarks/out/verify_math.json. Targets: >= 99.5% and >= 9
 
     python benchmarks/verify_math.py --data-path math_test.jsonl [--no-normalize]
 """
+
 import argparse
 import json
 import sys
@@ -21,7 +22,9 @@ from rlvr_utils import rewards  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-path", required=True, help="MATH-style jsonl: problem, solution (with \\boxed{}), optional answer")
+    ap.add_argument(
+        "--data-path", required=True, help="MATH-style jsonl: problem, solution (with \\boxed{}), optional answer"
+    )
     ap.add_argument("--no-normalize", action="store_true", help="measure math-verify without rewards.normalize_latex")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "verify_math.json"))
     a = ap.parse_args()
@@ -42,7 +45,9 @@ def main() -> None:
         own_ok += own == 1.0
         if own != 1.0:
             own_fail.append((i, gold))
-        j = next((j % len(rows) for j in range(i + 1, i + len(rows)) if keys[j % len(rows)] not in (None, keys[i])), None)
+        j = next(
+            (j % len(rows) for j in range(i + 1, i + len(rows)) if keys[j % len(rows)] not in (None, keys[i])), None
+        )
         if j is None:
             continue
         n_other += 1
@@ -53,12 +58,21 @@ def main() -> None:
         other_ok += other == 0.0
         if other != 0.0:
             other_fail.append((i, gold, golds[j]))
-    res = dict(file=a.data_path, rows=len(rows), normalized=not a.no_normalize, own_answer_scores_1=own_ok / len(rows),
-               other_answer_scores_0=other_ok / max(n_other, 1), seconds=time.time() - t0, own_failures=own_fail,
-               other_failures=other_fail)
-    print(f"{len(rows)} reference solutions ({'with' if not a.no_normalize else 'without'} normalize_latex): "
-          f"{res['own_answer_scores_1']:.2%} score 1 against their own answer (target >= 99.5%), "
-          f"{res['other_answer_scores_0']:.2%} score 0 against another problem's (target >= 98%); {res['seconds']:.0f} s")
+    res = dict(
+        file=a.data_path,
+        rows=len(rows),
+        normalized=not a.no_normalize,
+        own_answer_scores_1=own_ok / len(rows),
+        other_answer_scores_0=other_ok / max(n_other, 1),
+        seconds=time.time() - t0,
+        own_failures=own_fail,
+        other_failures=other_fail,
+    )
+    print(
+        f"{len(rows)} reference solutions ({'with' if not a.no_normalize else 'without'} normalize_latex): "
+        f"{res['own_answer_scores_1']:.2%} score 1 against their own answer (target >= 99.5%), "
+        f"{res['other_answer_scores_0']:.2%} score 0 against another problem's (target >= 98%); {res['seconds']:.0f} s"
+    )
     for f in own_fail[:30]:
         print("own   ", f)
     for f in other_fail[:30]:

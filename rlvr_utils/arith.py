@@ -127,8 +127,9 @@ ARITH_INSTRUCTION = (
 )
 
 
-def arith_problems(seed: int, num_train: int, num_eval: int, steps: int = 4, max_value: int = 99,
-                   max_operand: int = 9) -> tuple[list[ArithProblem], list[ArithProblem]]:
+def arith_problems(
+    seed: int, num_train: int, num_eval: int, steps: int = 4, max_value: int = 99, max_operand: int = 9
+) -> tuple[list[ArithProblem], list[ArithProblem]]:
     """Seeded train and eval problems, disjoint: eval problems (distinct) come from their own stream, and train
     draws that equal an eval problem are dropped."""
     rng, eval_rng = random.Random(seed), random.Random(10_000_019 + seed)

@@ -118,10 +118,16 @@ class Checkpointer:
 
     def save(self, step: int, model, tokenizer, optimizer, batches: CountingBatches, extra: dict | None = None) -> Path:
         """Write the checkpoint of the state after `step` (rank 0 writes the model; every rank its RNG states)."""
-        state = {"step": step, "batches_drawn": batches.drawn, "optimizer": optimizer.state_dict(),
-                 "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                 "extra": {k: _state_of(v) for k, v in (extra or {}).items()}}
+        state = {
+            "step": step,
+            "batches_drawn": batches.drawn,
+            "optimizer": optimizer.state_dict(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "extra": {k: _state_of(v) for k, v in (extra or {}).items()},
+        }
         world = self.dist.world if self.dist is not None else 1
         states = [None] * world
         if world > 1:
@@ -142,15 +148,19 @@ class Checkpointer:
         from safetensors.torch import load_file
 
         if not (self.path / "trainer.pt").exists():
-            raise SystemExit(f"--resume {self.path.parent}: no checkpoint there (runs save one with --save-every N or on Ctrl-C)")
+            raise SystemExit(
+                f"--resume {self.path.parent}: no checkpoint there (runs save one with --save-every N or on Ctrl-C)"
+            )
         weights = {}
         for f in sorted((self.path / "model").glob("*.safetensors")):
             weights.update(load_file(str(f)))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if k not in _tied(model)]
         if missing or unexpected:
-            raise SystemExit(f"--resume {self.path.parent}: the checkpoint does not fit the model (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")
+            raise SystemExit(
+                f"--resume {self.path.parent}: the checkpoint does not fit the model (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
+            )
         state = torch.load(self.path / "trainer.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         batches.skip_to(state["batches_drawn"])
@@ -192,8 +202,11 @@ class GracefulStop:
         if self.flag:
             raise KeyboardInterrupt
         self.flag = True
-        print("\nCtrl-C: the run stops after this step and saves a checkpoint (Ctrl-C again stops at once)",
-              file=sys.stderr, flush=True)
+        print(
+            "\nCtrl-C: the run stops after this step and saves a checkpoint (Ctrl-C again stops at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def requested(self, dist=None) -> bool:
         if dist is not None and dist.world > 1:

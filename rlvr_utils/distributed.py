@@ -13,8 +13,7 @@ from typing import Sequence
 
 import torch
 
-from rlvr_utils import checkpoints
-from rlvr_utils import cli
+from rlvr_utils import checkpoints, cli
 
 
 @dataclasses.dataclass
@@ -66,7 +65,9 @@ class Dist:
                 fully_shard(m)
             model._rlvr_synced_gpus = True  # generate() must keep every rank stepping until all are done
             return model
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+        )
 
     def sync_grads(self, train_model, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients: only the last micro-batch of a pass does, so
@@ -78,7 +79,9 @@ class Dist:
         else:
             train_model.require_backward_grad_sync = enabled
 
-    def reduce_metrics(self, metrics: dict, sum_keys: Sequence[str] = ("num_tokens", "tokens_per_second", "sampling/generated_tokens")) -> dict:
+    def reduce_metrics(
+        self, metrics: dict, sum_keys: Sequence[str] = ("num_tokens", "tokens_per_second", "sampling/generated_tokens")
+    ) -> dict:
         """Mean over the ranks that report each metric (`sum_keys`: sum over ranks)."""
         if self.world == 1:
             return metrics
@@ -122,7 +125,9 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def init_distributed(device: str, args: dict, prompts_per_step: int, timeout_s: int = 1800, fsdp: bool = False) -> tuple[Dist, torch.device]:
+def init_distributed(
+    device: str, args: dict, prompts_per_step: int, timeout_s: int = 1800, fsdp: bool = False
+) -> tuple[Dist, torch.device]:
     """Join the torchrun job when there is one (WORLD_SIZE > 1), else a world of 1. Checks that every
     rank got the same flags and that the world size divides `prompts_per_step`. Collectives time out
     after `timeout_s`, so a rank that died makes the others exit with an error instead of hanging."""
@@ -133,22 +138,29 @@ def init_distributed(device: str, args: dict, prompts_per_step: int, timeout_s: 
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
         if local >= torch.cuda.device_count():
-            cli.usage_error(f"torchrun rank {rank} asks for cuda:{local}, but {torch.cuda.device_count()} GPU(s) are visible: "
-                            f"start at most that many ranks per node (--nproc_per_node), or use --device cpu (gloo)")
+            cli.usage_error(
+                f"torchrun rank {rank} asks for cuda:{local}, but {torch.cuda.device_count()} GPU(s) are visible: "
+                f"start at most that many ranks per node (--nproc_per_node), or use --device cpu (gloo)"
+            )
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    torch.distributed.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
     d = Dist(rank, world, dev if dev.type == "cuda" else torch.device("cpu"), fsdp)
     flags = [None] * world
     torch.distributed.all_gather_object(flags, {k: str(v) for k, v in args.items()})
     diff = sorted(k for f in flags for k in set(f) | set(flags[0]) if f.get(k) != flags[0].get(k))
     if diff:
         d.close()
-        raise ValueError(f"ranks were started with different flags: {sorted(set(diff))} (rank 0 has "
-                         f"{ {k: flags[0].get(k) for k in sorted(set(diff))} })")
+        raise ValueError(
+            f"ranks were started with different flags: {sorted(set(diff))} (rank 0 has "
+            f"{ {k: flags[0].get(k) for k in sorted(set(diff))} })"
+        )
     if prompts_per_step % world:
         d.close()
-        raise ValueError(f"--prompts-per-step {prompts_per_step} is the global batch: it must be divisible by the "
-                         f"world size {world} (each rank takes whole groups)")
+        raise ValueError(
+            f"--prompts-per-step {prompts_per_step} is the global batch: it must be divisible by the "
+            f"world size {world} (each rank takes whole groups)"
+        )
     return d, dev
-

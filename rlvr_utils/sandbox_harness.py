@@ -8,6 +8,7 @@ outside the working directory, /proc and frame introspection, then runs the prog
 globals), so the program cannot reach the harness's state through `sys.modules["__main__"]`.
 NOT A SECURITY BOUNDARY: see sandbox.py.
 """
+
 import json
 import os
 import resource
@@ -28,6 +29,7 @@ def _run():
     net = False
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         net = libc.unshare(0x40000000) == 0 or libc.unshare(0x50000000) == 0  # CLONE_NEWNET, +CLONE_NEWUSER
     except Exception:
@@ -37,6 +39,7 @@ def _run():
             resource.setrlimit(getattr(resource, name), (value, value))
         except (ValueError, OSError, AttributeError):
             pass
+
     def world_readable(path):  # nobody must still import the stdlib after the switch
         while True:
             if os.stat(path).st_mode & 0o005 != 0o005:
@@ -44,6 +47,7 @@ def _run():
             if path == os.path.dirname(path):
                 return True
             path = os.path.dirname(path)
+
     if os.geteuid() == 0 and world_readable(os.path.dirname(os.__file__)):
         try:
             os.setgroups([])
@@ -53,14 +57,53 @@ def _run():
             pass
     os.write(out, ("%s:start:%d:%d\n" % (nonce, net, os.geteuid())).encode())
     sys.dont_write_bytecode = True
-    blocked = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
-               "os.killpg", "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.connect", "socket.bind",
-               "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "resource.setrlimit", "resource.prlimit",
-               "sys.settrace", "sys.setprofile", "sys._current_frames", "gc.get_objects", "gc.get_referrers",
-               "gc.get_referents", "os.link", "os.symlink", "os.chroot", "os.setxattr", "os.removexattr"}
+    blocked = {
+        "os.fork",
+        "os.forkpty",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.kill",
+        "os.killpg",
+        "subprocess.Popen",
+        "pty.spawn",
+        "socket.__new__",
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+        "socket.getaddrinfo",
+        "resource.setrlimit",
+        "resource.prlimit",
+        "sys.settrace",
+        "sys.setprofile",
+        "sys._current_frames",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "os.link",
+        "os.symlink",
+        "os.chroot",
+        "os.setxattr",
+        "os.removexattr",
+    }
     frame_attrs = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"}
-    path_events = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.truncate", "os.chmod", "os.chown",
-                   "os.utime", "shutil.rmtree", "os.mkfifo", "os.mknod", "os.chflags", "shutil.copyfile"}
+    path_events = {
+        "os.remove",
+        "os.rmdir",
+        "os.mkdir",
+        "os.rename",
+        "os.truncate",
+        "os.chmod",
+        "os.chown",
+        "os.utime",
+        "shutil.rmtree",
+        "os.mkfifo",
+        "os.mknod",
+        "os.chflags",
+        "shutil.copyfile",
+    }
 
     def inside(path):
         return isinstance(path, int) or os.path.abspath(os.fsdecode(path)).startswith(work + os.sep)
@@ -87,11 +130,17 @@ def _run():
             for a in args[:2]:
                 if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
                     raise PermissionError("sandbox: %s on %s outside the working directory" % (event, a))
+
     sys.addaudithook(hook)
     os.dup2(null, 1)
     os.dup2(null, 2)
-    plain_types, _type, _id, _all = (int, float, complex, bool, str, bytes, type(None), list, tuple, dict, set,
-                                     frozenset), type, id, all  # captured before the program can patch builtins
+    plain_types, _type, _id, _all = (
+        (int, float, complex, bool, str, bytes, type(None), list, tuple, dict, set, frozenset),
+        type,
+        id,
+        all,
+    )  # captured before the program can patch builtins
+
     def plain(x, path, budget):  # exact builtin types all the way down: no object can redefine == (always-equal hack)
         t = _type(x)
         budget[0] -= 1
@@ -105,13 +154,16 @@ def _run():
             path.discard(_id(x))
             return ok
         return True
+
     def guard(fn):
         def checked(*args, **kwargs):
             result = fn(*args, **kwargs)
-            if not plain(result, set(), [10 ** 7]):
+            if not plain(result, set(), [10**7]):
                 raise TypeError("sandbox: the entry point returned a non-builtin value")
             return result
+
         return checked
+
     g = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(p["program"], "<solution>", "exec"), g)

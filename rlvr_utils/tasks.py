@@ -14,13 +14,14 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from rlvr_utils import arith
-from rlvr_utils import rewards
-from rlvr_utils import sandbox
+from rlvr_utils import arith, rewards, sandbox
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main", "train", "test"), "math": ("HuggingFaceH4/MATH-500", None, "test", None),
-                "code": ("openai/openai_humaneval", None, "test", None)}
+HUB_DATASETS = {
+    "gsm8k": ("openai/gsm8k", "main", "train", "test"),
+    "math": ("HuggingFaceH4/MATH-500", None, "test", None),
+    "code": ("openai/openai_humaneval", None, "test", None),
+}
 TASKS = ("arith", "gsm8k", "math", "code")
 
 
@@ -96,7 +97,9 @@ def row_problem(task: str, row: dict) -> str | None:
     if task == "gsm8k":
         need = [f for f in ("question", "answer") if f not in row]
     elif task == "math":
-        need = [f for f in ("problem",) if f not in row] + ([] if "answer" in row or "solution" in row else ["answer (or solution)"])
+        need = [f for f in ("problem",) if f not in row] + (
+            [] if "answer" in row or "solution" in row else ["answer (or solution)"]
+        )
     elif task == "code" and "test_list" in row:  # MBPP-like
         need = [] if "text" in row or "prompt" in row else ["text (or prompt)"]
     elif task == "code":  # HumanEval-like
@@ -120,7 +123,9 @@ class _Builder:
         self.data_path, self.eval_data_path, self.max_prompt_length = data_path, eval_data_path, max_prompt_length
         self.skipped = {"unparsable_gold": 0, "prompt_too_long": 0}
 
-    def example(self, i: int, question: str, gold: str, user: str, plain: str, meta: dict | None = None) -> Example | None:
+    def example(
+        self, i: int, question: str, gold: str, user: str, plain: str, meta: dict | None = None
+    ) -> Example | None:
         """An Example with its rendered, encoded prompt; None (counted) when the prompt is too long."""
         prompt = render_prompt(self.tokenizer, user, plain)
         ids = encode_prompt(self.tokenizer, prompt)
@@ -145,14 +150,17 @@ def _arith_task(b: _Builder, seed: int, steps: int, max_value: int, max_operand:
     train, evals = arith.arith_problems(seed, num_train, b.num_eval, steps, max_value, max_operand)
 
     def build(problems, offset):
-        return [b.example(offset + i, p.text, str(p.answer), arith.ARITH_INSTRUCTION + p.text, arith.arith_prompt(p))
-                for i, p in enumerate(problems)]
+        return [
+            b.example(offset + i, p.text, str(p.answer), arith.ARITH_INSTRUCTION + p.text, arith.arith_prompt(p))
+            for i, p in enumerate(problems)
+        ]
 
     return build(train, 0), build(evals, 10**9), lambda completion, ex: arith.arith_reward(completion, ex.gold), None
 
 
 def _text_task(b: _Builder):
     """gsm8k (question, answer with `#### N`) or math (problem, answer or solution with \\boxed{})."""
+
     def convert(rows, source, offset):
         out = []
         for i, row in enumerate(rows):
@@ -167,7 +175,9 @@ def _text_task(b: _Builder):
             if not ok:
                 b.skipped["unparsable_gold"] += 1
                 continue
-            ex = b.example(offset + i, q, gold, f"{q}\n{MATH_INSTRUCTION}", f"Question: {q}\n{MATH_INSTRUCTION}\nAnswer:")
+            ex = b.example(
+                offset + i, q, gold, f"{q}\n{MATH_INSTRUCTION}", f"Question: {q}\n{MATH_INSTRUCTION}\nAnswer:"
+            )
             if ex is not None:
                 out.append(ex)
         return out
@@ -188,7 +198,11 @@ def _code_task(b: _Builder, timeout: float):
             if "test_list" in row:  # MBPP-like: the model writes the whole function
                 text = row.get("text", row.get("prompt"))
                 tests = [str(t) for t in row["test_list"] or []]
-                m = re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?\s*([A-Za-z_]\w*)\s*\(", tests[0]) if tests else None
+                m = (
+                    re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?\s*([A-Za-z_]\w*)\s*\(", tests[0])
+                    if tests
+                    else None
+                )
                 entry = row.get("entry_point") or (m.group(1) if m else None)
                 shown = "\n".join(tests)
                 user = f"{text}\nYour code should pass these tests:\n{shown}\nReply with the code in one ```python code block."
@@ -209,17 +223,34 @@ def _code_task(b: _Builder, timeout: float):
         return out
 
     def code_batch(texts, examples):
-        programs = [sandbox.code_program(e.meta["prompt_code"], t, e.meta["entry_point"]) for t, e in zip(texts, examples)]
-        return sandbox.code_rewards(programs, [e.meta["tests"] for e in examples], [e.meta["entry_point"] for e in examples],
-                                    timeout, setups=[e.meta["setup"] for e in examples])
+        programs = [
+            sandbox.code_program(e.meta["prompt_code"], t, e.meta["entry_point"]) for t, e in zip(texts, examples)
+        ]
+        return sandbox.code_rewards(
+            programs,
+            [e.meta["tests"] for e in examples],
+            [e.meta["entry_point"] for e in examples],
+            timeout,
+            setups=[e.meta["setup"] for e in examples],
+        )
 
     return *b.from_rows(convert), lambda completion, ex: code_batch([completion], [ex])[0], code_batch
 
 
-def load_task(name: str, tokenizer, seed: int = 0, num_eval: int = 200, data_path: str | None = None,
-              eval_data_path: str | None = None, max_prompt_length: int = 1024, arith_steps: int = 4,
-              arith_max_value: int = 99, arith_max_operand: int = 9, arith_num_train: int = 20000,
-              code_timeout: float = 5.0) -> Task:
+def load_task(
+    name: str,
+    tokenizer,
+    seed: int = 0,
+    num_eval: int = 200,
+    data_path: str | None = None,
+    eval_data_path: str | None = None,
+    max_prompt_length: int = 1024,
+    arith_steps: int = 4,
+    arith_max_value: int = 99,
+    arith_max_operand: int = 9,
+    arith_num_train: int = 20000,
+    code_timeout: float = 5.0,
+) -> Task:
     """Build a task's train and eval prompts and its reward function (see the module docstring).
 
     arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: the hub dataset or a local file via
@@ -232,7 +263,9 @@ def load_task(name: str, tokenizer, seed: int = 0, num_eval: int = 200, data_pat
         raise ValueError(f"--code-timeout must be a positive number of seconds, got {code_timeout}")
     b = _Builder(name, tokenizer, num_eval, data_path, eval_data_path, max_prompt_length)
     if name == "arith":
-        train, evals, reward_fn, batch_fn = _arith_task(b, seed, arith_steps, arith_max_value, arith_max_operand, arith_num_train)
+        train, evals, reward_fn, batch_fn = _arith_task(
+            b, seed, arith_steps, arith_max_value, arith_max_operand, arith_num_train
+        )
     elif name == "code":
         train, evals, reward_fn, batch_fn = _code_task(b, code_timeout)
     else:

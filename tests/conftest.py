@@ -20,6 +20,8 @@ def shared_file(name: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent: real data is not part of the repository (set SHARED_DATA to its folder)")
     return path
+
+
 TINY_MODEL = ROOT / "assets" / "tiny-arith"
 
 

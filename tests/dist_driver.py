@@ -6,6 +6,7 @@
 sample index: right, wrong, or cut short), so runs with different world sizes train on the same data.
 Parameters, and the gradients the first optimizer step saw, go to OUT_DIR/world<W>_rank<R>.pt (Adam's
 first step is nearly lr * sign(gradient), so the gradients are the sensitive comparison)."""
+
 import os
 import runpy
 import sys
@@ -16,9 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import arith
-from rlvr_utils import distributed
-from rlvr_utils import logprob_kernels
+from rlvr_utils import arith, distributed, logprob_kernels
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):
@@ -30,10 +29,11 @@ def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_ne
             texts.append([right, right.replace("####", "#### 1"), right.split("\n")[0]][(g + j) % 3])
             flat.append((list(p), g))
     eos = tokenizer.eos_token_id
-    comps = [tokenizer(t, add_special_tokens=False).input_ids[:max_new_tokens - 1] + [eos] for t in texts]
+    comps = [tokenizer(t, add_special_tokens=False).input_ids[: max_new_tokens - 1] + [eos] for t in texts]
     device = next(model.parameters()).device
-    return common.make_rollouts(tokenizer, [p for p, _ in flat], comps, [g for _, g in flat],
-                                common.stop_token_ids(model, tokenizer), device)
+    return common.make_rollouts(
+        tokenizer, [p for p, _ in flat], comps, [g for _, g in flat], common.stop_token_ids(model, tokenizer), device
+    )
 
 
 _generate = common.generate_rollouts
@@ -62,12 +62,17 @@ if __name__ == "__main__":
         common.generate_rollouts = lambda *a, **k: os._exit(3) if k.get("do_sample", True) else _generate(*a, **k)
     if os.environ.get("DRIVER_BAD_FLAGS") and os.environ.get("RANK") == "1":
         rest = rest + ["--learning-rate", "0.5"]  # rank 1 disagrees with rank 0
-    close, distributed.Dist.close = distributed.Dist.close, lambda self: None  # keep the group for the FSDP gather below
+    close, distributed.Dist.close = (
+        distributed.Dist.close,
+        lambda self: None,
+    )  # keep the group for the FSDP gather below
     sys.argv = [str(ROOT / rest[0]), *rest[1:]]
     g = runpy.run_path(str(ROOT / rest[0]), run_name="__main__")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     model = g["model"]
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
+    state = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     fused = logprob_kernels.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
     torch.save({"params": state, "grads": FIRST_GRADS, "fused": fused}, out / f"world{world}_rank{rank}.pt")

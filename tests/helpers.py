@@ -1,4 +1,5 @@
 """Run the scripts as users do: a subprocess, or in-process (runpy) when a test patches common.py."""
+
 import json
 import os
 import runpy
@@ -15,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_script(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def run_inprocess(script: str, *args: str) -> None:
@@ -44,8 +46,15 @@ def random_model(seed=0, vocab=61):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 

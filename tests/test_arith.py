@@ -1,4 +1,5 @@
 """The built-in arith task (arith.py): problems, solutions, the reward and the first-wrong-step oracle."""
+
 import random
 
 import pytest

@@ -1,5 +1,6 @@
 """Resumable runs (checkpoints.py): a run stopped and resumed matches an uninterrupted one bit for bit on CPU in
 float32; Ctrl-C saves a checkpoint and exits with one line; the run's flags come back with --resume."""
+
 import json
 import os
 import signal
@@ -9,15 +10,20 @@ import time
 
 import pytest
 import torch
-
-from rlvr_utils import checkpoints
-import common
 from conftest import ROOT
 from helpers import run_dir, run_script
 
+import common
+from rlvr_utils import checkpoints
+
 FAST = ["--num-eval", "8", "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4", "--threads", "1"]
-SCRIPTS = [("grpo.py", ["--num-minibatches", "2"]), ("sc_grpo.py", []), ("srpo.py", ["--reset", "random"]),
-           ("ep_grpo.py", ["--process-anchor", "ema"]), ("grpo_lambda.py", [])]
+SCRIPTS = [
+    ("grpo.py", ["--num-minibatches", "2"]),
+    ("sc_grpo.py", []),
+    ("srpo.py", ["--reset", "random"]),
+    ("ep_grpo.py", ["--process-anchor", "ema"]),
+    ("grpo_lambda.py", []),
+]
 
 
 def _metrics(path):
@@ -59,12 +65,22 @@ def test_resume_refuses_a_changed_flag_and_keeps_the_runs_flags(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), "--total-steps", "500", "--output-dir", str(tmp_path), *FAST],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "grpo.py"), "--total-steps", "500", "--output-dir", str(tmp_path), *FAST],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.time() + 240
     while time.time() < deadline:  # wait for the first trained step
         runs = list(tmp_path.iterdir())
-        if runs and (runs[0] / "metrics.jsonl").exists() and len((runs[0] / "metrics.jsonl").read_text().splitlines()) >= 2:
+        if (
+            runs
+            and (runs[0] / "metrics.jsonl").exists()
+            and len((runs[0] / "metrics.jsonl").read_text().splitlines()) >= 2
+        ):
             break
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)

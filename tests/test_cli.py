@@ -1,19 +1,21 @@
 """Bad input ends with one line naming the flag or file and what is allowed, exit code 2, no traceback, before
 anything loads and before the run directory exists (cli.py and each script's validate)."""
+
 import gzip
 import importlib.util
 import json
 import time
 
 import pytest
+from helpers import run_script
 
 from rlvr_utils import cli
-from helpers import run_script
 
 CASES = [  # (script, flags, words the one line must hold)
     ("grpo.py", ["--num-generations", "1"], ["--num-generations", ">= 2"]),
     ("grpo.py", ["--num-generations", "0"], ["--num-generations", ">= 2"]),
-    ("srpo.py", ["--num-generations", "1"], ["--num-generations", "multiple of 2"]),
+    ("srpo.py", ["--num-generations", "1"], ["--num-generations", ">= 2"]),
+    ("srpo.py", ["--num-generations", "3"], ["--num-generations", "multiple of 2"]),
     ("grpo.py", ["--prompts-per-step", "0"], ["--prompts-per-step", ">= 1"]),
     ("grpo.py", ["--prompts-per-step", "-3"], ["--prompts-per-step", ">= 1"]),
     ("grpo.py", ["--loss-agg", "sum"], ["--loss-agg", "token-mean", "seq-mean-token-sum-norm"]),
@@ -65,14 +67,22 @@ def _data(tmp_path, name, text):
     return p
 
 
-@pytest.mark.parametrize("name, text, task, words", [
-    ("bad.jsonl", '{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n', "gsm8k", ["bad.jsonl:2:", "not a JSON object"]),
-    ("empty.jsonl", "\n\n", "gsm8k", ["empty.jsonl", "empty"]),
-    ("list.jsonl", '[1, 2]\n', "gsm8k", ["list.jsonl:1:", "expected a JSON object"]),
-    ("missing.jsonl", '{"question": "a"}\n', "gsm8k", ["missing.jsonl: row 1", "answer"]),
-    ("code.jsonl.gz", '{"prompt": "def f():", "test": "t"}\n', "code", ["row 1", "entry_point"]),
-    ("x.csv", "a,b\n", "gsm8k", ["x.csv", ".jsonl"]),
-])
+@pytest.mark.parametrize(
+    "name, text, task, words",
+    [
+        (
+            "bad.jsonl",
+            '{"question": "a", "answer": "#### 1"}\n{"question": "b", "answer": \n',
+            "gsm8k",
+            ["bad.jsonl:2:", "not a JSON object"],
+        ),
+        ("empty.jsonl", "\n\n", "gsm8k", ["empty.jsonl", "empty"]),
+        ("list.jsonl", "[1, 2]\n", "gsm8k", ["list.jsonl:1:", "expected a JSON object"]),
+        ("missing.jsonl", '{"question": "a"}\n', "gsm8k", ["missing.jsonl: row 1", "answer"]),
+        ("code.jsonl.gz", '{"prompt": "def f():", "test": "t"}\n', "code", ["row 1", "entry_point"]),
+        ("x.csv", "a,b\n", "gsm8k", ["x.csv", ".jsonl"]),
+    ],
+)
 def test_bad_data_file_is_one_clear_line(tmp_path, name, text, task, words):
     path = _data(tmp_path, name, text)
     out_dir = tmp_path / "runs"
@@ -96,11 +106,23 @@ def test_track_without_wandb_says_how_to_install_it(tmp_path):
 
 
 def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
-    assert cli.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [{"x": 1}, {"x": 2}]
+    assert cli.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [
+        {"x": 1},
+        {"x": 2},
+    ]
     assert cli.read_rows(str(_data(tmp_path, "b.json", '[{"x": 1}]')), "--data-path") == [{"x": 1}]
 
 
-@pytest.mark.parametrize("name, local", [("assets/tiny-arth", True), ("./model", True), ("/abs/dir", True), ("a/b/c", True),
-                                         ("Qwen/Qwen2.5-0.5B", False), ("gpt2", False)])
+@pytest.mark.parametrize(
+    "name, local",
+    [
+        ("assets/tiny-arth", True),
+        ("./model", True),
+        ("/abs/dir", True),
+        ("a/b/c", True),
+        ("Qwen/Qwen2.5-0.5B", False),
+        ("gpt2", False),
+    ],
+)
 def test_looks_like_path(name, local):
     assert cli.looks_like_path(name) is local

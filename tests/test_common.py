@@ -1,14 +1,14 @@
 """common.py against references: token log-probs (and the training layout), group advantages, loss aggregation, rollouts,
 checkpoints, gradient checkpointing."""
+
 import math
 
 import pytest
 import torch
-
-from rlvr_utils import checkpoints
-import common
-from rlvr_utils import logprob_kernels
 from helpers import padded_batch, random_model
+
+import common
+from rlvr_utils import checkpoints, logprob_kernels, rollouts
 
 
 def _reference(model64, prompt, completion, temperature):
@@ -32,7 +32,9 @@ def test_token_logprobs_matches_float64_reference(temperature, chunk_size, fused
     completions = [torch.randint(1, 61, (n,), generator=g).tolist() for n in (4, 9, 1, 6, 9)]  # right padding
     ids, attn, cmask, T = padded_batch(prompts, completions)
     with torch.no_grad():
-        logp, ent = common.token_logprobs(model, ids, attn, T, temperature, chunk_size=chunk_size, with_entropy=True, fused=fused)
+        logp, ent = common.token_logprobs(
+            model, ids, attn, T, temperature, chunk_size=chunk_size, with_entropy=True, fused=fused
+        )
         logp_only, none = common.token_logprobs(model, ids, attn, T, temperature, chunk_size=chunk_size, fused=fused)
     assert logprob_kernels.fused_logprobs_ok(model)  # a Qwen2 model: the default is the fused path
     assert none is None and logp.shape == (5, T) and ent.shape == (5, T)
@@ -67,22 +69,34 @@ def test_token_logprobs_agree_with_generate_scores():
     prompts = [[5, 6, 7, 8], [9, 10], [11]]
     torch.manual_seed(0)
     ids, mask = common.pad_left(prompts, 0)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=True, temperature=0.7,
-                         top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=60, return_dict_in_generate=True,
-                         output_logits=True)
-    comp = out.sequences[:, ids.shape[1]:]
-    cmask, _ = common.completion_mask_from_ids(comp, [60])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+        eos_token_id=60,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    comp = out.sequences[:, ids.shape[1] :]
+    cmask, _ = rollouts.completion_mask_from_ids(comp, [60])
     gen_logp = torch.stack([torch.log_softmax(l.float() / 0.7, -1) for l in out.logits], 1)
     gen_logp = gen_logp.gather(-1, comp[..., None]).squeeze(-1)
     with torch.no_grad():
-        logp, _ = common.token_logprobs(model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 0.7)
+        logp, _ = common.token_logprobs(
+            model, torch.cat([ids, comp], 1), torch.cat([mask, cmask], 1), comp.shape[1], 0.7
+        )
     m = cmask.bool()
     assert torch.allclose(logp[m], gen_logp[m], atol=1e-4)
 
 
 def test_completion_mask_from_ids():
     comp = torch.tensor([[3, 4, 9, 0, 0], [9, 0, 0, 0, 0], [1, 2, 3, 4, 5], [1, 9, 2, 9, 3]])
-    mask, trunc = common.completion_mask_from_ids(comp, [9])
+    mask, trunc = rollouts.completion_mask_from_ids(comp, [9])
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert trunc.tolist() == [False, False, True, False]
 
@@ -96,7 +110,9 @@ def test_group_advantages_hand_cases():
     assert torch.equal(a[4:], torch.zeros(4))  # all-equal group: exactly 0
     assert torch.allclose(common.group_advantages(r, 4, "none"), torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
     batch_std = r.std().item()
-    assert torch.allclose(common.group_advantages(r, 4, "batch")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (batch_std + 1e-4))
+    assert torch.allclose(
+        common.group_advantages(r, 4, "batch")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (batch_std + 1e-4)
+    )
     assert torch.equal(common.group_advantages(r, 4, "batch")[4:], torch.zeros(4))
 
 
@@ -216,7 +232,10 @@ def test_make_rollouts_pads_and_flags():
 
     ro = common.make_rollouts(Tok(), [[1, 2, 3], [4]], [[5, 9], [6, 7, 8]], [11, 12], stop_ids=[9])
     assert ro.prompt_ids.tolist() == [[1, 2, 3], [0, 0, 4]] and ro.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert ro.completion_ids.tolist() == [[5, 9, 0], [6, 7, 8]] and ro.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert ro.completion_ids.tolist() == [[5, 9, 0], [6, 7, 8]] and ro.completion_mask.tolist() == [
+        [1, 1, 0],
+        [1, 1, 1],
+    ]
     assert ro.truncated.tolist() == [False, True] and ro.group_ids.tolist() == [11, 12]
     assert ro.texts == ["e", "fgh"] and ro.input_ids.shape == (2, 6)
 
@@ -271,7 +290,9 @@ def test_right_padded_layout_keeps_tokens_positions_and_predicting_columns():
     assert r_ids.shape[1] == 7  # the second row has no left padding: nothing to drop
     for b in range(3):
         n = int(mask[b].sum())
-        assert r_ids[b, :n].tolist() == ids[b][mask[b].bool()].tolist() and r_mask[b, :n].all() and not r_mask[b, n:].any()
+        assert (
+            r_ids[b, :n].tolist() == ids[b][mask[b].bool()].tolist() and r_mask[b, :n].all() and not r_mask[b, n:].any()
+        )
         assert pos[b, :n].tolist() == list(range(n))
         want = ids[b, -T:]  # each kept column is followed by the token it predicts
         shift = int((mask[b].cumsum(0) == 0).sum())
@@ -288,8 +309,15 @@ def test_right_padded_layout_keeps_tokens_positions_and_predicting_columns():
 def test_eager_and_sdpa_attention_give_the_same_log_probs_on_a_padded_batch():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128)
+    cfg = Qwen2Config(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     sdpa = Qwen2ForCausalLM(cfg).eval()
     eager = Qwen2ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
@@ -340,9 +368,22 @@ class _Args:
     """The fields rollouts_with_rewards reads."""
 
     def __init__(self, **kw):
-        self.__dict__.update(dict(num_generations=4, prompts_per_step=2, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
-                                  gen_batch_size=64, dynamic_sampling=False, max_sampling_rounds=3, overlong_buffer=0,
-                                  overlong_penalty_factor=1.0), **kw)
+        self.__dict__.update(
+            dict(
+                num_generations=4,
+                prompts_per_step=2,
+                max_new_tokens=12,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                gen_batch_size=64,
+                dynamic_sampling=False,
+                max_sampling_rounds=3,
+                overlong_buffer=0,
+                overlong_penalty_factor=1.0,
+            ),
+            **kw,
+        )
 
 
 def _scripted_task(tok, scores_by_id):
@@ -368,14 +409,18 @@ def test_dynamic_sampling_drops_constant_groups_and_refills(tiny):
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 1.0 if i % 2 == 0 else float(k % 2))
     batches = common.prompt_batches(task.train, 2, seed=3)
-    ro, rewards, info = common.rollouts_with_rewards(model, tok, task, batches, distributed.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=10))
+    ro, rewards, info = common.rollouts_with_rewards(
+        model, tok, task, batches, distributed.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=10)
+    )
     assert len(ro) == 8 and all(int(g) % 2 == 1 for g in ro.group_ids)  # only groups with a signal were kept
     assert info["sampling/groups_kept"] == 1.0 and info["sampling/prompts_drawn"] >= 2
     assert torch.equal(rewards, ro.scores) and rewards.tolist() == [0.0, 1.0] * 4
     assert info["sampling/generated_tokens"] >= info["num_tokens"]
     assert list(ro.input_ids.shape) == [8, ro.prompt_ids.shape[1] + ro.completion_ids.shape[1]]
     # without it, the first batch is trained whatever its rewards
-    ro2, _, info2 = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=3), distributed.Dist(), _Args())
+    ro2, _, info2 = common.rollouts_with_rewards(
+        model, tok, task, common.prompt_batches(task.train, 2, seed=3), distributed.Dist(), _Args()
+    )
     assert "sampling/groups_kept" not in info2 and len(ro2) == 8
 
 
@@ -384,12 +429,30 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 0.0)  # nothing ever has a signal
-    ro, rewards, info = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=0),
-                                                     distributed.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=2))
-    assert len(ro) == 8 and info["sampling/rounds"] == 2 and info["sampling/groups_kept"] == 0.0 and info["sampling/prompts_drawn"] == 4
+    ro, rewards, info = common.rollouts_with_rewards(
+        model,
+        tok,
+        task,
+        common.prompt_batches(task.train, 2, seed=0),
+        distributed.Dist(),
+        _Args(dynamic_sampling=True, max_sampling_rounds=2),
+    )
+    assert (
+        len(ro) == 8
+        and info["sampling/rounds"] == 2
+        and info["sampling/groups_kept"] == 0.0
+        and info["sampling/prompts_drawn"] == 4
+    )
     keep = lambda s: True  # noqa: E731 - SC-GRPO keeps its solve-none groups
-    ro, _, info = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=0),
-                                               distributed.Dist(), _Args(dynamic_sampling=True), keep)
+    ro, _, info = common.rollouts_with_rewards(
+        model,
+        tok,
+        task,
+        common.prompt_batches(task.train, 2, seed=0),
+        distributed.Dist(),
+        _Args(dynamic_sampling=True),
+        keep,
+    )
     assert info["sampling/rounds"] == 1 and info["sampling/groups_kept"] == 1.0
 
 
@@ -400,9 +463,14 @@ def test_overlong_penalty_is_dapos_linear_ramp(tiny):
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 1.0)
-    ro, rewards, info = common.rollouts_with_rewards(model, tok, task, common.prompt_batches(task.train, 2, seed=0),
-                                                     distributed.Dist(), _Args(max_new_tokens=48, overlong_buffer=16,
-                                                                               overlong_penalty_factor=0.5))
+    ro, rewards, info = common.rollouts_with_rewards(
+        model,
+        tok,
+        task,
+        common.prompt_batches(task.train, 2, seed=0),
+        distributed.Dist(),
+        _Args(max_new_tokens=48, overlong_buffer=16, overlong_penalty_factor=0.5),
+    )
     L = ro.completion_mask.sum(1).float()
     want = 1.0 + torch.where(L <= 32, 0.0, -(L - 32) / 16 * 0.5)
     assert torch.allclose(rewards, want) and (ro.scores == 1.0).all()
@@ -426,7 +494,9 @@ def test_update_stats_hand_values():
     m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     ratio = torch.tensor([[0.7, 1.0, 0.1], [1.5, 1.0, 1.0]])
     adv = torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]])
-    st.add(m, ratio, adv, 0.2, 0.28, entropy=torch.full((2, 3), 2.0), kl=torch.full((2, 3), 0.3), loss=torch.tensor(1.0))
+    st.add(
+        m, ratio, adv, 0.2, 0.28, entropy=torch.full((2, 3), 2.0), kl=torch.full((2, 3), 0.3), loss=torch.tensor(1.0)
+    )
     st.step(4.0)
     st.add(m, torch.ones(2, 3), adv, 0.2, 0.28, kl=torch.zeros(2, 3), loss=torch.tensor(3.0))
     st.step(2.0)

@@ -1,14 +1,15 @@
 """ep_grpo.py: the advantage function's invariants on hand-made batches, and the script end to end."""
+
 import itertools
 import math
 
 import pytest
 import torch
+from helpers import read_metrics, run_inprocess, run_script
 
 import common
-from rlvr_utils import tasks
 from ep_grpo import cell_zscore, entropy_gate, ep_advantages, ep_metrics, progress_windows, row_quantile
-from helpers import read_metrics, run_inprocess, run_script
+from rlvr_utils import tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
 G = 4
@@ -51,7 +52,7 @@ def clipped_loss(token_adv, logp, old, ref, mask, loss_agg, beta=1e-3, eps=0.2, 
 def test_alpha_lambda_zero_is_exactly_grpo_loss(loss_agg, scale):
     b = make_batch()
     T = b["mask"].shape[1]
-    logp = (b["logp_old"] + 0.3 * torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(1)))
+    logp = b["logp_old"] + 0.3 * torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(1))
     logp.requires_grad_(True)
 
     def loss_and_grad(token_adv):
@@ -63,11 +64,15 @@ def test_alpha_lambda_zero_is_exactly_grpo_loss(loss_agg, scale):
     grpo_adv = common.group_advantages(b["rewards"], G, scale, group_ids=b["group_ids"])  # as grpo.py does
     grpo_loss, grpo_grad = loss_and_grad(grpo_adv[:, None].expand(-1, T))
     assert grpo_adv.abs().sum() > 0
-    ep_loss, ep_grad = loss_and_grad(adv(b, gate_alpha=0.0, process_coef=0.0, scale_rewards=scale, outcome_std="unbiased"))
+    ep_loss, ep_grad = loss_and_grad(
+        adv(b, gate_alpha=0.0, process_coef=0.0, scale_rewards=scale, outcome_std="unbiased")
+    )
     assert torch.equal(ep_loss, grpo_loss) and torch.equal(ep_grad, grpo_grad)
     # each term alone changes the loss (so the equality above is not a tautology)
     for kw in ({}, {"gate_alpha": 0.0}, {"process_coef": 0.0}):
-        assert not torch.equal(loss_and_grad(adv(b, scale_rewards=scale, outcome_std="unbiased", **kw))[1], grpo_grad), kw
+        assert not torch.equal(
+            loss_and_grad(adv(b, scale_rewards=scale, outcome_std="unbiased", **kw))[1], grpo_grad
+        ), kw
 
 
 @pytest.mark.parametrize("gate", ["soft", "hard", "gtpo"])
@@ -148,8 +153,20 @@ def test_process_signal_is_a_window_z_score_and_can_flip_polarity():
     rewards = torch.tensor([1.0, 0.0])  # A_out = +-1 (population std 1/2)
 
     def run(lam):
-        return ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=2, process_coef=lam,
-                             gate_alpha=0.0, return_parts=True, process_granularity="window", process_polarity="none")
+        return ep_advantages(
+            entropy,
+            logp_old,
+            logp_ref,
+            mask,
+            rewards,
+            2,
+            num_buckets=2,
+            process_coef=lam,
+            gate_alpha=0.0,
+            return_parts=True,
+            process_granularity="window",
+            process_polarity="none",
+        )
 
     a, parts = run(1.5)
     assert parts["windows"].tolist() == [[0, 0, 1, 1]] * 2
@@ -187,7 +204,9 @@ def test_bad_input_no_nan_and_counted():
         out = ep_advantages(torch.zeros(6, T), logp_old, logp_ref, mask, rewards, 2, gate=gate)
         assert torch.isfinite(out).all(), gate
     # sigma_min = 0: flat windows and one-member windows must still not divide by zero
-    assert torch.equal(ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=4, process_std_min=0.0), a)
+    assert torch.equal(
+        ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=4, process_std_min=0.0), a
+    )
 
 
 @pytest.mark.parametrize("entropy,share", [([10.0] + [0.0] * 9, 1.0), ([1.0] * 10, 0.2), ([5.0] * 5 + [0.0] * 5, 0.4)])
@@ -200,11 +219,24 @@ def test_entropy_top20_share(entropy, share):
 
 
 VARIANTS = [
-    {"gate": "hard"}, {"gate": "gtpo"}, {"gate": "none"}, {"gate_norm": "none"}, {"pivot_scope": "group"},
-    {"pivot_scope": "response"}, {"process_granularity": "window"}, {"process_granularity": "cumulative"},
-    {"process_polarity": "none"}, {"reward_threshold": -0.5}, {"gate": "zsig"}, {"gate": "zsig", "gate_gamma": 3.0},
-    {"anchor_form": "multiplicative"}, {"progress": "position"}, {"advantage_form": "B"}, {"scale_rewards": "none"},
-    {"num_buckets": 1}, {"process_clip": 0.5},
+    {"gate": "hard"},
+    {"gate": "gtpo"},
+    {"gate": "none"},
+    {"gate_norm": "none"},
+    {"pivot_scope": "group"},
+    {"pivot_scope": "response"},
+    {"process_granularity": "window"},
+    {"process_granularity": "cumulative"},
+    {"process_polarity": "none"},
+    {"reward_threshold": -0.5},
+    {"gate": "zsig"},
+    {"gate": "zsig", "gate_gamma": 3.0},
+    {"anchor_form": "multiplicative"},
+    {"progress": "position"},
+    {"advantage_form": "B"},
+    {"scale_rewards": "none"},
+    {"num_buckets": 1},
+    {"process_clip": 0.5},
 ]
 
 
@@ -221,9 +253,17 @@ def test_every_flag_gives_finite_masked_advantages_that_differ_from_the_default(
         assert (a[parts["zero_var"]] == 0).all()
 
 
-@pytest.mark.parametrize("kw", [{"gate": "sigmoid"}, {"process_granularity": "step"}, {"advantage_form": "C"},
-                                {"process_polarity": "sign"},
-                                {"num_buckets": 0}, {"pivot_quantile": 1.5}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"gate": "sigmoid"},
+        {"process_granularity": "step"},
+        {"advantage_form": "C"},
+        {"process_polarity": "sign"},
+        {"num_buckets": 0},
+        {"pivot_quantile": 1.5},
+    ],
+)
 def test_unknown_choice_is_a_clear_error(kw):
     with pytest.raises(ValueError, match=f"{next(iter(kw))}"):
         adv(make_batch(), **kw)
@@ -250,7 +290,11 @@ def test_every_method_flag_reaches_ep_advantages():
 
     fields = [f.name for f in dataclasses.fields(ep_grpo.Args)]
     params = inspect.signature(ep_advantages).parameters
-    assert [f for f in fields[fields.index("gate"):] if f not in params] == ["process_anchor", "anchor_ema_decay", "anchor_lag"]
+    assert [f for f in fields[fields.index("gate") :] if f not in params] == [
+        "process_anchor",
+        "anchor_ema_decay",
+        "anchor_lag",
+    ]
     assert "scale_rewards" in params and "return_parts" in params
 
 
@@ -270,10 +314,22 @@ def test_ep_grpo_two_steps_subprocess(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("reward", "policy_loss", "kl", "entropy", "time/advantages", "ep/frac_zero_var_groups",
-                "ep/zero_var_groups_with_grad", "ep/entropy_top20_share", "ep/polarity_flip_rate",
-                "ep/process_abs_mixed", "ep/process_abs_zero_var", "ep/frac_zero_entropy_responses",
-                "ep/frac_singleton_windows", "ep/frac_flat_windows"):
+    for key in (
+        "reward",
+        "policy_loss",
+        "kl",
+        "entropy",
+        "time/advantages",
+        "ep/frac_zero_var_groups",
+        "ep/zero_var_groups_with_grad",
+        "ep/entropy_top20_share",
+        "ep/polarity_flip_rate",
+        "ep/process_abs_mixed",
+        "ep/process_abs_zero_var",
+        "ep/frac_zero_entropy_responses",
+        "ep/frac_singleton_windows",
+        "ep/frac_flat_windows",
+    ):
         assert key in rows[1], key
     assert all(v == v for r in rows for v in r.values())  # no NaN
 
@@ -295,8 +351,18 @@ def test_cli_alpha_lambda_zero_reproduces_grpo_py(tmp_path, monkeypatch):
     _alternating_reward_task(monkeypatch)
     flags = ["--total-steps", "2", "--temperature", "1.5", *FAST]  # hot sampling: groups differ even on a sharp model
     run_inprocess("grpo.py", "--output-dir", str(tmp_path / "g"), "--beta", "0.001", "--loss-agg", "token-mean", *flags)
-    run_inprocess("ep_grpo.py", "--output-dir", str(tmp_path / "e"), "--gate-alpha", "0", "--process-coef", "0",
-                  "--outcome-std", "unbiased", *flags)
+    run_inprocess(
+        "ep_grpo.py",
+        "--output-dir",
+        str(tmp_path / "e"),
+        "--gate-alpha",
+        "0",
+        "--process-coef",
+        "0",
+        "--outcome-std",
+        "unbiased",
+        *flags,
+    )
     grpo, ep = read_metrics(tmp_path / "g"), read_metrics(tmp_path / "e")
     assert any(r["grad_norm"] > 0 for r in grpo[1:])
     for key in ("reward", "policy_loss", "grad_norm", "kl", "entropy"):
@@ -304,15 +370,34 @@ def test_cli_alpha_lambda_zero_reproduces_grpo_py(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("anchor,flags,moved", [("lagged", ["--anchor-lag", "2"], [False, True, False]),
-                                                ("ema", ["--anchor-ema-decay", "0"], [False, False])])
+@pytest.mark.parametrize(
+    "anchor,flags,moved",
+    [("lagged", ["--anchor-lag", "2"], [False, True, False]), ("ema", ["--anchor-ema-decay", "0"], [False, False])],
+)
 def test_moving_anchor(tmp_path, monkeypatch, anchor, flags, moved):
     """The anchor starts as the policy (no process signal at step 1). Lagged resets it to the policy every 2 steps
     (signal at step 2 only); an ema with decay 0 is the policy itself after every step (never a signal).
     sigma_min = 0 makes any drift count; an anchor equal to the policy gives delta = 0 exactly."""
     _alternating_reward_task(monkeypatch)
-    run_inprocess("ep_grpo.py", "--output-dir", str(tmp_path), "--total-steps", str(len(moved)), *FAST, "--beta", "0",
-                  "--temperature", "1.5", "--process-std-min", "0", "--process-anchor", anchor, *flags, "--pivot-scope", "group")
+    run_inprocess(
+        "ep_grpo.py",
+        "--output-dir",
+        str(tmp_path),
+        "--total-steps",
+        str(len(moved)),
+        *FAST,
+        "--beta",
+        "0",
+        "--temperature",
+        "1.5",
+        "--process-std-min",
+        "0",
+        "--process-anchor",
+        anchor,
+        *flags,
+        "--pivot-scope",
+        "group",
+    )
     rows = read_metrics(tmp_path)[1:]
     assert all(r["grad_norm"] > 0 for r in rows) and all(v == v for r in rows for v in r.values())
     assert all("kl" not in r for r in rows)  # beta 0 with a moving anchor: the reference forward is skipped
@@ -337,11 +422,32 @@ def test_zsig_gate_is_the_authors_sigmoid_of_the_group_z_score():
     in one group give W = (0.2072, 0.3900, 0.6100, 0.7928) at gamma = 1 (hand values: z = (+-1.342, +-0.447))."""
     H = torch.tensor([[0.0], [1.0], [2.0], [3.0]])
     one = torch.ones(4, 1)
-    _, parts = ep_advantages(H, one * 0, one * 0, one, torch.tensor([1.0, 0, 0, 0]), 4, gate="zsig", gate_norm="none",
-                             pivot_scope="group", return_parts=True)
+    _, parts = ep_advantages(
+        H,
+        one * 0,
+        one * 0,
+        one,
+        torch.tensor([1.0, 0, 0, 0]),
+        4,
+        gate="zsig",
+        gate_norm="none",
+        pivot_scope="group",
+        return_parts=True,
+    )
     assert torch.allclose(parts["gate"].squeeze(1), torch.tensor([0.2072, 0.3900, 0.6100, 0.7928]), atol=1e-4)
-    steep = ep_advantages(H, one * 0, one * 0, one, torch.tensor([1.0, 0, 0, 0]), 4, gate="zsig", gate_norm="none",
-                          pivot_scope="group", gate_gamma=5.0, return_parts=True)[1]["gate"].squeeze(1)
+    steep = ep_advantages(
+        H,
+        one * 0,
+        one * 0,
+        one,
+        torch.tensor([1.0, 0, 0, 0]),
+        4,
+        gate="zsig",
+        gate_norm="none",
+        pivot_scope="group",
+        gate_gamma=5.0,
+        return_parts=True,
+    )[1]["gate"].squeeze(1)
     assert steep[0] < 0.01 and steep[3] > 0.99  # gamma sharpens the gate
 
 
@@ -356,7 +462,7 @@ def test_outcome_polarity_signs_the_process_credit():
     rewards = torch.tensor([0.0] * 4 + [1.0] * 4 + [1.0, 0, 0, 0])  # all-wrong, all-correct, mixed
     a, parts = ep_advantages(entropy, logp_old, logp_ref, mask, rewards, 4, gate="none", return_parts=True)
     assert parts["polarity"].tolist() == [-1.0] * 4 + [1.0] * 4 + [1.0, -1, -1, -1]
-    delta = (logp_old - logp_ref)
+    delta = logp_old - logp_ref
 
     def corr(x, y):
         x, y = x - x.mean(), y - y.mean()
@@ -403,7 +509,9 @@ def _tabular_drift(polarity, reward, steps=40, seed=0, lr=0.5):
         entropy = -(lp.exp() * lp).sum(-1).detach().expand(G * n, T)
         logp_ref = ref.log_softmax(-1).gather(1, tok.T).T
         mask = torch.ones(G * n, T)
-        A = ep_advantages(entropy, logp.detach(), logp_ref, mask, torch.full((G * n,), reward), G, process_polarity=polarity)
+        A = ep_advantages(
+            entropy, logp.detach(), logp_ref, mask, torch.full((G * n,), reward), G, process_polarity=polarity
+        )
         theta.grad = None
         (-(A * logp).sum() / mask.sum()).backward()
         with torch.no_grad():

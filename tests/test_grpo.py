@@ -1,12 +1,13 @@
 """grpo.py through its real entry point on the bundled tiny model."""
+
 import json
 
 import pytest
 import torch
-
-from rlvr_utils import tasks
 from conftest import TINY_MODEL
 from helpers import read_metrics, run_dir, run_inprocess, run_script
+
+from rlvr_utils import tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
 
@@ -18,9 +19,23 @@ def test_grpo_two_steps_subprocess(tmp_path):
     assert "logs in" in out.stdout and "saved model to" in out.stdout
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length",
-                "completions/clipped_ratio", "entropy", "policy_loss", "grad_norm", "learning_rate", "tokens_per_second",
-                "time/generation", "time/logprobs", "time/update", "clip_ratio/region_mean"):
+    for key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "entropy",
+        "policy_loss",
+        "grad_norm",
+        "learning_rate",
+        "tokens_per_second",
+        "time/generation",
+        "time/logprobs",
+        "time/update",
+        "clip_ratio/region_mean",
+    ):
         assert key in rows[1], key
     assert "kl" not in rows[1]  # beta = 0: no reference model, no kl metric
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
@@ -57,8 +72,20 @@ def test_grpo_variants_run(tmp_path, flags):
 def test_grpo_help_lists_every_flag():
     out = run_script("grpo.py", "--help")
     assert out.returncode == 0
-    for flag in ("--num-iterations", "--epsilon-high", "--beta", "--loss-agg", "--scale-rewards", "--save-model",
-                 "--track", "--model", "--task", "--data-path", "--eval-every", "--arith-steps"):
+    for flag in (
+        "--num-iterations",
+        "--epsilon-high",
+        "--beta",
+        "--loss-agg",
+        "--scale-rewards",
+        "--save-model",
+        "--track",
+        "--model",
+        "--task",
+        "--data-path",
+        "--eval-every",
+        "--arith-steps",
+    ):
         assert flag in out.stdout, flag
 
 

@@ -1,14 +1,15 @@
 """GRPO-λ (grpo_lambda.py): the O(T) trace against its O(T²) definition, the GRPO limit, the on-policy
 c_k identity (docs/grpo_lambda.md), the advantage clamp, bad input, and a few steps of the script."""
+
 import importlib.util
 import json
 
 import pytest
 import torch
-
-import common
 from conftest import ROOT
 from helpers import read_metrics, run_dir, run_inprocess, run_script
+
+import common
 
 _spec = importlib.util.spec_from_file_location("grpo_lambda", ROOT / "grpo_lambda.py")
 gl = importlib.util.module_from_spec(_spec)
@@ -103,14 +104,20 @@ def test_trace_multipliers_are_the_column_sums(style, a):
 
 def test_trace_multipliers_match_the_spec_numbers():
     """Spec §1.3 table (γ = 1, λ = 0.99): c_0, c_{T/2}, c_{T−1}, mean c."""
-    for T, style, c0, cmid, mean in [(256, "recent", 92.4, 72.4, 64.3), (256, "both", 256, 72.4, 87.8),
-                                     (768, "recent", 100.0, 97.9, 87.1), (768, "both", 768, 97.9, 149.4)]:
+    for T, style, c0, cmid, mean in [
+        (256, "recent", 92.4, 72.4, 64.3),
+        (256, "both", 256, 72.4, 87.8),
+        (768, "recent", 100.0, 97.9, 87.1),
+        (768, "both", 768, 97.9, 149.4),
+    ]:
         c = gl.trace_multipliers(torch.tensor([T]), 0.99, 1.0, style)[0]
         assert abs(c[0] - c0) < 0.06 and abs(c[T // 2] - cmid) < 0.06 and c[-1] == 1, (T, style)
         assert abs(c.mean() - mean) < 0.06, (T, style, c.mean())
     k = torch.arange(40, dtype=torch.float64)  # closed form of the recent style
-    assert torch.allclose(gl.trace_multipliers(torch.tensor([40]), 0.7, 1.0, "recent", dtype=torch.float64)[0],
-                          (1 - 0.7 ** (40 - k)) / 0.3)
+    assert torch.allclose(
+        gl.trace_multipliers(torch.tensor([40]), 0.7, 1.0, "recent", dtype=torch.float64)[0],
+        (1 - 0.7 ** (40 - k)) / 0.3,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the GRPO limit
@@ -227,7 +234,9 @@ def test_long_sequences_short_rows_and_padding_stay_finite():
     A = torch.tensor([1.0, -0.1, 0.5, -0.1])[:, None].expand(B, T)
     for lam, style in [(1.0, "both"), (0.99, "both"), (1.0, "recent")]:
         loss, ratio, z = gl.grpo_lambda_token_loss(logp, old, A, mask, lam, 1.0, style)
-        assert torch.isfinite(loss).all() and torch.isfinite(ratio).all() and ratio.max() <= torch.exp(torch.tensor(20.0))
+        assert (
+            torch.isfinite(loss).all() and torch.isfinite(ratio).all() and ratio.max() <= torch.exp(torch.tensor(20.0))
+        )
         total = common.aggregate_loss(loss, mask.float(), "token-mean")
         (g,) = torch.autograd.grad(total, logp)
         assert torch.isfinite(total) and torch.isfinite(g).all()
@@ -261,16 +270,42 @@ def test_grpo_lambda_two_steps_subprocess(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("reward", "policy_loss", "grad_norm", "clip_ratio/region_mean", "trace/log_ratio_mean",
-                "trace/log_ratio_max", "trace/clamped_frac", "trace/multiplier_mean", "time/update"):
+    for key in (
+        "reward",
+        "policy_loss",
+        "grad_norm",
+        "clip_ratio/region_mean",
+        "trace/log_ratio_mean",
+        "trace/log_ratio_max",
+        "trace/clamped_frac",
+        "trace/multiplier_mean",
+        "time/update",
+    ):
         assert key in rows[1], key
     assert rows[1]["trace/multiplier_mean"] >= 1.0  # "both" at λ = 0.99: every token's c_k >= 1
     assert "eval/accuracy" in rows[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--trace-apply", "weight", "--trace-style", "recent", "--adv-clamp", "-0.5",
-                                    "--num-iterations", "2", "--beta", "0.04", "--micro-batch-size", "5"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [
+            "--trace-apply",
+            "weight",
+            "--trace-style",
+            "recent",
+            "--adv-clamp",
+            "-0.5",
+            "--num-iterations",
+            "2",
+            "--beta",
+            "0.04",
+            "--micro-batch-size",
+            "5",
+        ]
+    ],
+)
 def test_grpo_lambda_variant_runs(tmp_path, flags):
     run_inprocess("grpo_lambda.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *flags)
     rows = read_metrics(tmp_path)

@@ -2,14 +2,24 @@
 margin that a broken gradient cannot reach. The broken runs are the same script with
 common.group_advantages patched (sign flipped, or zeroed), and the same assertion is shown to
 fail for them, so the test can tell a working gradient from a broken one."""
+
 import pytest
 import torch
-
-import common
 from helpers import read_metrics, run_inprocess
 
+import common
+
 MARGIN = 0.05
-ARGS = ["--total-steps", "30", "--eval-every", "0", "--num-eval", "200", "--seed", "1"]  # greedy eval: no sampling noise
+ARGS = [
+    "--total-steps",
+    "30",
+    "--eval-every",
+    "0",
+    "--num-eval",
+    "200",
+    "--seed",
+    "1",
+]  # greedy eval: no sampling noise
 
 
 def _gain(tmp_path, monkeypatch, mode):
@@ -32,4 +42,6 @@ def test_grpo_learns_and_broken_gradients_do_not(tmp_path, monkeypatch, mode):
     if mode == "working":
         assert gain >= MARGIN, f"GRPO raised eval accuracy by only {gain:+.3f} (< {MARGIN})"
     else:  # the assertion above must fail for a broken gradient
-        assert gain < MARGIN, f"a {mode} gradient reached {gain:+.3f}: the learning test cannot tell it from a working one"
+        assert gain < MARGIN, (
+            f"a {mode} gradient reached {gain:+.3f}: the learning test cannot tell it from a working one"
+        )

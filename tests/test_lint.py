@@ -1,18 +1,23 @@
 """Static checks: pyflakes-level errors (undefined names, unused imports, syntax) anywhere in the project, and the
 sandbox harness (a program the runner starts from its source text) fully linted."""
+
 import shutil
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
 def _ruff(*args):
-    if shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode:
+    if (
+        shutil.which("ruff") is None
+        and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode
+    ):
         pytest.fail("ruff is not installed: pip install -r requirements-dev.txt")
-    return subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", *args], cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--isolated", *args], cwd=ROOT, capture_output=True, text=True
+    )
 
 
 def test_no_undefined_names_or_unused_imports():
@@ -33,18 +38,35 @@ def test_every_project_module_attribute_used_exists():
 
     package = {p.stem for p in (ROOT / "rlvr_utils").glob("*.py")}
     missing = []
-    for path in [*ROOT.glob("*.py"), *ROOT.glob("rlvr_utils/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"),
-                 *ROOT.glob("tools/*.py")]:
+    for path in [
+        *ROOT.glob("*.py"),
+        *ROOT.glob("rlvr_utils/*.py"),
+        *ROOT.glob("tests/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("tools/*.py"),
+    ]:
         tree = ast.parse(path.read_text())
-        imported = {a.asname or a.name: a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-                    if a.name in {"common", "grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo"}}
-        imported |= {a.asname or a.name: f"rlvr_utils.{a.name}" for n in ast.walk(tree)
-                     if isinstance(n, ast.ImportFrom) and n.module == "rlvr_utils" for a in n.names if a.name in package}
+        imported = {
+            a.asname or a.name: a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import)
+            for a in n.names
+            if a.name in {"common", "grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo"}
+        }
+        imported |= {
+            a.asname or a.name: f"rlvr_utils.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module == "rlvr_utils"
+            for a in n.names
+            if a.name in package
+        }
         assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
         assigned |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}  # a local `rewards` shadows the module
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
-                if node.value.id not in assigned and not hasattr(importlib.import_module(imported[node.value.id]), node.attr):
+                if node.value.id not in assigned and not hasattr(
+                    importlib.import_module(imported[node.value.id]), node.attr
+                ):
                     missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not missing, missing
 

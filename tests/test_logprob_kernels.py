@@ -1,10 +1,11 @@
 """The log-prob kernels (logprob_kernels.py) against float64 autograd, and the fused path's once-per-model check."""
+
 import pytest
 import torch
+from helpers import padded_batch, random_model
 
 import common
 from rlvr_utils import logprob_kernels
-from helpers import padded_batch, random_model
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -100,8 +101,17 @@ def test_fused_and_unfused_token_logprobs_give_the_same_values_and_parameter_gra
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(4)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+        )
+    )
     ids, attn, cmask, T = padded_batch([[1, 2, 3], [4], [5, 6]], [[7, 8], [9, 10, 11], [12]])
     w = torch.randn(3, T)
     grads = {}

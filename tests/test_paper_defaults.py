@@ -2,6 +2,7 @@
 defaults of their public functions (what a reader copies). Changing any one of them alone fails this file, which
 names each script (grpo.py, sc_grpo.py, grpo_lambda.py, ep_grpo.py, srpo.py). Where a value is this project's
 choice rather than the paper's, the comment says so; docs/<method>.md has the table flag | paper | official code | ours | why."""
+
 import dataclasses
 import inspect
 
@@ -15,12 +16,16 @@ import srpo
 
 
 def defaults(module) -> dict:
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(module.Args)}
+    return {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(module.Args)
+    }
 
 
 def signature_defaults(fn) -> dict:
-    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+    return {
+        k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty
+    }
 
 
 def test_grpo_baseline_defaults():
@@ -28,8 +33,19 @@ def test_grpo_baseline_defaults():
     token mean (seq-mean-token-mean); no KL by default here (DAPO / Dr. GRPO practice), one on-policy step."""
     d = defaults(grpo)
     assert (d["num_generations"], d["prompts_per_step"], d["loss_agg"], d["beta"], d["scale_rewards"]) == (
-        8, 8, "seq-mean-token-mean", 0.0, "group")
-    assert (d["num_iterations"], d["num_minibatches"], d["epsilon"], d["temperature"], d["top_p"]) == (1, 1, 0.2, 1.0, 1.0)
+        8,
+        8,
+        "seq-mean-token-mean",
+        0.0,
+        "group",
+    )
+    assert (d["num_iterations"], d["num_minibatches"], d["epsilon"], d["temperature"], d["top_p"]) == (
+        1,
+        1,
+        0.2,
+        1.0,
+        1.0,
+    )
 
 
 def test_sc_grpo_paper_defaults():
@@ -44,7 +60,11 @@ def test_sc_grpo_paper_defaults():
     assert signature_defaults(sc_grpo.kl_weights) == {"percentile": 75.0, "c_min": 1e-4}
     assert signature_defaults(sc_grpo.diversity_advantage)["alpha"] == 0.1
     assert {k: v for k, v in signature_defaults(sc_grpo.weights_and_advantages).items()} == {
-        "percentile": 75.0, "c_min": 1e-4, "alpha": 0.1, "unbiased": False}
+        "percentile": 75.0,
+        "c_min": 1e-4,
+        "alpha": 0.1,
+        "unbiased": False,
+    }
     # one std convention for A and the solve-none z-score: population + 1e-6 (this project's choice, docs/sc_grpo.md)
     assert d["outcome_std"] == "population" and signature_defaults(sc_grpo.diversity_advantage)["eps"] == 1e-6
 
@@ -53,7 +73,13 @@ def test_grpo_lambda_paper_defaults():
     """GRPO-lambda (arXiv 2510.00194): lambda 0.99, gamma 1, the "both" weighting (§3.2, Eq. 2) applied as the trace
     (epsilon-trace), negative advantages clamped at -0.1; token-mean (the co-author's verl port)."""
     d = defaults(grpo_lambda)
-    assert (d["lam"], d["gamma"], d["trace_style"], d["trace_apply"], d["adv_clamp"]) == (0.99, 1.0, "both", "trace", "-0.1")
+    assert (d["lam"], d["gamma"], d["trace_style"], d["trace_apply"], d["adv_clamp"]) == (
+        0.99,
+        1.0,
+        "both",
+        "trace",
+        "-0.1",
+    )
     assert d["loss_agg"] == "token-mean" and d["beta"] == 0.0
     loss = signature_defaults(grpo_lambda.grpo_lambda_token_loss)
     assert (loss["gamma"], loss["style"], loss["apply"]) == (1.0, "both", "trace")
@@ -81,8 +107,19 @@ def test_ep_grpo_defaults():
     d = defaults(ep_grpo)
     assert (d["num_buckets"], d["progress"], d["process_granularity"]) == (10, "entropy", "token")
     assert (d["process_polarity"], d["reward_threshold"], d["outcome_std"]) == ("outcome", 0.5, "population")
-    assert (d["gate"], d["pivot_quantile"], d["gate_alpha"], d["gate_norm"], d["gate_gamma"]) == ("soft", 0.8, 1.0, "response", 1.0)
-    assert (d["process_coef"], d["process_coef_zero_var"], d["process_clip"], d["process_anchor"]) == (0.2, None, 3.0, "ref")
+    assert (d["gate"], d["pivot_quantile"], d["gate_alpha"], d["gate_norm"], d["gate_gamma"]) == (
+        "soft",
+        0.8,
+        1.0,
+        "response",
+        1.0,
+    )
+    assert (d["process_coef"], d["process_coef_zero_var"], d["process_clip"], d["process_anchor"]) == (
+        0.2,
+        None,
+        3.0,
+        "ref",
+    )
     assert (d["beta"], d["loss_agg"], d["anchor_form"], d["advantage_form"]) == (1e-3, "token-mean", "additive", "A")
 
 

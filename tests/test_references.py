@@ -1,18 +1,31 @@
 """Each method's loss checked against an independent reference: a hand-computed value or a closed form, through the
 real training step of the script (run in-process, with common's functions wrapped to feed known values or to
 record what reaches the loss). These tests do not reuse the function under test to build their expectation."""
+
 import itertools
 import math
 
 import pytest
 import torch
+from helpers import read_metrics, run_inprocess
 
 import common
 from rlvr_utils import tasks
-from helpers import read_metrics, run_inprocess
 
-FAST = ["--num-eval", "2", "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16",
-        "--micro-batch-size", "64"]
+FAST = [
+    "--num-eval",
+    "2",
+    "--eval-every",
+    "0",
+    "--prompts-per-step",
+    "2",
+    "--num-generations",
+    "4",
+    "--max-new-tokens",
+    "16",
+    "--micro-batch-size",
+    "64",
+]
 
 
 def _capture_loss(monkeypatch):
@@ -57,12 +70,32 @@ def test_grpo_clipped_surrogate_and_k3_kl_against_hand_values(tmp_path, monkeypa
         return leaf * 1.0, torch.zeros_like(leaf) if with_entropy else None
 
     monkeypatch.setattr(common, "token_logprobs", lp)
-    monkeypatch.setattr(common, "group_advantages", lambda r, *a, **k: torch.tensor([1.0, -1.0]).repeat(len(r))[: len(r)])
+    monkeypatch.setattr(
+        common, "group_advantages", lambda r, *a, **k: torch.tensor([1.0, -1.0]).repeat(len(r))[: len(r)]
+    )
     seen = _capture_loss(monkeypatch)
-    run_inprocess("grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), "--num-iterations", "2", "--beta", "0.1",
-                  "--epsilon-high", "0.28", *FAST)
-    hand = {(1, 0.5): -1.28, (1, -0.5): -math.exp(-0.5), (1, 0.1): -math.exp(0.1),
-            (-1, 0.5): math.exp(0.5), (-1, -0.5): 0.8, (-1, 0.1): math.exp(0.1)}
+    run_inprocess(
+        "grpo.py",
+        "--total-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+        "--num-iterations",
+        "2",
+        "--beta",
+        "0.1",
+        "--epsilon-high",
+        "0.28",
+        *FAST,
+    )
+    hand = {
+        (1, 0.5): -1.28,
+        (1, -0.5): -math.exp(-0.5),
+        (1, 0.1): -math.exp(0.1),
+        (-1, 0.5): math.exp(0.5),
+        (-1, -0.5): 0.8,
+        (-1, 0.1): math.exp(0.1),
+    }
     assert len(seen) == 2  # one micro-batch, two passes
     for per_token, mask in seen:
         for i, j in itertools.product(range(per_token.shape[0]), range(per_token.shape[1])):
@@ -78,6 +111,7 @@ def test_sc_grpo_solve_none_rows_carry_alpha_times_zscore_and_nothing_past_the_r
     -f * A: the reference rollout o_r gets exactly 0, tokens past L_i = min(|o_i|, |o_r|) get 0, and the solve-none
     rows' losses are linear in alpha (alpha * z(s) reaches the loss; alpha 0 leaves nothing) while the partial group's
     do not move."""
+
     def reward(i, ex):  # training calls in order (eval prompts have ids >= 1e9): the first group of 4 all wrong, the
         if ex.id >= 10**9:  # second mixed (2 right)
             return 0.0
@@ -89,9 +123,21 @@ def test_sc_grpo_solve_none_rows_carry_alpha_times_zscore_and_nothing_past_the_r
         train_calls = [0]
         _reward_task(monkeypatch, reward)
         seen = _capture_loss(monkeypatch)
-        run_inprocess("sc_grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path / str(alpha)), "--alpha", str(alpha), *FAST,
-                      "--temperature", "1.5", "--max-new-tokens", "40")
-        (per_token, mask), = seen
+        run_inprocess(
+            "sc_grpo.py",
+            "--total-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / str(alpha)),
+            "--alpha",
+            str(alpha),
+            *FAST,
+            "--temperature",
+            "1.5",
+            "--max-new-tokens",
+            "40",
+        )
+        ((per_token, mask),) = seen
         losses[alpha] = (per_token, mask)
         assert read_metrics(tmp_path / str(alpha))[1]["sc/groups_none"] == 0.5
     per_token, mask = losses[0.1]
@@ -102,7 +148,7 @@ def test_sc_grpo_solve_none_rows_carry_alpha_times_zscore_and_nothing_past_the_r
     r = zero_rows[0]
     for i in range(4):
         if i != r:
-            assert (none_rows[i, int(min(lengths[i], lengths[r])):] == 0).all()  # nothing past L_i
+            assert (none_rows[i, int(min(lengths[i], lengths[r])) :] == 0).all()  # nothing past L_i
     assert torch.allclose(losses[0.2][0][:4] * mask[:4], 2 * none_rows, atol=1e-6) and none_rows.abs().sum() > 0
     assert (losses[0.0][0][:4] * mask[:4] == 0).all()
     assert torch.allclose(losses[0.2][0][4:], per_token[4:]) and per_token[4:].abs().sum() > 0  # the partial group
@@ -117,9 +163,21 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
 
     H = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     logp_old = torch.tensor([[0.1, -0.1], [0.2, 0.4]])
-    A = ep_advantages(H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, num_buckets=1,
-                      gate="soft", gate_alpha=1.0, gate_temp=0.1, process_coef=0.5, process_granularity="window",
-                      process_polarity="none")
+    A = ep_advantages(
+        H,
+        logp_old,
+        torch.zeros(2, 2),
+        torch.ones(2, 2),
+        torch.tensor([1.0, 0.0]),
+        2,
+        num_buckets=1,
+        gate="soft",
+        gate_alpha=1.0,
+        gate_temp=0.1,
+        process_coef=0.5,
+        process_granularity="window",
+        process_polarity="none",
+    )
     g0, g1 = 1 + 1 / (1 + math.exp(10)), 1.5
     gate = [g0 / ((g0 + g1) / 2), g1 / ((g0 + g1) / 2)]
     a_out = 0.5 / (0.5 + 1e-6)
@@ -130,8 +188,10 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
     # population std sqrt(0.0325) -> z = (-0.05, -0.25 | 0.05, 0.25) / 0.180278; d = +1 (r = 1), -1 (r = 0); lambda 0.2
     A = ep_advantages(H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, num_buckets=1)
     z = [[-0.05 / 0.0325**0.5, -0.25 / 0.0325**0.5], [0.05 / 0.0325**0.5, 0.25 / 0.0325**0.5]]
-    want = [[gate[0] * (a_out + 0.2 * z[0][0]), gate[1] * (a_out + 0.2 * z[0][1])],
-            [gate[0] * (-a_out - 0.2 * z[1][0]), gate[1] * (-a_out - 0.2 * z[1][1])]]
+    want = [
+        [gate[0] * (a_out + 0.2 * z[0][0]), gate[1] * (a_out + 0.2 * z[0][1])],
+        [gate[0] * (-a_out - 0.2 * z[1][0]), gate[1] * (-a_out - 0.2 * z[1][1])],
+    ]
     assert torch.allclose(A, torch.tensor(want), atol=1e-6)
 
 
@@ -144,7 +204,7 @@ def test_grpo_lambda_logged_multiplier_is_the_losss_credit(tmp_path, monkeypatch
     monkeypatch.setattr(common, "group_advantages", lambda r, *a, **k: torch.ones(len(r)))
     seen = _capture_loss(monkeypatch)
     run_inprocess("grpo_lambda.py", "--total-steps", "1", "--output-dir", str(tmp_path), "--lam", str(lam), *FAST)
-    (_, mask), = seen
+    ((_, mask),) = seen
     a, cs = lam, []
     for L in mask.sum(1).long().tolist():
         for k in range(L):
@@ -158,10 +218,12 @@ def test_grpo_lambda_logged_multiplier_is_the_losss_credit(tmp_path, monkeypatch
 def test_grpo_lambda_negative_advantage_clamp_through_the_script(tmp_path, monkeypatch):
     """Advantages forced to +1 and -3 in turn: on-policy (traced ratio exp(0) = 1, beta 0) the per-token loss is -A
     after the clamp at -0.1, so exactly -1.0 and +0.1 (paper: negative advantages clamped at -0.1)."""
-    monkeypatch.setattr(common, "group_advantages", lambda r, *a, **k: torch.tensor([1.0, -3.0]).repeat(len(r))[: len(r)])
+    monkeypatch.setattr(
+        common, "group_advantages", lambda r, *a, **k: torch.tensor([1.0, -3.0]).repeat(len(r))[: len(r)]
+    )
     seen = _capture_loss(monkeypatch)
     run_inprocess("grpo_lambda.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST)
-    (per_token, mask), = seen
+    ((per_token, mask),) = seen
     m = mask.bool()
     assert torch.allclose(per_token[0::2][m[0::2]], torch.tensor(-1.0), atol=1e-6)
     assert torch.allclose(per_token[1::2][m[1::2]], torch.tensor(0.1), atol=1e-6)
@@ -209,7 +271,7 @@ def test_sc_grpo_partial_group_loss_is_minus_f_times_a_from_an_independent_recom
     monkeypatch.setattr(common, "rollouts_with_rewards", rollouts)
     monkeypatch.setattr(tasks, "encode_prompt", encode)
     run_inprocess("sc_grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST)
-    (per_token, mask), = seen
+    ((per_token, mask),) = seen
     model, ro = captured["model"], captured["ro"]
     assert captured["rewards"].tolist() == [0, 0, 0, 0, 0, 1, 0, 1]
     L = ro.completion_mask.sum(1).long().tolist()

@@ -1,12 +1,13 @@
 """GSM8K and MATH rewards (rewards.py): answer extraction, normalization and verification."""
+
 import json
 import random
 import threading
 
 import pytest
+from conftest import shared_file
 
 from rlvr_utils import rewards
-from conftest import shared_file
 
 
 @pytest.mark.parametrize(
@@ -95,8 +96,6 @@ def test_last_boxed_nested():
     assert rewards.last_boxed("a \\boxed{\\frac{1}{\\sqrt{2}}} b") == "\\frac{1}{\\sqrt{2}}"
     assert rewards.last_boxed("\\boxed{1} \\boxed{2") is None  # unbalanced last box
     assert rewards.last_boxed("nothing") is None
-
-
 
 
 SHORTHAND = [  # (class, gold, the same answer written another way, a different value)

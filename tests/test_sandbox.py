@@ -1,5 +1,6 @@
 """The code task's sandbox (sandbox.py, sandbox_harness.py): extraction, program assembly, the sandboxed runner (real
 HumanEval, hostile programs, fake-pass tricks)."""
+
 import gzip
 import json
 import os
@@ -7,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import shared_file
 
 from rlvr_utils import sandbox
-from conftest import shared_file
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"
@@ -21,22 +22,28 @@ def humaneval_rows():
 
 
 # --- extraction and program assembly ------------------------------------------------------------
-@pytest.mark.parametrize("completion, want", [
-    ("Here:\n```python\ndef f():\n    return 1\n```\nDone.", "def f():\n    return 1\n"),
-    ("```\nx = 1\n```", "x = 1\n"),
-    ("```py\na = 1\n```\ntext\n```python\nb = 2\n```", "b = 2\n"),  # the last block
-    ("```python\nb = 2\n```\n```python\n```", "b = 2\n"),  # an empty last block is not the answer
-    ("```python\nunclosed = 1\n", "unclosed = 1\n"),  # an unclosed fence runs to the end
-    ("    return a + b\n", "    return a + b\n"),  # raw text: a base model's continuation
-])
+@pytest.mark.parametrize(
+    "completion, want",
+    [
+        ("Here:\n```python\ndef f():\n    return 1\n```\nDone.", "def f():\n    return 1\n"),
+        ("```\nx = 1\n```", "x = 1\n"),
+        ("```py\na = 1\n```\ntext\n```python\nb = 2\n```", "b = 2\n"),  # the last block
+        ("```python\nb = 2\n```\n```python\n```", "b = 2\n"),  # an empty last block is not the answer
+        ("```python\nunclosed = 1\n", "unclosed = 1\n"),  # an unclosed fence runs to the end
+        ("    return a + b\n", "    return a + b\n"),  # raw text: a base model's continuation
+    ],
+)
 def test_extract_code(completion, want):
     assert sandbox.extract_code(completion) == want
 
 
 def test_code_program_standalone_and_continuation():
-    prompt = "from typing import List\nimport math\n\ndef add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n"
+    prompt = 'from typing import List\nimport math\n\ndef add(a: int, b: int) -> int:\n    """Add."""\n'
     full = "```python\ndef add(a, b):\n    return a + b\n```"
-    assert sandbox.code_program(prompt, full, "add") == "from typing import List\nimport math\ndef add(a, b):\n    return a + b\n"
+    assert (
+        sandbox.code_program(prompt, full, "add")
+        == "from typing import List\nimport math\ndef add(a, b):\n    return a + b\n"
+    )
     body = "    return a + b\n\ndef unrelated():\n    pass\n"  # cut at the next top-level def, as HumanEval does
     assert sandbox.code_program(prompt, body, "add") == prompt + "    return a + b\n"
     assert sandbox.code_program(prompt, "    return a + b\nprint(add(1, 2))\n", "add") == prompt + "    return a + b"
@@ -64,23 +71,33 @@ def test_runner_accepts_plain_nested_values_and_rejects_lookalikes():
     assert sandbox.run_code_tests(nested, [want], "f").reward == 1.0
     cyclic = "def f(x):\n    a = []\n    a.append(a)\n    return a\n"
     assert sandbox.run_code_tests(cyclic, ["r = f(0)\nassert r[0] is r"], "f").reward == 0.0
-    nested_hack = ("class E:\n    __eq__ = lambda s, o: True\ndef f(x):\n    return [E()]\n"
-                   "import builtins\nbuiltins.type = lambda x: int\n")  # and the check's own type() patched
+    nested_hack = (
+        "class E:\n    __eq__ = lambda s, o: True\ndef f(x):\n    return [E()]\n"
+        "import builtins\nbuiltins.type = lambda x: int\n"
+    )  # and the check's own type() patched
     assert sandbox.run_code_tests(nested_hack, ["assert f(0) == [5]"], "f").reward == 0.0
-    rebind = ("class E:\n    __eq__ = lambda s, o: True\ndef cheat(a, b):\n    return E()\n"
-              "def add(a, b):\n    globals()['add'] = globals()['candidate'] = cheat\n    return a + b\n")
-    r = sandbox.run_code_tests(rebind, ["assert add(1, 2) == 3", "assert add(1, 1) == 7", "assert candidate(0, 0) == 5"], "add")
+    rebind = (
+        "class E:\n    __eq__ = lambda s, o: True\ndef cheat(a, b):\n    return E()\n"
+        "def add(a, b):\n    globals()['add'] = globals()['candidate'] = cheat\n    return a + b\n"
+    )
+    r = sandbox.run_code_tests(
+        rebind, ["assert add(1, 2) == 3", "assert add(1, 1) == 7", "assert candidate(0, 0) == 5"], "add"
+    )
     assert r.passed == 1  # the first call is honest; rebinding its own globals does not reach the tests' names
     shared = "def f(n):\n    return [[0] * n] * n\n"  # the same row object n times is not a cycle
     assert sandbox.run_code_tests(shared, ["assert f(3) == [[0, 0, 0]] * 3"], "f").reward == 1.0
     recursive = "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n"
-    assert sandbox.run_code_tests(recursive, ["assert fact(5) == 120", "assert candidate(4) == 24"], "fact").reward == 1.0
+    assert (
+        sandbox.run_code_tests(recursive, ["assert fact(5) == 120", "assert candidate(4) == 24"], "fact").reward == 1.0
+    )
 
 
 def test_runner_is_isolated_where_the_os_allows():
     """What the harness reports about itself: network namespace and user where available."""
     probe = ADD + "import os\nCWD = os.getcwd()\n"
-    r = sandbox.run_code_tests(probe, ["assert CWD.startswith(os.environ['TMPDIR'])", "import socket\nsocket.socket()"], "add")
+    r = sandbox.run_code_tests(
+        probe, ["assert CWD.startswith(os.environ['TMPDIR'])", "import socket\nsocket.socket()"], "add"
+    )
     assert r.passed == 1  # it runs in its own temporary directory; creating a socket is refused
     assert r.status == "ok" and r.uid >= 0
 
@@ -103,7 +120,7 @@ def _group_alive(pgid: int) -> list[int]:
                 stat = (d / "stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[2]) == pgid and fields[0] != "Z":
                 alive.append(int(d.name))
     return alive
@@ -124,23 +141,23 @@ HOSTILE = {
     "os._exit(0)": "import os\nos._exit(0)\n",
     "raise SystemExit": "raise SystemExit(0)\n",
     "patched builtins": "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\nbuiltins.exit = lambda *a: None\n"
-                        "def add(a, b):\n    return 0\n",
+    "def add(a, b):\n    return 0\n",
     "fake marker on every fd": "import os\nfor fd in range(1, 64):\n    try:\n        os.write(fd, b'0' * 32 + b':pass:0\\n')\n"
-                               "    except OSError:\n        pass\ndef add(a, b):\n    return 0\n",
+    "    except OSError:\n        pass\ndef add(a, b):\n    return 0\n",
     "printed marker at exit": "import atexit\natexit.register(lambda: print(':pass:0'))\ndef add(a, b):\n    return 0\n",
     # stealing the harness's nonce and marker pipe, then writing a real-looking marker
     "nonce from the harness frame": "import os, sys\nv = sys._getframe(1).f_locals\n"
-                                    "os.write(v['out'], (v['nonce'] + ':pass:0\\n').encode())\n",
+    "os.write(v['out'], (v['nonce'] + ':pass:0\\n').encode())\n",
     "nonce from a traceback frame": "import os\ntry:\n    raise ValueError\nexcept ValueError as e:\n"
-                                    "    v = e.__traceback__.tb_frame.f_back.f_locals\n"
-                                    "os.write(v['out'], (v['nonce'] + ':pass:0\\n').encode())\n",
+    "    v = e.__traceback__.tb_frame.f_back.f_locals\n"
+    "os.write(v['out'], (v['nonce'] + ':pass:0\\n').encode())\n",
     "nonce from gc": "import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and 'nonce' in o and 'fd' in o:\n"
-                     "        os.write(o['fd'], (o['nonce'] + ':pass:0\\n').encode())\n",
+    "        os.write(o['fd'], (o['nonce'] + ':pass:0\\n').encode())\n",
     "reading its own memory": "open('/proc/self/mem', 'rb')\n",
     # values that compare equal to anything (the always-equal reward hack), bare, as a builtin subclass, nested
     "always-equal object": "class E:\n    def __eq__(self, o):\n        return True\ndef add(a, b):\n    return E()\n",
     "always-equal int subclass": "class I(int):\n    __eq__ = lambda s, o: True\n    __hash__ = int.__hash__\n"
-                                 "def add(a, b):\n    return I(0)\n",
+    "def add(a, b):\n    return I(0)\n",
 }
 
 
@@ -166,9 +183,15 @@ def test_harness_keeps_its_state_out_of_reach_of_the_program():
     import ast
 
     tree = ast.parse(sandbox.HARNESS)
-    names = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+    names = {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+    }
     defs = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     assert names == set() and defs == {"_run"}, (names, defs)
-    r = sandbox.run_code_tests("import sys\nm = sys.modules['__main__']\nleak = [k for k in vars(m) if not k.startswith('__')]\n"
-                               "def f():\n    return leak\n", ["assert f() == ['json', 'os', 'resource', 'sys', '_run']"], "f")
+    r = sandbox.run_code_tests(
+        "import sys\nm = sys.modules['__main__']\nleak = [k for k in vars(m) if not k.startswith('__')]\n"
+        "def f():\n    return leak\n",
+        ["assert f() == ['json', 'os', 'resource', 'sys', '_run']"],
+        "f",
+    )
     assert r.passed == 1, r  # what a program sees of the harness: its imports and _run, nothing else

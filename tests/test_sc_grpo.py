@@ -1,20 +1,31 @@
 """sc_grpo.py: its pure functions (weights, routing, KL, teacher prompts, bad inputs) and its real entry point."""
+
 import copy
 import dataclasses
 import itertools
 
 import pytest
 import torch
-
-from rlvr_utils import arith
-import common
-from rlvr_utils import tasks
-import sc_grpo
 from helpers import read_metrics, run_inprocess, run_script
 
+import common
+import sc_grpo
+from rlvr_utils import arith, tasks
+
 REAL_LOAD_TASK, REAL_CLIP = tasks.load_task, torch.nn.utils.clip_grad_norm_
-NEW_METRICS = ("sc/kl_mean", "sc/kl_p75", "sc/kl_p95", "sc/weight_mean", "sc/groups_partial", "sc/groups_none",
-               "sc/groups_plain", "time/teacher", "sc/tau_truncated", "sc/no_reference", "sc/empty_completions")
+NEW_METRICS = (
+    "sc/kl_mean",
+    "sc/kl_p75",
+    "sc/kl_p95",
+    "sc/weight_mean",
+    "sc/groups_partial",
+    "sc/groups_none",
+    "sc/groups_plain",
+    "time/teacher",
+    "sc/tau_truncated",
+    "sc/no_reference",
+    "sc/empty_completions",
+)
 
 
 # --- kl_weights ----------------------------------------------------------------------------------
@@ -127,7 +138,9 @@ def test_token_kl_is_the_full_vocabulary_kl():
 # --- the teacher pass on the bundled model ------------------------------------------------------------
 def _batch(tokenizer, texts_per_prompt, prompts):
     prompt_ids = [tasks.encode_prompt(tokenizer, p) for p in prompts for _ in texts_per_prompt]
-    comps = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts_per_prompt] * len(prompts)
+    comps = [
+        tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts_per_prompt
+    ] * len(prompts)
     p_ids, p_mask = common.pad_left(prompt_ids, tokenizer.pad_token_id)
     T = max(map(len, comps))
     c_ids = torch.tensor([c + [tokenizer.pad_token_id] * (T - len(c)) for c in comps])
@@ -144,7 +157,9 @@ def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny, fused):
     (want.sum()).backward()
     want_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    got, got_ent, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 0.7, with_entropy=True, fused=None if fused else False)
+    got, got_ent, D, _ = sc_grpo.logprobs_and_kl(
+        model, ids, attn, T, 0.7, with_entropy=True, fused=None if fused else False
+    )
     (got.sum()).backward()
     assert torch.equal(got, want) and torch.equal(got_ent, want_ent) and (D == 0).all()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want_grad))
@@ -159,7 +174,9 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     with torch.no_grad():
         _, _, D_same, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
-        teach = [tasks.encode_prompt(tok, arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))] * 2
+        teach = [
+            tasks.encode_prompt(tok, arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))
+        ] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
         _, _, D, cost = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
         # direct: one unpadded forward each, full log-softmax
@@ -182,15 +199,28 @@ def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad)
     comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1", "12+3=15\n15-4=11\n#### 11"]
     prompt_ids, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
     problem = arith.parse_arith_problem("12+3-4")
-    teach = [None] + [tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")]
+    teach = [None] + [
+        tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")
+    ]
     m = attn[:, -T:].double()
     active = m * torch.tensor([0.0, 1, 1, 1])[:, None]
     A = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)[:, None]
     out = {}
     for fused in (True, False):
         m64.zero_grad()
-        logp, ent, D, _ = sc_grpo.logprobs_and_kl(m64, ids, attn, T, 0.8, teach, tok.pad_token_id, with_entropy=True,
-                                                  kl_grad=kl_grad, chunk_size=3, fused=fused)  # a row chunk of 3 and 1
+        logp, ent, D, _ = sc_grpo.logprobs_and_kl(
+            m64,
+            ids,
+            attn,
+            T,
+            0.8,
+            teach,
+            tok.pad_token_id,
+            with_entropy=True,
+            kl_grad=kl_grad,
+            chunk_size=3,
+            fused=fused,
+        )  # a row chunk of 3 and 1
         f = sc_grpo.kl_weights(D, active)
         loss = -(torch.exp(logp - logp.detach()) * A * f * m).sum() + (0.1 * D * active).sum()
         loss.backward()
@@ -253,8 +283,10 @@ def test_teacher_prompt_plain_and_chat(tiny):
     got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
     assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
     chat = copy.deepcopy(tok)
-    chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     student = tasks.render_prompt(chat, arith.ARITH_INSTRUCTION + ex.question, ex.prompt)
     teacher = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
     want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
@@ -281,7 +313,9 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     correct = torch.tensor([True, True, False, False])
     room = len(sc_grpo.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
     ref = torch.tensor([1, 0, 1, 1])  # as if every row drew the long reference (row 1 cannot draw itself)
-    prompts, role, wlen, counts = sc_grpo.build_teachers(tok, "arith", ro, [ex] * 4, correct, ref, room, 8192, torch.Generator())
+    prompts, role, wlen, counts = sc_grpo.build_teachers(
+        tok, "arith", ro, [ex] * 4, correct, ref, room, 8192, torch.Generator()
+    )
     assert prompts[2] == prompts[3] == sc_grpo.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
     assert prompts[1] == prompts[2]  # row 1 drew row 0, which fits
     assert tok.decode(prompts[0]).count("...") == 1 and len(prompts[0]) <= room  # no other correct one: middle cut
@@ -290,11 +324,13 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     # solve-none: o_r (row 0) gets role 3; the others are weighted up to min(|o_i|, |o_r|); no room at all: counted
     ro = _rollouts(tok, ["ab", "abcdef", "", "x"], 4)
     wrong = torch.zeros(4, dtype=torch.bool)
-    prompts, role, wlen, counts = sc_grpo.build_teachers(tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]),
-                                                        10**6, 8192, torch.Generator())
+    prompts, role, wlen, counts = sc_grpo.build_teachers(
+        tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]), 10**6, 8192, torch.Generator()
+    )
     assert role.tolist() == [3, 2, 2, 2] and wlen.tolist() == [3, 3, 1, 2] and prompts[0] is None
-    prompts, role, _, counts = sc_grpo.build_teachers(tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]),
-                                                     5, 8192, torch.Generator())
+    prompts, role, _, counts = sc_grpo.build_teachers(
+        tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]), 5, 8192, torch.Generator()
+    )
     assert prompts == [None] * 4 and role.tolist() == [3, 0, 0, 0] and counts["sc/no_reference"] == 3
 
 
@@ -317,8 +353,26 @@ def _run_capturing_grads(monkeypatch, tmp_path, script, *flags):
     monkeypatch.setattr(tasks, "load_task", load_task)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     out = tmp_path / f"{script}-{len(list(tmp_path.iterdir()))}"
-    run_inprocess(script, "--total-steps", "1", "--output-dir", str(out), "--num-eval", "2", "--eval-every", "0",
-                  "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "32", "--micro-batch-size", "8", *flags)
+    run_inprocess(
+        script,
+        "--total-steps",
+        "1",
+        "--output-dir",
+        str(out),
+        "--num-eval",
+        "2",
+        "--eval-every",
+        "0",
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "32",
+        "--micro-batch-size",
+        "8",
+        *flags,
+    )
     return read_metrics(out)[1], grads[0]
 
 
@@ -326,8 +380,9 @@ def _run_capturing_grads(monkeypatch, tmp_path, script, *flags):
 def test_weight_mode_none_equals_grpo_loss_and_gradient(tmp_path, monkeypatch):
     mb = ("--micro-batch-size", "6")  # not a multiple of G: grpo.py's micro-batches, not whole groups
     base, g_base = _run_capturing_grads(monkeypatch, tmp_path, "grpo.py", *mb)
-    none, g_none = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", "--outcome-std",
-                                        "unbiased", *mb)
+    none, g_none = _run_capturing_grads(
+        monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", "--outcome-std", "unbiased", *mb
+    )
     assert base["frac_reward_zero_std"] < 1 and base["grad_norm"] > 0  # a real gradient, not 0 == 0
     assert none["policy_loss"] == base["policy_loss"] and none["grad_norm"] == base["grad_norm"]
     assert all(torch.equal(a, b) for a, b in zip(g_none, g_base))
@@ -339,9 +394,24 @@ def test_weight_mode_none_equals_grpo_loss_and_gradient(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_additive_kl_baseline_and_ablation_flags_run(tmp_path, monkeypatch):
-    m, _ = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", "--kl-loss-coef", "0.1",
-                                "--weighted-groups", "partial", "single", "all", "none", "--num-iterations", "2",
-                                "--max-reference-tokens", "12")
+    m, _ = _run_capturing_grads(
+        monkeypatch,
+        tmp_path,
+        "sc_grpo.py",
+        "--weight-mode",
+        "none",
+        "--kl-loss-coef",
+        "0.1",
+        "--weighted-groups",
+        "partial",
+        "single",
+        "all",
+        "none",
+        "--num-iterations",
+        "2",
+        "--max-reference-tokens",
+        "12",
+    )
     assert all(v == v for v in m.values()) and m["sc/kl_mean"] > 0 and m["sc/weight_mean"] == 0  # D, but no f
     assert m["sc/groups_plain"] < 1 and m["sc/tau_truncated"] + m["sc/no_reference"] > 0
 
@@ -351,8 +421,9 @@ def test_batch_scope_gives_one_c_whatever_the_micro_batch_size(tmp_path, monkeyp
     gradient) is that of the micro-batch scope with all four groups in one micro-batch, not that of one per micro-batch."""
     one, g_one = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "16")
     per, _ = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "4")
-    batch, g_batch = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "4",
-                                          "--kl-threshold-scope", "batch")
+    batch, g_batch = _run_capturing_grads(
+        monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "4", "--kl-threshold-scope", "batch"
+    )
     assert one["sc/groups_partial"] == 1 and one["sc/weight_mean"] != pytest.approx(per["sc/weight_mean"], rel=1e-3)
     for key in ("sc/weight_mean", "sc/kl_p75", "sc/kl_mean", "grad_norm", "policy_loss"):
         assert batch[key] == pytest.approx(one[key], rel=1e-4, abs=1e-9), key
@@ -366,8 +437,20 @@ def test_the_fused_update_learns_as_the_unfused_one(tmp_path, monkeypatch):
     error, so the fused update changed nothing SC-GRPO learns."""
     from rlvr_utils import logprob_kernels
 
-    flags = ("--total-steps", "3", "--num-eval", "8", "--eval-every", "3", "--prompts-per-step", "4",
-             "--num-generations", "4", "--max-new-tokens", "32")
+    flags = (
+        "--total-steps",
+        "3",
+        "--num-eval",
+        "8",
+        "--eval-every",
+        "3",
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "32",
+    )
     run_inprocess("sc_grpo.py", "--output-dir", str(tmp_path / "fused"), *flags)
     asked = []
     monkeypatch.setattr(logprob_kernels, "fused_logprobs_ok", lambda model: asked.append(1) and False)
@@ -391,8 +474,21 @@ def test_bad_flags_are_a_clear_error(flag, capsys):
 
 @pytest.mark.slow
 def test_sc_grpo_two_steps_subprocess(tmp_path):
-    out = run_script("sc_grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--num-eval", "16",
-                     "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4")
+    out = run_script(
+        "sc_grpo.py",
+        "--total-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--num-eval",
+        "16",
+        "--eval-every",
+        "0",
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "4",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -408,8 +504,11 @@ TEMPLATE_WITH_DEFAULT = (  # a Qwen2.5-like chat template that adds a system mes
     "{% if messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
     "{% else %}<|im_start|>system\nYou are a careful assistant.<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TEMPLATE_WITHOUT_DEFAULT = TEMPLATE_WITH_DEFAULT.replace("{% else %}<|im_start|>system\nYou are a careful assistant.<|im_end|>\n", "{% else %}")
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATE_WITHOUT_DEFAULT = TEMPLATE_WITH_DEFAULT.replace(
+    "{% else %}<|im_start|>system\nYou are a careful assistant.<|im_end|>\n", "{% else %}"
+)
 
 
 def test_teacher_keeps_the_students_default_system_message(tiny):
@@ -430,7 +529,9 @@ def test_teacher_keeps_the_students_default_system_message(tiny):
     tok.chat_template = TEMPLATE_WITHOUT_DEFAULT
     assert sc_grpo.default_system_message(tok) == ""
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
-    assert tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith("<|im_start|>system\n" + sc_grpo.GUIDE + "tau<|im_end|>")
+    assert tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith(
+        "<|im_start|>system\n" + sc_grpo.GUIDE + "tau<|im_end|>"
+    )
 
 
 def test_graded_group_without_a_full_solve_keeps_its_grpo_advantages():

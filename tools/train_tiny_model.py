@@ -36,12 +36,16 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rlvr_utils import arith  # noqa: E402
-from rlvr_utils import checkpoints  # noqa: E402
 import common  # noqa: E402
-from rlvr_utils import rewards  # noqa: E402
-from rlvr_utils.arith import arith_localization_prompt  # noqa: E402  (format (b): what SRPO's self-localization asks)
-from rlvr_utils.arith import arith_reference_prompt  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
+from rlvr_utils import (
+    arith,  # noqa: E402
+    checkpoints,  # noqa: E402
+    rewards,  # noqa: E402
+)
+from rlvr_utils.arith import (
+    arith_localization_prompt,  # noqa: E402  (format (b): what SRPO's self-localization asks)
+    arith_reference_prompt,  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
+)
 
 
 @dataclasses.dataclass
@@ -231,7 +235,10 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
     model.eval()
     out = {}
     prompts = [arith.arith_prompt(p) for p in problems]
-    for name, kw in (("pass@1_T1", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)), ("greedy", dict(do_sample=False))):
+    for name, kw in (
+        ("pass@1_T1", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
+        ("greedy", dict(do_sample=False)),
+    ):
         torch.manual_seed(rng_seed)
         texts = generate(model, tok, prompts, max_new_tokens=64, **kw)
         out[name] = sum(arith.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
@@ -242,9 +249,9 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
         loc_prompts.append(arith_localization_prompt(p, lines))
         labels.append(k)
     texts = generate(model, tok, loc_prompts, max_new_tokens=192, do_sample=False)
-    out["localization"] = sum(
-        (rewards.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)
-    ) / len(labels)
+    out["localization"] = sum((rewards.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)) / len(
+        labels
+    )
     out["localization_chance"] = sum(1 / (len(p.ops) + 1) for p in problems) / len(problems)
     if own:
         out.update(own_localization(model, tok, problems, rng_seed))
@@ -260,14 +267,18 @@ def own_localization(model, tok, problems, rng_seed: int) -> dict:
     prompts = [arith.arith_prompt(p) for p in problems]
     torch.manual_seed(rng_seed + 1)
     texts = generate(model, tok, prompts, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    wrong = [(p, [ln for ln in t.split("\n") if ln.strip()]) for p, t in zip(problems, texts)
-             if arith.arith_reward(t, str(p.answer)) == 0.0]
+    wrong = [
+        (p, [ln for ln in t.split("\n") if ln.strip()])
+        for p, t in zip(problems, texts)
+        if arith.arith_reward(t, str(p.answer)) == 0.0
+    ]
     wrong = [(p, lines, arith.arith_first_error(p, "\n".join(lines))) for p, lines in wrong if lines]
     wrong = [(p, lines, k) for p, lines, k in wrong if k is not None and k <= len(lines)]
     if not wrong:
         return {"own_localization": None, "own_localization_n": 0}
-    replies = generate(model, tok, [arith_localization_prompt(p, lines) for p, lines, _ in wrong],
-                       max_new_tokens=192, do_sample=False)
+    replies = generate(
+        model, tok, [arith_localization_prompt(p, lines) for p, lines, _ in wrong], max_new_tokens=192, do_sample=False
+    )
     named = [(rewards.last_boxed(r) or "").strip() for r in replies]
     return {
         "own_localization": sum(n == str(k) for n, (_, _, k) in zip(named, wrong)) / len(wrong),
@@ -341,8 +352,13 @@ def main(args: Args) -> None:
     warmup = args.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
-        lambda s: min(1.0, (s + 1) / warmup)
-        * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(min(s, args.max_steps) / args.max_steps * torch.pi)).item())),
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * (
+                0.1
+                + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(min(s, args.max_steps) / args.max_steps * torch.pi)).item())
+            )
+        ),
     )
     rng = random.Random(args.seed)
     t0, history, report = time.time(), [], None
@@ -350,7 +366,9 @@ def main(args: Args) -> None:
     for step in range(1, args.max_steps + 1):
         # two length-sorted micro-batches: padding every row to the longest (localization) example
         # would waste about half the compute; the loss is the mean over all completion tokens
-        examples = sorted((sample_example(rng, args) for _ in range(args.batch_size)), key=lambda e: len(e[0]) + len(e[1]))
+        examples = sorted(
+            (sample_example(rng, args) for _ in range(args.batch_size)), key=lambda e: len(e[0]) + len(e[1])
+        )
         half = args.batch_size // 2
         opt.zero_grad(set_to_none=True)
         parts = [make_batch(part, tok, args.decision_weight) for part in (examples[:half], examples[half:])]
@@ -372,7 +390,10 @@ def main(args: Args) -> None:
         opt.step()
         sched.step()
         if step % 50 == 0:
-            print(f"step {step} loss(last half) {loss.item() * 2:.4f} lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step} loss(last half) {loss.item() * 2:.4f} lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s",
+                flush=True,
+            )
         if step % args.eval_every == 0 or step == args.max_steps:
             ev = evaluate(model, tok, eval_problems, rng_seed=args.seed)
             ev.update(step=step, seconds=round(time.time() - t0, 1), loss=round(loss.item(), 4))
@@ -381,7 +402,9 @@ def main(args: Args) -> None:
             report = ev
             save(model, tok, args, ev, n_params, history, init_report)
             if args.keep_evals:
-                shutil.copytree(args.out_dir, f"{args.out_dir}-step{step}", dirs_exist_ok=True)  # every evaluation: stopping the run early keeps the last one
+                shutil.copytree(
+                    args.out_dir, f"{args.out_dir}-step{step}", dirs_exist_ok=True
+                )  # every evaluation: stopping the run early keeps the last one
             if step == args.stop_step:
                 break
             if (

@@ -5,7 +5,8 @@ common.py or a script.
   cli              the command line: parsing, one-line errors for bad flags, resume, threads
   tasks            the tasks (arith, gsm8k, math, code): datasets, prompts, rewards, held-out split
   rewards          answer extraction and verification (GSM8K, MATH via math-verify)
-  arith            the built-in arithmetic task: problems, solutions, its first-wrong-step oracle, the tiny model's formats
+  arith            the built-in arithmetic task: problems, solutions, its first-wrong-step oracle, the tiny model's
+                   prompt formats
   sandbox          the code task's sandboxed test runner; sandbox_harness is the program it starts
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
   engines          the colocated vLLM rollout engine and its importance-sampling correction

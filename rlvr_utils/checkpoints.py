@@ -1,4 +1,4 @@
-"""Checkpoints and resumable runs: `--save-model`, `--save-every N`, `--resume RUN_DIR`, and a Ctrl-C that stops cleanly.
+"""Checkpoints and resumable runs: `--save-model`, `--save-every N`, `--resume RUN_DIR`, and a clean Ctrl-C.
 
 A training checkpoint is the directory <run_dir>/checkpoint/, written into a temporary sibling and renamed over the
 previous one (only the last is kept, and a crash never leaves a half-written one):

@@ -46,7 +46,8 @@ class BaseArgs:
     """write a resumable checkpoint (<run-dir>/checkpoint: model, optimizer, RNG states, data position) every this
     many steps and at the end; 0: only when the run is stopped with Ctrl-C"""
     resume: str | None = None
-    """continue the run in this run directory from its checkpoint, with the flags it was started with (--total-steps may grow)"""
+    """continue the run in this run directory from its checkpoint, with the flags it was started with (--total-steps
+    may grow)"""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -78,7 +79,8 @@ class BaseArgs:
     total_steps: int = 150
     """training steps; each samples a new batch of prompts and makes num-iterations x num-minibatches optimizer steps"""
     prompts_per_step: int = 8
-    """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets --num-generations completions"""
+    """prompts per step (the global batch: across all torchrun ranks, divisible by their number); each gets
+    --num-generations completions"""
     num_generations: int = 8
     """G: completions per prompt (the group; at least 2)"""
     max_new_tokens: int = 48
@@ -94,7 +96,8 @@ class BaseArgs:
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full again"""
     max_sampling_rounds: int = 3
-    """with --dynamic-sampling: at most this many sampling rounds per step (then groups that were dropped fill the batch)"""
+    """with --dynamic-sampling: at most this many sampling rounds per step (then groups that were dropped fill the
+    batch)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong penalty: a completion longer than max-new-tokens minus this loses reward linearly, up to
     --overlong-penalty-factor at max-new-tokens (0: off)"""
@@ -363,6 +366,7 @@ def resume_args(args, args_type):
     )
     saved, defaults = json.loads((run_dir / "config.json").read_text()), args_type()
     merged = {}
+    runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
     for f in dataclasses.fields(args_type):
         given, default = getattr(args, f.name), getattr(defaults, f.name)
         if f.name not in saved:
@@ -375,7 +379,7 @@ def resume_args(args, args_type):
         need(
             given == default or given == old,
             f"--{f.name.replace('_', '-')} {given}: the run in {run_dir} was started "
-            f"with {old}; a resumed run keeps its flags (only {', '.join('--' + f.replace('_', '-') for f in RUNTIME_FLAGS[1:])} may change)",
+            f"with {old}; a resumed run keeps its flags (only {runtime} may change)",
         )
         merged[f.name] = old
     return dataclasses.replace(args, **merged)

@@ -118,7 +118,8 @@ def _log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:
 
 
 class FusedLinearKL(torch.autograd.Function):
-    """D_n = KL(p^T_n || p^S_n) = sum_v p^T (log p^T - log p^S) over the full vocabulary, p = softmax(W h_n (+ b) / tau),
+    """D_n = KL(p^T_n || p^S_n) = sum_v p^T (log p^T - log p^S) over the full vocabulary,
+    p = softmax(W h_n (+ b) / tau),
     straight from the student's and the teacher's final hidden states [N, H] (the same positions of the same tokens)
     and the lm_head W [V, H], `chunk` positions at a time: only [chunk, V] temporaries exist, forward or backward.
     The teacher is a constant (stop-gradient: nothing reaches its hidden states, nor W through its side). The

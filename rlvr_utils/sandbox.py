@@ -188,7 +188,8 @@ def code_rewards(
     setups = [""] * len(programs) if setups is None else setups
     if not (len(programs) == len(tests) == len(entry_points) == len(setups)):
         raise ValueError(
-            f"code_rewards: {len(programs)} programs, {len(tests)} tests, {len(entry_points)} entry points, {len(setups)} setups"
+            f"code_rewards: {len(programs)} programs, {len(tests)} tests, {len(entry_points)} entry points, "
+            f"{len(setups)} setups"
         )
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(

@@ -205,7 +205,10 @@ def _code_task(b: _Builder, timeout: float):
                 )
                 entry = row.get("entry_point") or (m.group(1) if m else None)
                 shown = "\n".join(tests)
-                user = f"{text}\nYour code should pass these tests:\n{shown}\nReply with the code in one ```python code block."
+                user = (
+                    f"{text}\nYour code should pass these tests:\n{shown}\n"
+                    "Reply with the code in one ```python code block."
+                )
                 plain = f'"""\n{text}\n{shown}\n"""\n'
                 meta = dict(prompt_code="", tests=tests, setup=str(row.get("test_setup_code") or ""), entry_point=entry)
                 gold, q = str(row.get("code", "")), text

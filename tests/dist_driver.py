@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import arith, distributed, logprob_kernels
+from rlvr_utils import arith, distributed, logprob_kernels  # noqa: E402
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):

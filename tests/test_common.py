@@ -1,5 +1,5 @@
-"""common.py against references: token log-probs (and the training layout), group advantages, loss aggregation, rollouts,
-checkpoints, gradient checkpointing."""
+"""common.py against references: token log-probs (and the training layout), group advantages, loss aggregation,
+rollouts, checkpoints, gradient checkpointing."""
 
 import math
 
@@ -84,7 +84,7 @@ def test_token_logprobs_agree_with_generate_scores():
     )
     comp = out.sequences[:, ids.shape[1] :]
     cmask, _ = rollouts.completion_mask_from_ids(comp, [60])
-    gen_logp = torch.stack([torch.log_softmax(l.float() / 0.7, -1) for l in out.logits], 1)
+    gen_logp = torch.stack([torch.log_softmax(z.float() / 0.7, -1) for z in out.logits], 1)
     gen_logp = gen_logp.gather(-1, comp[..., None]).squeeze(-1)
     with torch.no_grad():
         logp, _ = common.token_logprobs(

@@ -140,18 +140,21 @@ HOSTILE = {
     "sys.exit in the function": "import sys\ndef add(a, b):\n    sys.exit(0)\n",
     "os._exit(0)": "import os\nos._exit(0)\n",
     "raise SystemExit": "raise SystemExit(0)\n",
-    "patched builtins": "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\nbuiltins.exit = lambda *a: None\n"
+    "patched builtins": "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+    "builtins.exit = lambda *a: None\ndef add(a, b):\n    return 0\n",
+    "fake marker on every fd": "import os\nfor fd in range(1, 64):\n    try:\n"
+    "        os.write(fd, b'0' * 32 + b':pass:0\\n')\n    except OSError:\n        pass\n"
     "def add(a, b):\n    return 0\n",
-    "fake marker on every fd": "import os\nfor fd in range(1, 64):\n    try:\n        os.write(fd, b'0' * 32 + b':pass:0\\n')\n"
-    "    except OSError:\n        pass\ndef add(a, b):\n    return 0\n",
-    "printed marker at exit": "import atexit\natexit.register(lambda: print(':pass:0'))\ndef add(a, b):\n    return 0\n",
+    "printed marker at exit": "import atexit\natexit.register(lambda: print(':pass:0'))\n"
+    "def add(a, b):\n    return 0\n",
     # stealing the harness's nonce and marker pipe, then writing a real-looking marker
     "nonce from the harness frame": "import os, sys\nv = sys._getframe(1).f_locals\n"
     "os.write(v['out'], (v['nonce'] + ':pass:0\\n').encode())\n",
     "nonce from a traceback frame": "import os\ntry:\n    raise ValueError\nexcept ValueError as e:\n"
     "    v = e.__traceback__.tb_frame.f_back.f_locals\n"
     "os.write(v['out'], (v['nonce'] + ':pass:0\\n').encode())\n",
-    "nonce from gc": "import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and 'nonce' in o and 'fd' in o:\n"
+    "nonce from gc": "import gc, os\nfor o in gc.get_objects():\n"
+    "    if isinstance(o, dict) and 'nonce' in o and 'fd' in o:\n"
     "        os.write(o['fd'], (o['nonce'] + ':pass:0\\n').encode())\n",
     "reading its own memory": "open('/proc/self/mem', 'rb')\n",
     # values that compare equal to anything (the always-equal reward hack), bare, as a builtin subclass, nested

@@ -15,7 +15,8 @@ reached and writes it to <out-dir>/training_report.json. The bundled checkpoint 
 
     python tools/train_tiny_model.py --threads 2 --out-dir /tmp/tiny-stage1            # ~17 min: stops at step 1500
     python tools/train_tiny_model.py --threads 2 --init-from /tmp/tiny-stage1 --anchor-solve \
-        --mix 0.3 0.6 0.1 --lr 1e-3 --warmup-steps 50 --max-steps 750 --min-steps 750  # ~13 min: localization 0.475 -> 0.965
+        --mix 0.3 0.6 0.1 --lr 1e-3 --warmup-steps 50 --max-steps 750 --min-steps 750
+        # ~13 min: localization 0.475 -> 0.965
     python tools/train_tiny_model.py --eval-only                                       # re-measure assets/tiny-arith
 """
 
@@ -391,7 +392,8 @@ def main(args: Args) -> None:
         sched.step()
         if step % 50 == 0:
             print(
-                f"step {step} loss(last half) {loss.item() * 2:.4f} lr {sched.get_last_lr()[0]:.2e} {time.time() - t0:.0f}s",
+                f"step {step} loss(last half) {loss.item() * 2:.4f} lr {sched.get_last_lr()[0]:.2e} "
+                f"{time.time() - t0:.0f}s",
                 flush=True,
             )
         if step % args.eval_every == 0 or step == args.max_steps:

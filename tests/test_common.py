@@ -504,3 +504,21 @@ def test_update_stats_hand_values():
     assert out["clip_ratio/low_mean"] == pytest.approx(1 / 6) and out["clip_ratio/high_mean"] == pytest.approx(1 / 6)
     assert out["clip_ratio/region_mean"] == pytest.approx(2 / 6) and out["entropy"] == pytest.approx(2.0)
     assert out["kl"] == pytest.approx(0.9 / 6) and out["policy_loss"] == 2.0 and out["grad_norm"] == 3.0
+
+
+def test_engine_correction_truncates_the_engine_ratio_at_the_default_cap():
+    """--engine vllm: each token's loss is multiplied by min(pi_old / pi_engine, cap), cap 2 by default (TRL's, verl's
+    practice); no engine log-probs (HF generate) or cap 0: exactly 1."""
+    import types
+
+    from rlvr_utils import cli, engines
+
+    assert cli.BaseArgs().vllm_is_cap == 2.0
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
+    ro = types.SimpleNamespace(engine_logp=torch.log(torch.tensor([[0.1, 0.9, 0.4]])), engine_released_gb=0.0)
+    mask, stats = torch.ones(1, 3), {}
+    w = engines.engine_correction(ro, torch.tensor([0]), old, mask, 2.0, stats, 3.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5]]), atol=1e-6)  # ratios 5 (capped), 1, 0.5
+    assert stats["vllm/is_ratio_max"] == pytest.approx(5.0, rel=1e-5)
+    assert engines.engine_correction(ro, torch.tensor([0]), old, mask, 0.0, None, 3.0) == 1.0
+    assert engines.engine_correction(types.SimpleNamespace(engine_logp=None), None, old, mask, 2.0, None, 3.0) == 1.0

@@ -433,14 +433,18 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
 
 
 def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> dict:
-    """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths."""
+    """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths; and
+    frac_groups_unsolved, the share of groups where no completion has the full verifier score (>= 1)."""
     lengths = ro.completion_mask.sum(1).float()
     r = rewards.float().cpu()
-    constant = constant_groups(r, ro.group_ids.cpu())[1]
+    inv, constant = constant_groups(r, ro.group_ids.cpu())
+    score = (ro.scores if ro.scores is not None else rewards).float().cpu()
+    best = torch.full((len(constant),), -float("inf")).scatter_reduce(0, inv, score, "amax")
     return {
         "reward": r.mean().item(),
         "reward_std": r.std().item() if len(r) > 1 else 0.0,
         "frac_reward_zero_std": constant.float().mean().item(),
+        "frac_groups_unsolved": (best < 1.0).float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/max_length": lengths.max().item(),
         "completions/min_length": lengths.min().item(),

@@ -522,3 +522,20 @@ def test_engine_correction_truncates_the_engine_ratio_at_the_default_cap():
     assert stats["vllm/is_ratio_max"] == pytest.approx(5.0, rel=1e-5)
     assert engines.engine_correction(ro, torch.tensor([0]), old, mask, 0.0, None, 3.0) == 1.0
     assert engines.engine_correction(types.SimpleNamespace(engine_logp=None), None, old, mask, 2.0, None, 3.0) == 1.0
+
+
+def test_completion_metrics_count_unsolved_groups_by_the_verifier_score():
+    """frac_groups_unsolved: groups with no completion at the full verifier score; an overlong penalty (rewards below
+    the scores) does not turn a solved group into an unsolved one."""
+    import types
+
+    ro = types.SimpleNamespace(
+        completion_mask=torch.ones(8, 3),
+        truncated=torch.zeros(8, dtype=torch.bool),
+        group_ids=torch.tensor([7, 7, 7, 7, 3, 3, 3, 3]),
+        scores=torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0]),
+    )
+    m = common.completion_metrics(ro, ro.scores - 0.5, 4)
+    assert m["frac_groups_unsolved"] == 0.5 and m["frac_reward_zero_std"] == 0.5
+    ro.scores = None  # scripts whose rollouts carry no separate score: the rewards themselves
+    assert common.completion_metrics(ro, torch.zeros(8), 4)["frac_groups_unsolved"] == 1.0

@@ -23,6 +23,7 @@ def test_grpo_two_steps_subprocess(tmp_path):
         "reward",
         "reward_std",
         "frac_reward_zero_std",
+        "frac_groups_unsolved",
         "completions/mean_length",
         "completions/max_length",
         "completions/clipped_ratio",

@@ -1,7 +1,7 @@
 """Benchmark: `python grpo.py` with its defaults (bundled tiny model, built-in task) on this machine.
 
-Runs the script as a user would (a subprocess), then reports wall time, peak memory (max RSS of
-the child), the split of step time between generation, log-probs and update, and the eval
+Runs the script as a user would (a subprocess), then reports wall time, peak memory (the child's own
+peak RSS), the split of step time between generation, log-probs and update, and the eval
 accuracy curve. Writes benchmarks/out/default_run.json and prints a markdown table.
 
     python benchmarks/default_run.py                 # ~10 min on 2 CPU cores
@@ -12,12 +12,9 @@ import argparse
 import json
 import os
 import platform
-import resource
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
+
+from harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,16 +26,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     a = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(ROOT / a.script), "--output-dir", tmp, *a.extra.split()]
-        t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True)
-        wall = time.time() - t0
-        if proc.returncode:
-            sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # Linux: KiB
-        (run,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    res = run_script([a.script, *a.extra.split()]).check()
+    wall, peak_mb, rows = res.wall_s, res.peak_rss_mb, res.rows
 
     steps = [r for r in rows if "time/step" in r]
     total = {k: sum(r[k] for r in steps) for k in ("time/generation", "time/logprobs", "time/update", "time/step")}

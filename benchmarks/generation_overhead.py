@@ -104,9 +104,8 @@ if __name__ == "__main__":
             ts.append(time.perf_counter() - t0)
         out["generate, torch.compile"] = statistics.median(ts)
     print(json.dumps({k: round(v, 3) for k, v in out.items()}))
-    print(
-        f"\n| {PROMPTS} prompts x {G}, {MAX_NEW} new tokens | seconds (median of {a.rounds}) | x generate |\n|---|---|---|"
-    )
+    print(f"\n| {PROMPTS} prompts x {G}, {MAX_NEW} new tokens | seconds (median of {a.rounds}) | x generate |")
+    print("|---|---|---|")
     for k, v in out.items():
         ratio = "" if k.startswith("compile") else f"{v / out['generate']:.2f}"
         print(f"| {k} | {v:.3f} | {ratio} |")

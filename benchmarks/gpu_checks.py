@@ -1,4 +1,4 @@
-"""Benchmark and check for a GPU host: every script in bf16 without a non-finite value, and each one's peak memory and
+r"""Benchmark and check for a GPU host: every script in bf16 without a non-finite value, and each one's peak memory and
 step time on a real-shaped model, relative to grpo.py.
 
 Part 1: every script x seeds 1-3 x --steps (20) steps on the bundled tiny model in bfloat16 (a NaN or inf loss or
@@ -9,14 +9,13 @@ script's step time to grpo.py's (targets: SC-GRPO <= 1.6, GRPO-lambda <= 1.05, E
 Writes benchmarks/out/gpu_checks.json and prints a markdown table.
 
     python benchmarks/gpu_checks.py                                   # on a GPU host, both parts
-    python benchmarks/gpu_checks.py --device cpu --dtype float32 --steps 2 --seeds 1 --shape tiny --big-new-tokens 8  # CPU smoke
+    python benchmarks/gpu_checks.py --device cpu --dtype float32 --steps 2 --seeds 1 --shape tiny \
+        --big-new-tokens 8                                            # CPU smoke
 """
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_vs_trl import build_model  # noqa: E402
+from harness import run_script  # noqa: E402
 
 SCRIPTS = {
     "grpo": ["grpo.py"],
@@ -33,20 +33,6 @@ SCRIPTS = {
     "srpo": ["srpo.py"],
     "rrpo": ["srpo.py", "--reset", "random"],
 }
-
-
-def run(cmd: list[str]) -> tuple[int, list[dict], str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(
-            [sys.executable, *cmd, "--output-dir", tmp],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        runs = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").open()] if runs else []
-        return out.returncode, rows, out.stderr[-1500:]
 
 
 def main() -> None:
@@ -68,13 +54,13 @@ def main() -> None:
     common = ["--device", a.device, "--dtype", a.dtype, "--eval-every", "0", "--num-eval", "8"]
     for name in a.scripts:
         for seed in a.seeds:
-            rc, rows, err = run([*SCRIPTS[name], *common, "--seed", str(seed), "--total-steps", str(a.steps)])
-            res["finite"][f"{name}/{seed}"] = ok = rc == 0 and len(rows) == a.steps + 1
-            print(f"{name} seed {seed}: {'ok' if ok else 'FAILED ' + err}", flush=True)
+            run = run_script([*SCRIPTS[name], *common, "--seed", str(seed), "--total-steps", str(a.steps)])
+            res["finite"][f"{name}/{seed}"] = ok = run.ok and len(run.rows) == a.steps + 1
+            print(f"{name} seed {seed}: {'ok' if ok else 'FAILED ' + run.tail(1500)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(a.shape, Path(tmp) / a.shape, 151936)
         for name in a.scripts:
-            rc, rows, err = run(
+            run = run_script(
                 [
                     *SCRIPTS[name],
                     *common,
@@ -91,9 +77,9 @@ def main() -> None:
                     "8",
                 ]
             )
-            steps = [r for r in rows if "time/step" in r]
-            if rc or not steps:
-                print(f"{name} on {a.shape}: FAILED {err}", flush=True)
+            steps = run.steps
+            if not run.ok or not steps:
+                print(f"{name} on {a.shape}: FAILED {run.tail(1500)}", flush=True)
                 continue
             t = statistics.median(r["time/step"] for r in (steps[1:] or steps))
             res["big"][name] = dict(s_per_step=t, peak_gb=max(r.get("memory/peak_gb", 0.0) for r in steps))
@@ -109,7 +95,8 @@ def main() -> None:
         b = res["big"].get(name)
         finite = sum(res["finite"].get(f"{name}/{s}", False) for s in a.seeds)
         lines.append(
-            f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | {finite}/{len(a.seeds)} |"
+            f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | "
+            f"{finite}/{len(a.seeds)} |"
             if b and base
             else f"| {name} | – | – | – | {finite}/{len(a.seeds)} |"
         )

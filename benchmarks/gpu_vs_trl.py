@@ -11,20 +11,21 @@ The prompts are the built-in arith task's, tokenized with the bundled character 
 vocabulary decode to nothing, so every reward is 0 and neither side is sped up by a stop token (a random model never
 samples it): both generate all --max-new-tokens tokens and run the full forward and backward (a zero advantage still
 costs the same compute). Per step: grpo.py's time/step and memory/peak_gb (reset each step); TRL's on_step_begin ->
-on_step_end and torch.cuda.max_memory_allocated reset at each step's start. On CPU: peak RSS instead of GPU memory.
-Prints a side-by-side table and writes benchmarks/out/gpu_vs_trl.json. Needs trl (pip install -r benchmarks/requirements.txt).
+on_step_end and torch.cuda.max_memory_allocated reset at each step's start. On CPU: each process's own peak RSS
+instead of GPU memory. Prints a side-by-side table and writes benchmarks/out/gpu_vs_trl.json. Needs trl
+(pip install -r benchmarks/requirements.txt).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {  # Qwen2.5 configurations (hidden, intermediate, layers, heads, kv heads, vocabulary)
@@ -68,18 +69,8 @@ def build_model(shape: str, out: Path, vocab: int) -> Path:
     return out
 
 
-OURS = r"""
-import json, resource, runpy, sys
-sys.argv = ["grpo.py", "--model", {model!r}, "--total-steps", "{steps}", "--eval-every", "0", "--num-eval", "1",
-            "--prompts-per-step", "{prompts}", "--num-generations", "{G}", "--max-new-tokens", "{max_new}", "--learning-rate", "1e-6",
-            "--gen-batch-size", "{gen_batch}", "--micro-batch-size", "{micro}", "--engine", "hf", "--output-dir", {out!r}, "--seed", "1"]
-sys.argv += {extra!r}
-runpy.run_path("grpo.py", run_name="__main__")
-print("RESULT", json.dumps(dict(maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)))
-"""
-
 TRL = r"""
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, ".")
 import torch
 from datasets import Dataset
@@ -102,46 +93,44 @@ class Clock(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         times.append(time.perf_counter() - self.t0)
         peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
-cfg = GRPOConfig(output_dir={out!r}, per_device_train_batch_size={micro}, gradient_accumulation_steps={accum},
-                 num_generations={G}, generation_batch_size={prompts} * {G}, max_completion_length={max_new}, temperature=1.0,
-                 top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="grpo", learning_rate=1e-6, max_steps={steps},
-                 logging_steps=1, report_to=[], save_strategy="no", use_cpu=not cuda, bf16=cuda, seed=1, disable_tqdm=True,
+cfg = GRPOConfig(output_dir=sys.argv[sys.argv.index("--output-dir") + 1], per_device_train_batch_size={micro},
+                 gradient_accumulation_steps={accum}, num_generations={G}, generation_batch_size={prompts} * {G},
+                 max_completion_length={max_new}, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1,
+                 loss_type="grpo", learning_rate=1e-6, max_steps={steps}, logging_steps=1, report_to=[],
+                 save_strategy="no", use_cpu=not cuda, bf16=cuda, seed=1, disable_tqdm=True,
                  gradient_checkpointing={gc}, dataloader_num_workers=0)
 trainer = GRPOTrainer(model=model, reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions), args=cfg,
                       train_dataset=data, processing_class=tok, callbacks=[Clock()])
 trainer.train()
-print("RESULT", json.dumps(dict(step_seconds=times, peak_gb=peaks, maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)))
+print("RESULT", json.dumps(dict(step_seconds=times, peak_gb=peaks)))
 """
 
 
 def run(kind: str, model: Path, a) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        accum = max(1, a.prompts * a.generations // a.micro_batch_size)
-        extra = ["--gradient-checkpointing"] if a.gradient_checkpointing else []
-        code = (OURS if kind == "ours" else TRL).format(
+    """One side in a fresh process: step times (s), per-step peak GPU memory (GB), the process's own peak RSS (GB)."""
+    if kind == "ours":
+        flags = ["--model", str(model), "--total-steps", str(a.steps), "--eval-every", "0", "--num-eval", "1"]
+        flags += ["--prompts-per-step", str(a.prompts), "--num-generations", str(a.generations)]
+        flags += ["--max-new-tokens", str(a.max_new_tokens), "--learning-rate", "1e-6"]
+        flags += ["--gen-batch-size", str(a.prompts * a.generations), "--micro-batch-size", str(a.micro_batch_size)]
+        flags += ["--engine", "hf", "--seed", "1"] + (["--gradient-checkpointing"] if a.gradient_checkpointing else [])
+        res = run_script(["grpo.py", *flags]).check(kind)
+        step_seconds, peak_gb = [r["time/step"] for r in res.steps], [r.get("memory/peak_gb", 0.0) for r in res.steps]
+    else:
+        code = TRL.format(
             model=str(model),
             steps=a.steps,
             prompts=a.prompts,
             G=a.generations,
             max_new=a.max_new_tokens,
-            out=tmp,
-            gen_batch=a.prompts * a.generations,
             micro=a.micro_batch_size,
-            accum=accum,
+            accum=max(1, a.prompts * a.generations // a.micro_batch_size),
             gc=a.gradient_checkpointing,
-            extra=extra,
         )
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
-        if out.returncode:
-            sys.exit(f"{kind} failed:\n{out.stderr[-3000:]}")
-        res = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[7:])
-        if kind == "ours":
-            (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if "time/step" in line]
-            res["step_seconds"] = [r["time/step"] for r in rows]
-            res["peak_gb"] = [r.get("memory/peak_gb", 0.0) for r in rows]
-        return res
+        res = run_script(["-c", code]).check(kind)
+        out = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT"))[7:])
+        step_seconds, peak_gb = out["step_seconds"], out["peak_gb"]
+    return dict(step_seconds=step_seconds, peak_gb=peak_gb, maxrss_gb=res.peak_rss_mb / 1024)
 
 
 def main() -> None:
@@ -190,8 +179,8 @@ def main() -> None:
         if o and t:
             lines.append(
                 f"| {shape} | {o['median_step_seconds']:.2f} | {t['median_step_seconds']:.2f} | "
-                f"{o['median_step_seconds'] / t['median_step_seconds']:.2f} | {o['peak_gb']:.2f} | {t['peak_gb']:.2f} | "
-                f"{o['peak_gb'] / t['peak_gb']:.2f} |"
+                f"{o['median_step_seconds'] / t['median_step_seconds']:.2f} | {o['peak_gb']:.2f} | "
+                f"{t['peak_gb']:.2f} | {o['peak_gb'] / t['peak_gb']:.2f} |"
             )
     print("\n".join(lines))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

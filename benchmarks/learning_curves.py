@@ -14,10 +14,11 @@ several `run` processes may share the work (each (method, seed) is claimed with 
 
 `report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds, 95%
 bootstrap interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems), the mean
-accuracy over all evaluations (step 0 included; a less noisy view of speed than one crossing), the first evaluated step at which each method's mean curve reaches GRPO's final
-mean accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and against generated tokens
-(mean and 95% bootstrap band) in docs/img/: one for the methods at their defaults, one per swept method for its `--tag` sweeps
-beside it (needs matplotlib: pip install -r benchmarks/requirements.txt).
+accuracy over all evaluations (step 0 included; a less noisy view of speed than one crossing), the first evaluated
+step at which each method's mean curve reaches GRPO's final mean accuracy over the same seeds (and the same in
+generated tokens), and plots of accuracy against step and against generated tokens (mean and 95% bootstrap band) in
+docs/img/: one for the methods at their defaults, one per swept method for its `--tag` sweeps beside it (needs
+matplotlib: pip install -r benchmarks/requirements.txt).
 
 Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
@@ -31,10 +32,10 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from harness import read_metrics, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -58,9 +59,7 @@ def result_path(setting: str, name: str, seed: int, results: Path = RESULTS) -> 
 
 
 def complete(path: Path, steps: int) -> bool:
-    if not path.exists():
-        return False
-    rows = [json.loads(line) for line in path.open() if line.strip()]
+    rows = read_metrics(path)
     return bool(rows) and rows[-1].get("step") == steps and "eval/accuracy" in rows[-1]
 
 
@@ -75,34 +74,17 @@ def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> s
     except FileExistsError:
         return f"{name} seed {seed}: claimed by another process ({out.with_suffix('.lock')})"
     script, *flags = script_flags
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            str(ROOT / script),
-            *flags,
-            *SETTINGS[setting],
-            "--total-steps",
-            str(a.steps),
-            "--eval-every",
-            str(a.eval_every),
-            "--seed",
-            str(seed),
-            "--output-dir",
-            tmp,
-            *a.extra.split(),
-        ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(a.threads))
-        t0 = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    flags += [*SETTINGS[setting], "--total-steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(seed)]
+    try:
+        res = run_script([script, *flags, *a.extra.split()], threads=a.threads)
+    finally:
         out.with_suffix(".lock").unlink(missing_ok=True)
-        if proc.returncode:
-            return f"{name} seed {seed}: FAILED ({' '.join(cmd)})\n{proc.stderr[-2000:]}"
-        (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp_out = out.with_suffix(".tmp")
-        tmp_out.write_text((run_dir / "metrics.jsonl").read_text())
-        os.replace(tmp_out, out)
-    return f"{name} seed {seed}: {time.time() - t0:.0f} s"
+    if not res.ok:
+        return f"{name} seed {seed}: FAILED ({' '.join(res.cmd)})\n{res.tail(2000)}"
+    tmp_out = out.with_suffix(".tmp")
+    tmp_out.write_text("".join(json.dumps(r) + "\n" for r in res.rows))  # as the script wrote them (json.dumps)
+    os.replace(tmp_out, out)
+    return f"{name} seed {seed}: {res.wall_s:.0f} s"
 
 
 def cmd_run(a) -> None:
@@ -142,7 +124,7 @@ def load(setting: str, results: Path) -> dict:
     for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
         for f in sorted(d.glob("seed*.jsonl")):
             tokens, points = 0.0, []
-            rows = [json.loads(line) for line in f.open() if line.strip()]
+            rows = read_metrics(f)
             if (
                 not rows or "eval/accuracy" not in rows[-1]
             ):  # a run that stopped early (run_one writes only finished ones)
@@ -197,8 +179,8 @@ def cmd_report(a) -> None:
         f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
         "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.",
         "",
-        "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI | mean over evals, 95% CI "
-        "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
+        "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI "
+        "| mean over evals, 95% CI | steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, curve in sorted(means.items(), key=lambda kv: ("@" in kv[0], kv[0] != "grpo")):  # defaults, then sweeps

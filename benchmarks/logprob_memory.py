@@ -5,9 +5,10 @@ row-by-row logsumexp over the full logits).
 A random-weight model with Qwen2.5-0.5B's real config (vocab 151,936, width 896), cut to --layers
 decoder layers (the log-prob path is the lm_head and what follows it; layers only add activations
 common to all three). Only the final norm's weight requires a gradient, so the backward runs through
-the lm_head and the log-prob path without the [V, H] embedding gradient every method shares. Each (method, B, T) runs in a fresh subprocess. Peak memory: CUDA's
-max_memory_allocated on a GPU; on CPU the process's peak RSS (Linux VmHWM, reset before the
-measurement through /proc/self/clear_refs) minus its RSS just before. Prompt length --prompt 128.
+the lm_head and the log-prob path without the [V, H] embedding gradient every method shares. Each
+(method, B, T) runs in a fresh subprocess. Peak memory: CUDA's max_memory_allocated on a GPU; on CPU the
+process's peak RSS (Linux VmHWM, reset before the measurement through /proc/self/clear_refs) minus its RSS
+just before. Prompt length --prompt 128.
 
     python benchmarks/logprob_memory.py                       # CPU, sizes (2,256) (4,512) (4,1024)
     python benchmarks/logprob_memory.py --device cuda --sizes 4x512 8x1024 16x2048

@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "grpo": ["grpo.py"],
@@ -138,8 +140,7 @@ def run_one(root: Path, cmd: list[str], threads: int) -> dict:
         err = proc.stderr.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
-        runs = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").open()] if runs else []
+        rows = read_metrics(tmp)
     steps = [r for r in rows if "time/step" in r]
     peaks = json.loads(next((x[6:] for x in err.splitlines() if x.startswith("PEAKS ")), "{}"))
     rss = peaks["process"] if "process" in peaks else usage.ru_maxrss / 2**20  # ru_maxrss (KiB) only as a fallback

@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS, G, MAX_NEW, LR = 8, 8, 48, 1e-5
 
-OURS = r"""
-import json, resource, runpy, sys, time
-sys.argv = ["grpo.py", "--total-steps", "{steps}", "--eval-every", "0", "--num-eval", "8", "--prompts-per-step", "{prompts}",
-            "--num-generations", "{G}", "--max-new-tokens", "{max_new}", "--learning-rate", "{lr}", "--output-dir", "{out}",
-            "--seed", "{seed}"]
-runpy.run_path("grpo.py", run_name="__main__")
-print("RESULT", json.dumps(dict(maxrss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
-"""
-
 TRL = r"""
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, ".")
 import torch
 from datasets import Dataset
@@ -60,32 +49,29 @@ class Clock(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         times.append(time.perf_counter() - self.t0)
 
-cfg = GRPOConfig(output_dir="{out}", per_device_train_batch_size={prompts} * {G}, num_generations={G},
-                 generation_batch_size={prompts} * {G}, max_completion_length={max_new}, temperature=1.0, top_p=1.0, top_k=0,
-                 beta=0.0, num_iterations=1, loss_type="grpo", scale_rewards="group", learning_rate={lr},
-                 max_steps={steps}, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
-                 seed={seed}, dataloader_num_workers=0, disable_tqdm=True)
-trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok, callbacks=[Clock()])
+cfg = GRPOConfig(output_dir=sys.argv[sys.argv.index("--output-dir") + 1], per_device_train_batch_size={prompts} * {G},
+                 num_generations={G}, generation_batch_size={prompts} * {G}, max_completion_length={max_new},
+                 temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="grpo",
+                 scale_rewards="group", learning_rate={lr}, max_steps={steps}, logging_steps=1, report_to=[],
+                 save_strategy="no", use_cpu=True, bf16=False, seed={seed}, dataloader_num_workers=0, disable_tqdm=True)
+trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
+                      callbacks=[Clock()])
 trainer.train()
-print("RESULT", json.dumps(dict(step_seconds=times, maxrss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+print("RESULT", json.dumps(dict(step_seconds=times)))
 """
 
 
 def run(kind: str, steps: int, seed: int, threads: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        code = (OURS if kind == "ours" else TRL).format(
-            steps=steps, prompts=PROMPTS, G=G, max_new=MAX_NEW, lr=LR, out=tmp, seed=seed
-        )
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
-        if out.returncode:
-            sys.exit(f"{kind} failed:\n{out.stderr[-3000:]}")
-        res = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[7:])
-        if kind == "ours":
-            (run_dir,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-            res["step_seconds"] = [r["time/step"] for r in rows if "time/step" in r]
-        return res
+    """One run in a fresh process: its step times (s) and its own peak RSS (MB)."""
+    if kind == "ours":
+        flags = ["--total-steps", str(steps), "--eval-every", "0", "--num-eval", "8", "--seed", str(seed)]
+        flags += ["--prompts-per-step", str(PROMPTS), "--num-generations", str(G), "--max-new-tokens", str(MAX_NEW)]
+        res = run_script(["grpo.py", *flags, "--learning-rate", str(LR)], threads=threads).check(kind)
+        return dict(step_seconds=[r["time/step"] for r in res.steps], maxrss_mb=res.peak_rss_mb)
+    code = TRL.format(steps=steps, prompts=PROMPTS, G=G, max_new=MAX_NEW, lr=LR, seed=seed)
+    res = run_script(["-c", code], threads=threads).check(kind)
+    out = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    return dict(step_seconds=out["step_seconds"], maxrss_mb=res.peak_rss_mb)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from harness import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -34,33 +33,9 @@ SCRIPTS = {
 
 
 def run_once(script: str, extra: list[str], steps: int, seed: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-c",
-            "import resource, runpy, sys; sys.argv = sys.argv[1:]; "
-            'exec(\'try:\\n runpy.run_path(sys.argv[0], run_name="__main__")\\nfinally:\\n '
-            'print("PEAK_RSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\')',
-            str(ROOT / script),
-            "--total-steps",
-            str(steps),
-            "--eval-every",
-            "0",
-            "--num-eval",
-            "8",
-            "--seed",
-            str(seed),
-            "--output-dir",
-            tmp,
-            *extra,
-        ]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        if out.returncode:
-            sys.exit(f"{script} {' '.join(extra)} failed:\n{out.stderr[-3000:]}")
-        (run,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").open() if "time/step" in line]
-        peak = float(out.stdout.rsplit("PEAK_RSS_MB", 1)[1].split()[0])
-    return {"rows": rows[1:], "peak_rss_mb": peak}  # the first step includes warm-up
+    flags = ["--total-steps", str(steps), "--eval-every", "0", "--num-eval", "8", "--seed", str(seed), *extra]
+    res = run_script([script, *flags]).check(f"{script} {' '.join(extra)}")
+    return {"rows": res.steps[1:], "peak_rss_mb": res.peak_rss_mb}  # the first step includes warm-up
 
 
 def main() -> None:

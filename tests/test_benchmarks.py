@@ -8,6 +8,97 @@ import sys
 import pytest
 from conftest import ROOT
 
+FAKE_SCRIPT = """
+import argparse, json, pathlib
+ap = argparse.ArgumentParser()
+ap.add_argument("--mb", type=int, default=0)
+ap.add_argument("--output-dir")
+a = ap.parse_args()
+held = bytearray(a.mb * 2**20)  # zero-filled: every page touched
+run = pathlib.Path(a.output_dir) / "run-1"
+run.mkdir()
+rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "time/step": 0.5}, {"step": 1, "eval/accuracy": 0.5}]
+(run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+"""
+
+
+@pytest.fixture
+def harness():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import harness
+
+        yield harness
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_harness_reads_metrics_and_the_childs_own_peak_memory(tmp_path, harness):
+    """The peak is the child's: wait4's ru_maxrss of a vfork + exec child reports this (larger) process's mark."""
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_SCRIPT)
+    parent = bytearray(400 * 2**20)  # this process's high-water mark is now above 400 MiB
+    res = harness.run_script([str(script), "--mb", "64"], threads=1)
+    del parent
+    assert res.ok and res.returncode == 0, res.stderr
+    assert [r["step"] for r in res.rows] == [0, 1, 1] and res.steps == [{"step": 1, "time/step": 0.5}]
+    assert 64 < res.peak_rss_mb < 300, res.peak_rss_mb
+    assert res.wall_s > 0 and res.cmd[1:3] == [str(script), "--mb"] and res.cmd[-2] == "--output-dir"
+    assert res.check() is res
+
+
+def test_harness_code_failures_timeouts_and_metric_files(tmp_path, harness):
+    res = harness.run_script(["-c", "import sys; print(sys.argv); sys.exit('bad ' + sys.argv[1])", "x"], env={"A": "1"})
+    assert res.returncode == 1 and not res.ok and res.rows == [] and "bad x" in res.tail()
+    assert "'--output-dir'" in res.stdout and res.peak_rss_mb > 0  # argv as `python -c CODE x --output-dir DIR` has it
+    with pytest.raises(SystemExit, match="lbl failed:\nbad x"):
+        res.check("lbl")
+    res = harness.run_script(
+        ["-c", "import os; print(os.environ['A'], os.environ['OMP_NUM_THREADS'])"], env={"A": "7"}, threads=3
+    )
+    assert res.ok and res.stdout.split() == ["7", "3"]
+    res = harness.run_script(["-c", "import time; time.sleep(60)"], timeout=2, output_dir=False)
+    assert res.returncode == -9 and res.peak_rss_mb is None and "timed out" in res.stderr and res.wall_s < 30
+    run = tmp_path / "out" / "run-1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n\n{"step": 1}\n')
+    for path in (tmp_path / "out", run, run / "metrics.jsonl"):
+        assert harness.read_metrics(path) == [{"step": 0}, {"step": 1}]
+    assert harness.read_metrics(tmp_path / "absent") == []
+    (tmp_path / "out" / "run-2").mkdir()
+    (tmp_path / "out" / "run-2" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="several runs"):
+        harness.read_metrics(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_default_run_and_step_time_run_at_a_small_size(tmp_path):
+    small = "--total-steps 2 --eval-every 0 --num-eval 2 --prompts-per-step 2 --num-generations 2 --max-new-tokens 8"
+    r = subprocess.run(
+        [sys.executable, "benchmarks/default_run.py", "--extra", small + " --threads 1", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (out,) = tmp_path.glob("default_run_grpo_*.json")
+    res = json.loads(out.read_text())
+    assert res["steps"] == 2 and 100 < res["peak_rss_mb"] < 4000 and res["eval_accuracy"][-1][0] == 2
+    assert "| `python grpo.py --total-steps 2" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "benchmarks/step_time.py", "--steps", "2", "--rounds", "1", "--scripts", "grpo.py"]
+        + ["--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads((tmp_path / "step_time.json").read_text())["table"]["grpo.py"]
+    assert row["steps_measured"] == 1 and row["ratio_to_grpo"] == 1.0 and 100 < row["peak_rss_mb"] < 4000
+    assert "| `grpo.py` |" in r.stdout
+
 
 @pytest.mark.slow
 def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):

@@ -1,5 +1,6 @@
 """GRPO-λ (grpo_lambda.py): the O(T) trace against its O(T²) definition, the GRPO limit, the on-policy
-c_k identity (docs/grpo_lambda.md), the advantage clamp, bad input, and a few steps of the script."""
+c_k identity (docs/grpo_lambda.md; c_k's closed form is rlvr_utils/trace_diagnostics.trace_multipliers), the advantage
+clamp, bad input, and a few steps of the script."""
 
 import importlib.util
 import json
@@ -10,6 +11,7 @@ from conftest import ROOT
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 
 import common
+from rlvr_utils.trace_diagnostics import trace_multipliers
 
 _spec = importlib.util.spec_from_file_location("grpo_lambda", ROOT / "grpo_lambda.py")
 gl = importlib.util.module_from_spec(_spec)
@@ -94,12 +96,12 @@ def test_trace_gamma_and_lam_enter_as_their_product():
 @pytest.mark.parametrize("a", [0.0, 0.5, 0.99, 1.0])
 def test_trace_multipliers_are_the_column_sums(style, a):
     lengths = [1, 2, 3, 10, 11, 256, 0]
-    c = gl.trace_multipliers(torch.tensor(lengths), a, 1.0, style, dtype=torch.float64)
+    c = trace_multipliers(torch.tensor(lengths), a, 1.0, style, dtype=torch.float64)
     assert c.shape == (7, 256)
     for i, L in enumerate(lengths):
         assert torch.allclose(c[i, :L], weight_matrix(L, a, style).sum(0), rtol=1e-12), (style, a, L)
         assert (c[i, L:] == 0).all()
-    assert gl.trace_multipliers(torch.tensor(lengths), a, 1.0, style, T=300).shape == (7, 300)
+    assert trace_multipliers(torch.tensor(lengths), a, 1.0, style, T=300).shape == (7, 300)
 
 
 def test_trace_multipliers_match_the_spec_numbers():
@@ -110,12 +112,12 @@ def test_trace_multipliers_match_the_spec_numbers():
         (768, "recent", 100.0, 97.9, 87.1),
         (768, "both", 768, 97.9, 149.4),
     ]:
-        c = gl.trace_multipliers(torch.tensor([T]), 0.99, 1.0, style)[0]
+        c = trace_multipliers(torch.tensor([T]), 0.99, 1.0, style)[0]
         assert abs(c[0] - c0) < 0.06 and abs(c[T // 2] - cmid) < 0.06 and c[-1] == 1, (T, style)
         assert abs(c.mean() - mean) < 0.06, (T, style, c.mean())
     k = torch.arange(40, dtype=torch.float64)  # closed form of the recent style
     assert torch.allclose(
-        gl.trace_multipliers(torch.tensor([40]), 0.7, 1.0, "recent", dtype=torch.float64)[0],
+        trace_multipliers(torch.tensor([40]), 0.7, 1.0, "recent", dtype=torch.float64)[0],
         (1 - 0.7 ** (40 - k)) / 0.3,
     )
 
@@ -144,7 +146,7 @@ def test_both_lambda_zero_is_not_grpo_first_token_stays_in_every_row():
     expect = torch.where(mask.bool(), x + x[:, :1], 0.0)  # w(t, 0) = 1 for every t, w(t, t) = 1, else 0
     expect[:, 0] = x[:, 0] * mask[:, 0]
     assert torch.allclose(z, expect, atol=1e-6)
-    c = gl.trace_multipliers(mask.sum(1), 0.0, 1.0, "both")
+    c = trace_multipliers(mask.sum(1), 0.0, 1.0, "both")
     assert torch.equal(c[:, 0], mask.sum(1).float()) and (c[:, 1:][mask[:, 1:].bool()] == 1).all()
     (g_grpo,) = torch.autograd.grad(grpo_loss(logp, old, A, mask, "token-mean"), logp)
     (g,) = torch.autograd.grad(lambda_loss(logp, old, A, mask, "token-mean", lam=0.0, style="both"), logp)
@@ -176,7 +178,7 @@ def test_on_policy_gradient_is_grpo_with_multipliers(style, lam, agg):
         logp = linear_policy_logp(theta, feats, tokens)
         (g1,) = torch.autograd.grad(lambda_loss(logp, old, A, mask, agg, lam, style), theta, retain_graph=True)
         # the GRPO-style surrogate with per-token advantage A·c_k, c detached
-        c = gl.trace_multipliers(mask.sum(1), lam, 1.0, style, T=T, dtype=torch.float64)
+        c = trace_multipliers(mask.sum(1), lam, 1.0, style, T=T, dtype=torch.float64)
         ref = common.aggregate_loss(-(A * c) * logp, mask.double(), agg, 48, mask.sum().item(), B)
         (g2,) = torch.autograd.grad(ref, theta)
         return g1, g2
@@ -260,7 +262,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown trace application"):
         gl.grpo_lambda_token_loss(x, x, x, mask, 0.9, apply="both")
     assert gl.trace_log_ratio(torch.zeros(3, 0), torch.zeros(3, 0), 0.9).shape == (3, 0)
-    assert gl.trace_multipliers(torch.tensor([], dtype=torch.long), 0.9).shape == (0, 0)
+    assert trace_multipliers(torch.tensor([], dtype=torch.long), 0.9).shape == (0, 0)
 
 
 # ------------------------------------------------------------------------------------------ the script

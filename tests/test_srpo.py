@@ -1,5 +1,5 @@
-"""srpo.py: thought splitting, localization parsing, reset indices, suffix masking through the real
-training step, the oracle, the fallback path, and subprocess runs of each reset mode."""
+"""srpo.py and its chain protocol (rlvr_utils/chains.py): thought splitting, localization parsing, reset indices,
+suffix masking through the real training step, the oracle, the fallback path, and subprocess runs of each reset mode."""
 
 import random
 
@@ -9,7 +9,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import srpo
-from rlvr_utils import arith, tasks
+from rlvr_utils import arith, chains, rollouts, tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
 
@@ -30,8 +30,8 @@ FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
     ],
 )
 def test_split_thoughts(text, delim, expected):
-    assert srpo.split_thoughts(text, delim) == expected
-    starts = srpo.thought_starts(text, delim)
+    assert chains.split_thoughts(text, delim) == expected
+    starts = chains.thought_starts(text, delim)
     assert [text[s : s + len(t)] for s, t in zip(starts, expected)] == expected
 
 
@@ -54,13 +54,13 @@ def test_split_thoughts(text, delim, expected):
     ],
 )
 def test_parse_error_step(reply, n, expected, kind):
-    assert srpo.parse_error_step(reply, n) == expected
-    assert srpo.localization_reply_kind(reply, n) == kind
+    assert chains.parse_error_step(reply, n) == expected
+    assert chains.localization_reply_kind(reply, n) == kind
 
 
 def test_parse_error_step_rejects_empty_parent():
     with pytest.raises(ValueError):
-        srpo.parse_error_step("\\boxed{1}", 0)
+        chains.parse_error_step("\\boxed{1}", 0)
 
 
 def test_reset_index_modes():
@@ -83,7 +83,7 @@ def test_oracle_picks_true_first_error_on_arith():
         k = rng.randint(1, len(lines))
         lines[k - 1] = lines[k - 1] + "1"  # corrupt line k
         parent = "\n".join(lines)
-        th = srpo.split_thoughts(parent, "\n")
+        th = chains.split_thoughts(parent, "\n")
         assert srpo.reset_index("oracle", len(th), oracle_step=arith.arith_first_error(p, parent)) == k
 
 
@@ -98,7 +98,7 @@ def test_prefix_token_count_cuts_before_thought_k(tiny):
     text = "23+7=30\n30-5=25\n25+9=34\n#### 34"
     ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
     for k, expected in ((1, ""), (2, "23+7=30\n"), (3, "23+7=30\n30-5=25\n"), (4, "23+7=30\n30-5=25\n25+9=34\n")):
-        n = srpo.prefix_token_count(tok, ids, text, k, "\n")
+        n = chains.prefix_token_count(tok, ids, text, k, "\n")
         assert tok.decode(ids[:n]) == expected
 
 
@@ -132,7 +132,7 @@ def test_collect_rollouts_oracle_batch(tiny):
                 e = next(
                     x
                     for x in examples
-                    if arith.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1
+                    if arith.arith_first_error(x.question, prefix) == len(chains.split_thoughts(prefix, "\n")) + 1
                 )
                 assert e is not None
     groups = torch.unique(ro.group_ids, return_counts=True)[1]
@@ -297,14 +297,14 @@ def test_protocol_cut_ends_after_the_boxed_thought_and_at_twenty_thoughts(tiny):
     _, tok = tiny
     text = "First step.\n\nSo x = 4, \\boxed{4}.\n\nBut also 5.\n\nDone."
     ids = tok(text, add_special_tokens=False).input_ids
-    assert tok.decode(srpo.protocol_cut(tok, ids, text, "\n\n")) == "First step.\n\nSo x = 4, \\boxed{4}."
+    assert tok.decode(chains.protocol_cut(tok, ids, text, "\n\n")) == "First step.\n\nSo x = 4, \\boxed{4}."
     long = "\n".join(f"{i}+1={i + 1}" for i in range(25))
     ids = tok(long, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    kept = tok.decode(srpo.protocol_cut(tok, ids, long, "\n"), skip_special_tokens=True)
+    kept = tok.decode(chains.protocol_cut(tok, ids, long, "\n"), skip_special_tokens=True)
     assert kept == "\n".join(f"{i}+1={i + 1}" for i in range(20))
     short = "1+1=2\n#### 2"  # nothing to cut: the ids come back unchanged (the stop token included)
     ids = tok(short, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    assert srpo.protocol_cut(tok, ids, short, "\n") == ids
+    assert chains.protocol_cut(tok, ids, short, "\n") == ids
 
 
 @pytest.mark.slow
@@ -350,7 +350,7 @@ def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(ti
         ro.texts = [text] * len(prompts)
         return ro
 
-    monkeypatch.setattr(common, "generate_rollouts", fake_generate)
+    monkeypatch.setattr(rollouts, "generate_rollouts", fake_generate)  # chains.Sampler's generate calls
     seen = {}
 
     def reward(completion, ex):
@@ -365,8 +365,8 @@ def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(ti
     counts = []
     for i in range(len(ro)):
         ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
-        n = len(srpo.split_thoughts(tok.decode(ids, skip_special_tokens=True), "\n"))
-        prefix = len(srpo.split_thoughts(tok.decode(ids[: int(suffix_start[i])], skip_special_tokens=True), "\n"))
+        n = len(chains.split_thoughts(tok.decode(ids, skip_special_tokens=True), "\n"))
+        prefix = len(chains.split_thoughts(tok.decode(ids[: int(suffix_start[i])], skip_special_tokens=True), "\n"))
         counts.append((prefix, n))
     assert all(n == min(20, prefix + 15) for prefix, n in counts), counts
     assert any(prefix > 5 for prefix, _ in counts)  # the case that used to overflow is exercised
@@ -376,6 +376,4 @@ def test_localization_cap_help_matches_the_code():
     import inspect
 
     doc = inspect.getsource(srpo).split("localization_max_new_tokens:")[1].split('"""')[1]
-    assert "4096 otherwise" in doc and '192 if task.name == "arith" else 4096' in inspect.getsource(
-        srpo.collect_rollouts
-    )
+    assert "4096 otherwise" in doc and '192 if task.name == "arith" else 4096' in inspect.getsource(srpo.localization)

@@ -8,8 +8,9 @@ import torch
 from helpers import read_metrics, run_inprocess, run_script
 
 import common
-from ep_grpo import cell_zscore, entropy_gate, ep_advantages, ep_metrics, progress_windows, row_quantile
+from ep_grpo import cell_zscore, entropy_gate, ep_advantages, progress_windows, row_quantile
 from rlvr_utils import tasks
+from rlvr_utils.ep_diagnostics import ep_metrics
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
 G = 4
@@ -405,7 +406,7 @@ def test_moving_anchor(tmp_path, monkeypatch, anchor, flags, moved):
 
 
 def test_outcome_advantage_uses_the_population_std_by_default():
-    """Spec: A_out = (r - mean) / (std_pop + 1e-6); at G = 8 the unbiased std (grpo.py) would scale A_out by
+    """docs/ep_grpo.md: A_out = (r - mean) / (std_pop + 1e-6); at G = 8 the unbiased std (grpo.py) would scale A_out by
     sqrt(7/8) = 0.935 against the process term. Hand value: rewards 1,1,0,0,0,0,0,0 -> mean 1/4, std_pop sqrt(3)/4."""
     r = torch.tensor([1.0, 1, 0, 0, 0, 0, 0, 0])
     mask = torch.ones(8, 3)
@@ -489,7 +490,8 @@ def test_outcome_polarity_signs_the_process_credit():
 
 def _tabular_drift(polarity, reward, steps=40, seed=0, lr=0.5):
     """A policy of independent per-position softmaxes [T, V], started away from its reference, trained on-policy with
-    EP-GRPO's advantage on groups whose rewards are all `reward`. Returns the exact KL(pi || pi_ref) before and after."""
+    EP-GRPO's advantage on groups whose rewards are all `reward`. Returns the exact KL(pi || pi_ref) before and
+    after."""
     g = torch.Generator().manual_seed(seed)
     T, V, G, n = 8, 6, 8, 4
     ref = torch.randn(T, V, generator=g)

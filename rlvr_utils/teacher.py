@@ -4,6 +4,7 @@ Role                    what a row's teacher does to its loss: PLAIN, WEIGHTED, 
 GUIDE, teacher_prompt   the teacher's prompt: the student's context plus a verified solution tau (paper §1.2, App. E.1)
 build_teachers          each routed row's teacher prompt, role and weighted length; bad references resampled or cut
 logprobs_and_kl         the student's log-probs with D = KL(teacher || student) per token from one extra no-grad forward
+kl_of_every_row         D of the whole batch before the update (--kl-threshold-scope batch)
 micro_batches_of_groups whole groups per micro-batch (c is a micro-batch's percentile, paper §5.1)
 TeacherLog              the step's D, f, teacher time and memory, as the sc/* metrics
 """
@@ -76,7 +77,7 @@ def build_teachers(
     tokenizer,
     task: str,
     ro: Rollouts,
-    row_examples,
+    examples,
     correct,
     ref,
     limit: int,
@@ -84,12 +85,14 @@ def build_teachers(
     generator: torch.Generator,
 ):
     """Each row's teacher prompt ids (None: no teacher), role, weighted length, and the bad-input counts.
+    examples: each group's Example, by group id (Example.id); ref [N]: each row's reference (sc_grpo.route_groups).
 
     A reference whose teacher prompt exceeds `limit` tokens (the context window minus the completions) or that has
     more than `max_ref_tokens` tokens is replaced by another correct sibling that fits (never the row itself), drawn
     uniformly; failing that, its middle is cut; a row that still does not fit gets no teacher (plain GRPO).
     role [N] (Role): PLAIN (f = 1), WEIGHTED, DIVERSITY (weighted + the solve-none bonus), REFERENCE (o_r: no loss).
     wlen [N]: how many tokens get a weight, |o_i|, or min(|o_i|, |o_r|) in solve-none groups (later tokens get 0).
+    role and wlen are on the completions' device.
     """
     n_tok = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
     lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
@@ -102,26 +105,26 @@ def build_teachers(
             k for k in (gids == gids[i]).nonzero().flatten().tolist() if correct[j] and correct[k] and k not in (i, j)
         ]
         for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]:
-            ids = teacher_prompt(tokenizer, task, row_examples[i], ro.texts[k])
+            ids = teacher_prompt(tokenizer, task, examples[int(gids[i])], ro.texts[k])
             if len(ids) <= limit and n_tok(ro.texts[k]) <= max_ref_tokens:
                 prompts[i] = ids
                 counts["sc/tau_resampled"] += k != j
                 break
         else:  # nothing fits: keep the head and tail of the drawn reference (8 tokens spare for the "..." marker)
             tau = tokenizer(ro.texts[j], add_special_tokens=False).input_ids
-            over = len(teacher_prompt(tokenizer, task, row_examples[i], ro.texts[j])) - limit
+            over = len(teacher_prompt(tokenizer, task, examples[int(gids[i])], ro.texts[j])) - limit
             keep = min(max_ref_tokens, len(tau) - max(over, 0)) - 8
             cut = (
                 tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2) :])
             )
-            ids = teacher_prompt(tokenizer, task, row_examples[i], cut) if keep > 0 else None
+            ids = teacher_prompt(tokenizer, task, examples[int(gids[i])], cut) if keep > 0 else None
             prompts[i] = ids if ids is not None and len(ids) <= limit else None
             counts["sc/tau_truncated" if prompts[i] is not None else "sc/no_reference"] += 1
-        if prompts[i] is not None:
-            role[i], wlen[i] = (
-                (Role.WEIGHTED, lengths[i]) if correct[j] else (Role.DIVERSITY, min(lengths[i], lengths[j]))
-            )
-    return prompts, role, wlen, counts
+        if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
+            role[i] = Role.WEIGHTED
+        elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|) tokens
+            role[i], wlen[i] = Role.DIVERSITY, min(lengths[i], lengths[j])
+    return prompts, role.to(ro.completion_mask.device), wlen.to(ro.completion_mask.device), counts
 
 
 def micro_batches_of_groups(
@@ -226,6 +229,30 @@ def logprobs_and_kl(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(kls), cost
 
 
+def kl_of_every_row(
+    model,
+    ro: Rollouts,
+    teachers,
+    temperature: float,
+    pad_id: int,
+    G: int,
+    micro_batch_size: int,
+    log: TeacherLog,
+) -> torch.Tensor:
+    """D [N, T] of every row under torch.no_grad (--kl-threshold-scope batch: before the update, so that c can be
+    taken over the whole batch), in micro-batches of whole groups as the update's; the teacher's cost goes to `log`."""
+    device, T = ro.completion_mask.device, ro.completion_mask.shape[1]
+    D, rows = torch.zeros(len(ro), T, device=device), torch.arange(len(ro), device=device)  # D: [N, T]
+    with torch.no_grad():
+        for mb in micro_batches_of_groups(rows, ro.group_ids.cpu(), G, micro_batch_size):
+            prompts = [teachers[i] for i in mb.tolist()]
+            _, _, D[mb], cost = logprobs_and_kl(
+                model, ro.input_ids[mb], ro.attention_mask[mb], T, temperature, prompts, pad_id
+            )
+            log.add(cost=cost)
+    return D
+
+
 class TeacherLog:
     """The step's D and f over its weighted tokens, in the order they were computed, and the teacher pass's seconds and
     CUDA peak: the sc/* metrics (docs/sc_grpo.md, Logs). All are 0 in a step with no weighted token."""
@@ -233,9 +260,9 @@ class TeacherLog:
     def __init__(self):
         self.kl, self.f, self.seconds, self.peak = [], [], 0.0, 0
 
-    def add(self, D: torch.Tensor | None, f: torch.Tensor | None, active: torch.Tensor, cost: dict | None = None):
-        """D, f [n, T] of some rows (None: not computed here), active [n, T] their weighted tokens; cost: the
-        teacher pass's {"seconds", "peak_bytes"} from logprobs_and_kl."""
+    def add(self, D=None, f=None, active=None, cost: dict | None = None) -> None:
+        """D, f [n, T] of some rows (None: not computed there) on `active` [n, T], their weighted tokens; cost: a
+        teacher pass's {"seconds", "peak_bytes"} (logprobs_and_kl's)."""
         self.kl += [D.detach()[active.bool()].cpu()] if D is not None else []
         self.f += [f[active.bool()].cpu()] if f is not None else []
         if cost is not None:

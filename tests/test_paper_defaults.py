@@ -49,9 +49,10 @@ def test_grpo_baseline_defaults():
 
 
 def test_sc_grpo_paper_defaults():
-    """SC-GRPO (arXiv 2606.18810): f = D/(D + c), c = max(P75 of D, c_min = 1e-4) (§5.1 and ablation A2); alpha 0.1 for the
-    solve-none diversity advantage (ablation A3); weighted groups: partial-solve and solve-none (§5); a multiplicative
-    weight, not an additive KL loss (Table 2); G 8, 8 prompts per update (§6); seq-mean-token-mean; no reference KL."""
+    """SC-GRPO (arXiv 2606.18810): f = D/(D + c), c = max(P75 of D, c_min = 1e-4) (§5.1 and ablation A2); alpha 0.1 for
+    the solve-none diversity advantage (ablation A3); weighted groups: partial-solve and solve-none (§5); a
+    multiplicative weight, not an additive KL loss (Table 2); G 8, 8 prompts per update (§6); seq-mean-token-mean; no
+    reference KL."""
     d = defaults(sc_grpo)
     assert (d["percentile"], d["c_min"], d["alpha"]) == (75.0, 1e-4, 0.1)
     assert tuple(d["weighted_groups"]) == ("partial", "none") and d["weight_mode"] == "multiply"

@@ -1,4 +1,5 @@
-"""sc_grpo.py: its pure functions (weights, routing, KL, teacher prompts, bad inputs) and its real entry point."""
+"""sc_grpo.py: its pure functions (weights, routing, credit), its teacher (rlvr_utils/teacher.py: prompts, KL, bad
+inputs) and its real entry point."""
 
 import copy
 import dataclasses
@@ -10,7 +11,8 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import sc_grpo
-from rlvr_utils import arith, tasks
+from rlvr_utils import arith, tasks, teacher
+from rlvr_utils.teacher import Role
 
 REAL_LOAD_TASK, REAL_CLIP = tasks.load_task, torch.nn.utils.clip_grad_norm_
 NEW_METRICS = (
@@ -119,7 +121,8 @@ def test_solve_none_rows_add_the_bonus_to_their_grpo_advantage():
     """A solve-none row keeps its GRPO advantage (non-zero only when --overlong-buffer shaped the rewards) and adds
     alpha * z(s); o_r gets 0."""
     D = torch.tensor([[0.0], [0.2], [0.4], [0.1]])
-    role, gid = torch.tensor([3, 2, 2, 2]), torch.zeros(4, dtype=torch.long)
+    role = torch.tensor([Role.REFERENCE, Role.DIVERSITY, Role.DIVERSITY, Role.DIVERSITY])
+    gid = torch.zeros(4, dtype=torch.long)
     active = torch.tensor([[0.0], [1], [1], [1]])
     shaped = torch.tensor([[0.5], [-0.25], [0.25], [-0.5]])  # e.g. overlong penalties
     _, adv0, f = sc_grpo.weights_and_advantages(D, active, role, gid, torch.zeros(4, 1))
@@ -131,8 +134,8 @@ def test_solve_none_rows_add_the_bonus_to_their_grpo_advantage():
 def test_token_kl_is_the_full_vocabulary_kl():
     zt, zs = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     want = torch.nn.functional.kl_div(zs.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    assert torch.allclose(sc_grpo.token_kl(zt, zs), want, atol=1e-6)
-    assert (sc_grpo.token_kl(zt, zt) == 0).all()
+    assert torch.allclose(teacher.token_kl(zt, zs), want, atol=1e-6)
+    assert (teacher.token_kl(zt, zt) == 0).all()
 
 
 # --- the teacher pass on the bundled model ------------------------------------------------------------
@@ -157,7 +160,7 @@ def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny, fused):
     (want.sum()).backward()
     want_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    got, got_ent, D, _ = sc_grpo.logprobs_and_kl(
+    got, got_ent, D, _ = teacher.logprobs_and_kl(
         model, ids, attn, T, 0.7, with_entropy=True, fused=None if fused else False
     )
     (got.sum()).backward()
@@ -172,13 +175,13 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     prompts = ["Solve: 12+3-4\n"]
     prompt_ids, ids, attn, T = _batch(tok, comps, prompts)
     with torch.no_grad():
-        _, _, D_same, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
+        _, _, D_same, _ = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
         teach = [
             tasks.encode_prompt(tok, arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))
         ] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
-        _, _, D, cost = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
+        _, _, D, cost = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
         # direct: one unpadded forward each, full log-softmax
         comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
         L = len(comp)
@@ -208,7 +211,7 @@ def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad)
     out = {}
     for fused in (True, False):
         m64.zero_grad()
-        logp, ent, D, _ = sc_grpo.logprobs_and_kl(
+        logp, ent, D, _ = teacher.logprobs_and_kl(
             m64,
             ids,
             attn,
@@ -246,13 +249,13 @@ def test_f_carries_no_gradient(tiny, fused):
     teach = [None] + [tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, comps[0]))] * 2
     m = attn[:, -T:].float()
     model.zero_grad()
-    logp, _, D, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
+    logp, _, D, _ = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
     f = sc_grpo.kl_weights(D, m * torch.tensor([0.0, 1, 1])[:, None])
     assert not D.requires_grad and not f.requires_grad and f[1:].sum() > 0
     (-(f * logp * m).sum()).backward()
     with_teacher = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logp2, _, D2, _ = sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, None, tok.pad_token_id, fused=fused)
+    logp2, _, D2, _ = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, None, tok.pad_token_id, fused=fused)
     (-(f.clone() * logp2 * m).sum()).backward()
     assert (D2 == 0).all() and torch.equal(logp.detach(), logp2.detach())
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), with_teacher))
@@ -263,11 +266,11 @@ def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
     """--micro-batch-size enters the algorithm: D = {0.01, 0.01 | 1, 1} over two groups of 2 (one weighted token a row)
     gives c = P75 = 1 when both groups share a micro-batch, but c = 0.01 and c = 1 one group per micro-batch."""
     D, gid = torch.tensor([[0.01], [0.01], [1.0], [1.0]]), torch.tensor([0, 0, 1, 1])
-    role, active, adv, rows = torch.ones(4, dtype=torch.long), torch.ones(4, 1), torch.zeros(4, 1), torch.arange(4)
+    role, active, adv, rows = torch.full((4,), Role.WEIGHTED), torch.ones(4, 1), torch.zeros(4, 1), torch.arange(4)
 
     def weights(micro_batch_size):
         w = torch.empty(4, 1)
-        for mb in sc_grpo.micro_batches_of_groups(rows, gid, 2, micro_batch_size):
+        for mb in teacher.micro_batches_of_groups(rows, gid, 2, micro_batch_size):
             w[mb] = sc_grpo.weights_and_advantages(D[mb], active[mb], role[mb], gid[mb], adv[mb])[0]
         return w.flatten()
 
@@ -280,7 +283,7 @@ def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
 def test_teacher_prompt_plain_and_chat(tiny):
     _, tok = tiny
     ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], arith.ARITH_INSTRUCTION + "12+3-4")
-    got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
+    got = teacher.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
     assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
     chat = copy.deepcopy(tok)
     chat.chat_template = (
@@ -288,11 +291,11 @@ def test_teacher_prompt_plain_and_chat(tiny):
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     student = tasks.render_prompt(chat, arith.ARITH_INSTRUCTION + ex.question, ex.prompt)
-    teacher = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
-    want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
-    assert teacher == tasks.encode_prompt(chat, want)
+    teacher_ids = teacher.teacher_prompt(chat, "arith", ex, "12+3=15")
+    want = "<system>" + teacher.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
+    assert teacher_ids == tasks.encode_prompt(chat, want)
     with pytest.raises(ValueError, match="user turn"):  # an example without its user turn cannot be rebuilt
-        sc_grpo.teacher_prompt(chat, "arith", dataclasses.replace(ex, user=""), "12+3=15")
+        teacher.teacher_prompt(chat, "arith", dataclasses.replace(ex, user=""), "12+3=15")
 
 
 def _rollouts(tok, texts, group_size):
@@ -311,27 +314,35 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     texts = [short, long_, "oops", ""]  # n_c = 2 (rows 0, 1); row 3 is an empty completion
     ro = _rollouts(tok, texts, 4)
     correct = torch.tensor([True, True, False, False])
-    room = len(sc_grpo.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
+    room = len(teacher.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
     ref = torch.tensor([1, 0, 1, 1])  # as if every row drew the long reference (row 1 cannot draw itself)
-    prompts, role, wlen, counts = sc_grpo.build_teachers(
-        tok, "arith", ro, [ex] * 4, correct, ref, room, 8192, torch.Generator()
+    prompts, role, wlen, counts = teacher.build_teachers(
+        tok, "arith", ro, {0: ex}, correct, ref, room, 8192, torch.Generator()
     )
-    assert prompts[2] == prompts[3] == sc_grpo.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
+    assert prompts[2] == prompts[3] == teacher.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
     assert prompts[1] == prompts[2]  # row 1 drew row 0, which fits
     assert tok.decode(prompts[0]).count("...") == 1 and len(prompts[0]) <= room  # no other correct one: middle cut
     assert counts == {"sc/tau_resampled": 2, "sc/tau_truncated": 1, "sc/no_reference": 0}
-    assert role.tolist() == [1, 1, 1, 1] and torch.equal(wlen, ro.completion_mask.sum(1))
-    # solve-none: o_r (row 0) gets role 3; the others are weighted up to min(|o_i|, |o_r|); no room at all: counted
+    assert role.tolist() == [Role.WEIGHTED] * 4 and torch.equal(wlen, ro.completion_mask.sum(1))
+    # solve-none: o_r (row 0) is the REFERENCE; the others are weighted up to min(|o_i|, |o_r|); no room at all: counted
     ro = _rollouts(tok, ["ab", "abcdef", "", "x"], 4)
     wrong = torch.zeros(4, dtype=torch.bool)
-    prompts, role, wlen, counts = sc_grpo.build_teachers(
-        tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]), 10**6, 8192, torch.Generator()
+    prompts, role, wlen, counts = teacher.build_teachers(
+        tok, "arith", ro, {0: ex}, wrong, torch.tensor([-1, 0, 0, 0]), 10**6, 8192, torch.Generator()
     )
-    assert role.tolist() == [3, 2, 2, 2] and wlen.tolist() == [3, 3, 1, 2] and prompts[0] is None
-    prompts, role, _, counts = sc_grpo.build_teachers(
-        tok, "arith", ro, [ex] * 4, wrong, torch.tensor([-1, 0, 0, 0]), 5, 8192, torch.Generator()
+    assert (
+        role.tolist() == [Role.REFERENCE] + [Role.DIVERSITY] * 3
+        and wlen.tolist() == [3, 3, 1, 2]
+        and prompts[0] is None
     )
-    assert prompts == [None] * 4 and role.tolist() == [3, 0, 0, 0] and counts["sc/no_reference"] == 3
+    prompts, role, _, counts = teacher.build_teachers(
+        tok, "arith", ro, {0: ex}, wrong, torch.tensor([-1, 0, 0, 0]), 5, 8192, torch.Generator()
+    )
+    assert (
+        prompts == [None] * 4
+        and role.tolist() == [Role.REFERENCE] + [Role.PLAIN] * 3
+        and counts["sc/no_reference"] == 3
+    )
 
 
 # --- the script ----------------------------------------------------------------------------------
@@ -418,7 +429,8 @@ def test_additive_kl_baseline_and_ablation_flags_run(tmp_path, monkeypatch):
 
 def test_batch_scope_gives_one_c_whatever_the_micro_batch_size(tmp_path, monkeypatch):
     """Four partial-solve groups of 4: with --kl-threshold-scope batch and one group per micro-batch, f (and so the
-    gradient) is that of the micro-batch scope with all four groups in one micro-batch, not that of one per micro-batch."""
+    gradient) is that of the micro-batch scope with all four groups in one micro-batch, not that of one group per
+    micro-batch."""
     one, g_one = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "16")
     per, _ = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--micro-batch-size", "4")
     batch, g_batch = _run_capturing_grads(
@@ -512,25 +524,25 @@ TEMPLATE_WITHOUT_DEFAULT = TEMPLATE_WITH_DEFAULT.replace(
 
 
 def test_teacher_keeps_the_students_default_system_message(tiny):
-    """Spec §1.2: the teacher is the student's full context plus the guide and tau. With a template that adds a
+    """Paper §1.2: the teacher is the student's full context plus the guide and tau. With a template that adds a
     default system message, the teacher's system message is that default + guide + tau, so the student's and the
     teacher's prompts differ by exactly the inserted guide and reference."""
     _, tok = tiny
     tok = copy.deepcopy(tok)
     tok.chat_template = TEMPLATE_WITH_DEFAULT
-    assert sc_grpo.default_system_message(tok) == "You are a careful assistant."
+    assert teacher.default_system_message(tok) == "You are a careful assistant."
     user = "What is 1+1?"
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
     student = ex.prompt
-    teacher = tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, " 1+1=2, so \\boxed{2} "))
-    inserted = "\n\n" + sc_grpo.GUIDE + "1+1=2, so \\boxed{2}"
+    teacher_text = tok.decode(teacher.teacher_prompt(tok, "gsm8k", ex, " 1+1=2, so \\boxed{2} "))
+    inserted = "\n\n" + teacher.GUIDE + "1+1=2, so \\boxed{2}"
     head = "<|im_start|>system\nYou are a careful assistant."
-    assert student.startswith(head) and teacher == student.replace(head, head + inserted, 1)
+    assert student.startswith(head) and teacher_text == student.replace(head, head + inserted, 1)
     tok.chat_template = TEMPLATE_WITHOUT_DEFAULT
-    assert sc_grpo.default_system_message(tok) == ""
+    assert teacher.default_system_message(tok) == ""
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
-    assert tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith(
-        "<|im_start|>system\n" + sc_grpo.GUIDE + "tau<|im_end|>"
+    assert tok.decode(teacher.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith(
+        "<|im_start|>system\n" + teacher.GUIDE + "tau<|im_end|>"
     )
 
 

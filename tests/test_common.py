@@ -267,7 +267,7 @@ def test_no_attention_query_row_is_fully_masked_on_a_left_padded_batch(monkeypat
     """Regression (GPU NaN, issue 17): left-pad positions used to be query rows with no key to attend to, which
     cuDNN's bf16 attention backward turns into NaN. Every forward of token_logprobs (and the teacher forward of
     SC-GRPO, through completion_logits) must hand attention a mask in which every query row sees a key."""
-    import sc_grpo
+    from rlvr_utils import teacher
 
     g = torch.Generator().manual_seed(3)
     model = random_model()
@@ -276,8 +276,8 @@ def test_no_attention_query_row_is_fully_masked_on_a_left_padded_batch(monkeypat
     ids, attn, cmask, T = padded_batch(prompts, completions)
     seen = _spy_sdpa(monkeypatch)
     common.token_logprobs(model, ids, attn, T, fused=fused)[0].sum().backward()
-    teacher = [[5, 6, 7], None, [8], [9, 10, 11, 12, 13, 14, 15, 16]]
-    sc_grpo.logprobs_and_kl(model, ids, attn, T, 1.0, teacher, 0)
+    teacher_ids = [[5, 6, 7], None, [8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    teacher.logprobs_and_kl(model, ids, attn, T, 1.0, teacher_ids, 0)
     assert len(seen) >= 3 * 2  # two layers x (student, SC-GRPO student, teacher)
     assert all(_fully_masked_rows(*s) == 0 for s in seen), [_fully_masked_rows(*s) for s in seen]
 

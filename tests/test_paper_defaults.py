@@ -1,7 +1,8 @@
 """Every paper default of the four methods pinned to its source, through the scripts' Args (the command line) and the
 defaults of their public functions (what a reader copies). Changing any one of them alone fails this file, which
 names each script (grpo.py, sc_grpo.py, grpo_lambda.py, ep_grpo.py, srpo.py). Where a value is this project's
-choice rather than the paper's, the comment says so; docs/<method>.md has the table flag | paper | official code | ours | why."""
+choice rather than the paper's, the comment says so; docs/<method>.md has the table
+flag | paper | official code | ours | why."""
 
 import dataclasses
 import inspect

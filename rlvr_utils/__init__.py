@@ -12,4 +12,7 @@ common.py or a script.
   engines          the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
   checkpoints      atomic checkpoints, resume, Ctrl-C
+  masked_stats     statistics over the valid entries of padded tensors: a per-row quantile, a z-score within cells
+  ep_ablations     EP-GRPO's alternative forms, for the ablations on docs/ep_grpo.md (ep_grpo.py has the defaults)
+  ep_diagnostics   EP-GRPO's ep/* diagnostics (logged; they change nothing in the update)
 """

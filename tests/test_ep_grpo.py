@@ -8,9 +8,10 @@ import torch
 from helpers import read_metrics, run_inprocess, run_script
 
 import common
-from ep_grpo import cell_zscore, entropy_gate, ep_advantages, progress_windows, row_quantile
+from ep_grpo import entropy_gate, ep_advantages, progress_windows
 from rlvr_utils import tasks
 from rlvr_utils.ep_diagnostics import ep_metrics
+from rlvr_utils.masked_stats import cell_zscore, row_quantile
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
 G = 4

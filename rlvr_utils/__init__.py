@@ -2,7 +2,10 @@
 not an algorithm lives here. Layers point one way: scripts -> common.py -> this package; nothing here imports
 common.py or a script.
 
-  cli              the command line: parsing, one-line errors for bad flags, resume, threads
+  cli              the command line: BaseArgs (every shared flag), parsing, one-line errors, resume, threads
+  models           loading the policy (hub id or local directory, clear errors, dropout off)
+  rollouts         the Rollouts batch, batched generation (HF generate or the vLLM engine), padding, stop tokens
+  tracking         TensorBoard, metrics.jsonl and wandb
   tasks            the tasks (arith, gsm8k, math, code): datasets, prompts, rewards, held-out split
   rewards          answer extraction and verification (GSM8K, MATH via math-verify)
   arith            the built-in arithmetic task: problems, solutions, its first-wrong-step oracle, the tiny model's
@@ -11,7 +14,10 @@ common.py or a script.
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
   engines          the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
-  checkpoints      atomic checkpoints, resume, Ctrl-C
+  checkpoints      atomic checkpoints, resume, Ctrl-C and SIGTERM
+  teacher          SC-GRPO's self-conditioned teacher: its prompt, its forward (D without a [b, T, V] tensor), roles
+  trace_diagnostics  GRPO-lambda's trace/* diagnostics and the closed form of its credit multiplier
+  chains           SRPO's chain protocol: thoughts, the official stopping rules, the localization prompt and reply
   masked_stats     statistics over the valid entries of padded tensors: a per-row quantile, a z-score within cells
   ep_ablations     EP-GRPO's alternative forms, for the ablations on docs/ep_grpo.md (ep_grpo.py has the defaults)
   ep_diagnostics   EP-GRPO's ep/* diagnostics (logged; they change nothing in the update)

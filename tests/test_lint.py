@@ -20,6 +20,14 @@ def _ruff(*args):
     )
 
 
+def test_the_tree_is_ruff_formatted_and_lint_clean():
+    """One formatter and linter for the whole tree (pyproject.toml: line length 120; pycodestyle, pyflakes, import
+    order): `ruff format --check .` and `ruff check .` as a contributor runs them (.pre-commit-config.yaml)."""
+    for args in (["format", "--check", "."], ["check", "."]):
+        out = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout[-3000:]}{out.stderr[-1000:]}"
+
+
 def test_no_undefined_names_or_unused_imports():
     out = _ruff("--select", "F,E9", ".")
     assert out.returncode == 0, out.stdout[-3000:]

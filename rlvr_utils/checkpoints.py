@@ -12,6 +12,7 @@ exactly as if it had not stopped (tests/test_checkpoints.py checks this bit for 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -19,6 +20,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -41,7 +43,10 @@ def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dic
 
 
 class _atomic_dir:
-    """`with _atomic_dir(path) as tmp:` fill `tmp`; on success it replaces `path` (rename), on failure it is removed."""
+    """`with _atomic_dir(path) as tmp:` fill `tmp`; on success its files are flushed to disk (fsync) and it replaces
+    `path` by two renames (path -> .<name>.old-<pid>, tmp -> path; then the old copy is removed); on failure it is
+    removed. A kill between the two renames leaves both copies complete under hidden names: `Checkpointer.restore`
+    finds the newest complete one."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -57,14 +62,33 @@ class _atomic_dir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
+        _fsync_tree(self.tmp)
         old = None
         if self.path.exists():
             old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
             os.rename(self.path, old)
         os.rename(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return False
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file under `root`, then every directory, on disk before the rename makes them visible."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
 
 
 class CountingBatches:
@@ -139,40 +163,107 @@ class Checkpointer:
                 torch.save(state, tmp / "trainer.pt")
                 for r in range(1, world):  # other ranks' sampling streams
                     torch.save(states[r], tmp / f"trainer_rank{r}.pt")
+                (tmp / COMPLETE).write_text(json.dumps({"step": step}))  # last: the copy is whole
+            self.clean_leftovers()
         if self.dist is not None:
             self.dist.barrier()
         return self.path
 
+    def copies(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete copy of the checkpoint, newest first: the checkpoint itself and any
+        copy a kill left under a hidden name during a save."""
+        found = []
+        for d in [
+            self.path,
+            *self.path.parent.glob(f".{self.path.name}.tmp-*"),
+            *self.path.parent.glob(f".{self.path.name}.old-*"),
+        ]:
+            try:
+                found.append((int(json.loads((d / COMPLETE).read_text())["step"]), d))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(found, key=lambda c: (c[0], c[1] == self.path), reverse=True)
+
+    def clean_leftovers(self) -> None:
+        """Remove the hidden copies a killed save left beside the checkpoint (rank 0, after a save or a resume)."""
+        for d in [
+            *self.path.parent.glob(f".{self.path.name}.tmp-*"),
+            *self.path.parent.glob(f".{self.path.name}.old-*"),
+        ]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def recover(self) -> int | None:
+        """Make the newest complete copy the checkpoint (a kill during a save can leave it under a hidden name) and
+        return its step; None when there is none."""
+        found = self.copies()
+        if not found:
+            return None
+        step, best = found[0]
+        if best != self.path and self.rank == 0:
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            os.rename(best, self.path)
+        return step
+
     def restore(self, model, optimizer, batches: CountingBatches, extra: dict | None = None) -> int:
-        """Load the checkpoint into the objects the script has built; returns the step it was taken after."""
+        """Load the checkpoint into the objects the script has built; returns the step it was taken after. A damaged
+        file ends the run with one line naming it (exit code 2)."""
         from safetensors.torch import load_file
 
-        if not (self.path / "trainer.pt").exists():
-            raise SystemExit(
-                f"--resume {self.path.parent}: no checkpoint there (runs save one with --save-every N or on Ctrl-C)"
+        run = self.path.parent
+        if self.recover() is None:
+            _fail(
+                f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and on "
+                "SIGTERM)"
             )
+        if self.dist is not None:
+            self.dist.barrier()
+        files = sorted((self.path / "model").glob("*.safetensors"))
+        if not files:
+            _fail(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
         weights = {}
-        for f in sorted((self.path / "model").glob("*.safetensors")):
-            weights.update(load_file(str(f)))
+        for f in files:
+            try:
+                weights.update(load_file(str(f)))
+            except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
+                _fail(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if k not in _tied(model)]
         if missing or unexpected:
-            raise SystemExit(
-                f"--resume {self.path.parent}: the checkpoint does not fit the model (missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]})"
+            _fail(
+                f"--resume {run}: the checkpoint does not fit the model (missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}): was the run started with another --model?"
             )
-        state = torch.load(self.path / "trainer.pt", weights_only=False)
+        state = _load(self.path / "trainer.pt", run)
         optimizer.load_state_dict(state["optimizer"])
         batches.skip_to(state["batches_drawn"])
         for k, v in (extra or {}).items():
             _load_into(v, state["extra"][k])
-        rng = state if self.rank == 0 else torch.load(self.path / f"trainer_rank{self.rank}.pt", weights_only=False)
+        rng = state if self.rank == 0 else _load(self.path / f"trainer_rank{self.rank}.pt", run)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        if self.rank == 0:
+            self.clean_leftovers()
         return int(state["step"])
+
+
+COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _load(path: Path, run: Path) -> dict:
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # truncated, empty or not a torch file
+        reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
+        _fail(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
 
 
 def _tied(model) -> set:
@@ -187,23 +278,27 @@ def _tied(model) -> set:
 
 
 class GracefulStop:
-    """The first Ctrl-C asks the run to stop after the step in progress (the script then saves a checkpoint, closes
-    its logs and exits with one line); a second Ctrl-C stops at once. Under torchrun every rank must agree on the
-    step: `requested(dist)` all-reduces the flag."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it preempts a job) asks the run to
+    stop after the step in progress: the script then saves a checkpoint, closes its logs and exits with one line
+    naming the --resume command (exit code 130). A second signal stops at once, with one line and no traceback. Under
+    torchrun every rank must agree on the step: `requested(dist)` all-reduces the flag."""
 
     def __init__(self):
         self.flag = False
-        try:
-            signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread (e.g. a test runner): Ctrl-C keeps its default
-            pass
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread (e.g. a test runner): the signal keeps its default
+                pass
 
     def _handler(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.flag:
-            raise KeyboardInterrupt
+            print(f"\n{name} again: stopping now, without a checkpoint of this step", file=sys.stderr, flush=True)
+            raise SystemExit(130)
         self.flag = True
         print(
-            "\nCtrl-C: the run stops after this step and saves a checkpoint (Ctrl-C again stops at once)",
+            f"\n{name}: the run stops after this step and saves a checkpoint (a second signal stops at once)",
             file=sys.stderr,
             flush=True,
         )

@@ -17,7 +17,6 @@ import math
 import random
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -37,11 +36,14 @@ from rlvr_utils.logprob_kernels import (
     fused_logprobs_ok,
     unwrap,
 )
+from rlvr_utils.models import load_model as load_model
 from rlvr_utils.models import load_policy as load_policy
+from rlvr_utils.models import load_tokenizer as load_tokenizer
 from rlvr_utils.rollouts import Rollouts as Rollouts
 from rlvr_utils.rollouts import generate_rollouts, make_rollouts, stop_token_ids
 from rlvr_utils.rollouts import pad_left as pad_left
 from rlvr_utils.tracking import Logger
+from rlvr_utils.tracking import UpdateStats as UpdateStats
 
 if TYPE_CHECKING:
     from rlvr_utils.distributed import Dist
@@ -343,44 +345,6 @@ def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Ten
     ]
 
 
-class UpdateStats:
-    """The update's diagnostics, TRL's names: clip fractions and kl as token means over every pass, entropy over the
-    first pass, policy_loss and grad_norm as means over optimizer steps, and the vLLM engine's mismatch (`engine`)."""
-
-    def __init__(self, mask: torch.Tensor, passes: int):
-        self.tokens, self.passes = max(float(mask.sum()), 1.0), passes
-        self.sums, self.losses, self.norms, self.loss, self.engine_stats = defaultdict(float), [], [], 0.0, {}
-
-    def engine(self, it: int) -> dict | None:
-        return self.engine_stats if it == 0 else None  # the engine metrics describe the rollouts: once
-
-    def add(self, m, ratio, adv, eps_low, eps_high, entropy=None, kl=None, loss=None) -> None:
-        low, high = ((ratio < 1 - eps_low) & (adv < 0)).float() * m, ((ratio > 1 + eps_high) & (adv > 0)).float() * m
-        self.sums["clip_ratio/low_mean"] += low.sum().item()
-        self.sums["clip_ratio/high_mean"] += high.sum().item()
-        self.sums["clip_ratio/region_mean"] += (low + high).sum().item()
-        if entropy is not None:
-            self.sums["entropy"] += (entropy * m).sum().item()
-        if kl is not None:
-            self.sums["kl"] += (kl.detach() * m).sum().item()
-        self.loss += loss.item() if loss is not None else 0.0
-
-    def step(self, grad_norm) -> None:
-        """After each optimizer step: the mini-batch's loss and gradient norm."""
-        self.losses.append(self.loss)
-        self.norms.append(float(grad_norm))
-        self.loss = 0.0
-
-    def metrics(self) -> dict:
-        out = {k: v / (self.tokens * (1 if k == "entropy" else self.passes)) for k, v in self.sums.items()}
-        out.update(
-            self.engine_stats,
-            policy_loss=sum(self.losses) / len(self.losses),
-            grad_norm=sum(self.norms) / len(self.norms),
-        )
-        return out
-
-
 # ----------------------------------------------------------------------------------------------
 # 6. Evaluation, logging, metrics
 # ----------------------------------------------------------------------------------------------
@@ -469,8 +433,14 @@ TASK_FLAGS = (
 
 
 def load_task(args, tokenizer) -> Task:
-    """The task named by --task, built with the shared task flags (rlvr_utils.tasks.load_task)."""
-    return tasks.load_task(args.task, tokenizer, **{k: getattr(args, k) for k in TASK_FLAGS})
+    """The task named by --task, built with the shared task flags (rlvr_utils.tasks.load_task). The scripts build it
+    before the model loads, so a task that yields nothing (every prompt too long, every gold unparsable, a dataset
+    that cannot be fetched) ends the run at once with one line, exit code 2."""
+    try:
+        return tasks.load_task(args.task, tokenizer, **{k: getattr(args, k) for k in TASK_FLAGS})
+    except (ValueError, KeyError, FileNotFoundError, ConnectionError) as e:
+        source = args.data_path or tasks.HUB_DATASETS.get(args.task, ("the built-in task",))[0]
+        cli.usage_error(f"--task {args.task} ({source}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
 class Run:
@@ -489,33 +459,29 @@ class Run:
 
     def __init__(self, args):
         cli.set_threads(args.threads)
+        checkpoints.stop_while_loading()  # Ctrl-C or SIGTERM before the first step: one line, exit code 130
         self.args, self.state, self.metrics, self.times = args, {}, {}, {}
-        stamp = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        self.dir = Path(args.resume or Path(args.output_dir) / stamp)
         self.dist, self.device = distributed.init_distributed(
             args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
         )
-        seed_everything(
-            args.seed + self.dist.rank
-        )  # per-rank sampling; every rank draws the same global prompt batches
+        seed_everything(args.seed + self.dist.rank)  # per-rank sampling; every rank draws the same prompt batches
+        self.dir = Path(args.resume) if args.resume else None  # a new run's directory is made by start()
 
     def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
         a, dist = self.args, self.dist
-        self.model, self.tokenizer, self.optimizer, self.task, self.state = (
-            model,
-            tokenizer,
-            optimizer,
-            task,
-            state or {},
-        )
+        self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
+        self.state = state or {}
+        if self.dir is None:  # its own directory, created exclusively on rank 0 (a name taken gets a suffix)
+            name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
+            self.dir = Path(dist.broadcast(str(checkpoints.new_run_dir(a.output_dir, name)) if dist.main else None))
         self.batches = checkpoints.CountingBatches(lambda: prompt_batches(task.train, a.prompts_per_step, a.seed))
         self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), checkpoints.GracefulStop()
         self.first = self.ckpt.restore(model, optimizer, self.batches, self.state) + 1 if a.resume else 1
         engines.attach_engine(
             a.engine, model, optimizer, a.model, a.vllm_gpu_memory_utilization, seed=a.seed + dist.rank
         )
-        resumed = self.first - 1
-        self.logger = Logger(self.dir, vars(a), a.track, a.wandb_project, enabled=dist.main, resume_step=resumed)
+        resumed, config = self.first - 1, {**vars(a), "script": Path(sys.argv[0]).name}
+        self.logger = Logger(self.dir, config, a.track, a.wandb_project, enabled=dist.main, resume_step=resumed)
         dist.print(
             f"run {self.dir.name}: logs in {self.dir}/ (tensorboard --logdir {self.dir.parent}); "
             f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}"

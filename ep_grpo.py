@@ -44,7 +44,7 @@ class Args(cli.BaseArgs):
     pivot_scope: Literal["batch", "group", "response"] = "batch"
     """(c) batch, (a) group: over which tokens tau (or zsig's z-score) is taken"""
     gate_alpha: float = 1.0
-    """(c) alpha: extra weight of a pivot under the soft gate (0 turns the gate off)"""
+    """(c) alpha >= 0: extra weight of a pivot under the soft gate (0 turns the gate off)"""
     gate_temp: float = 0.1
     """(c) T_g: softness of the soft gate (nats, > 0)"""
     gate_norm: Literal["response", "none"] = "response"
@@ -64,7 +64,7 @@ class Args(cli.BaseArgs):
     anchor_form: Literal["additive", "multiplicative"] = "additive"
     """(a) additive gate*(A_out + lambda*d*P); (c) multiplicative gate*A_out*(1 + lambda*tanh(sign(A_out)*P))"""
     process_coef: float = 0.2
-    """(c) lambda (the authors' eta): weight of P in groups with mixed rewards (0 turns it off)"""
+    """(c) lambda >= 0 (the authors' eta): weight of P in groups with mixed rewards (0 turns it off)"""
     process_coef_zero_var: float | None = None
     """(b) lambda_0: weight of P in groups whose rewards are all equal (default: --process-coef)"""
     process_clip: float = 3.0
@@ -156,25 +156,24 @@ def ep_advantages(
 
 def validate(a: Args) -> Args:
     """EP-GRPO's own checks (cli.parse runs the shared ones): one line naming the flag and what is allowed, exit 2."""
-    table = [("anchor-lag", a.anchor_lag >= 1, ">= 1"), ("num-buckets", a.num_buckets >= 1, ">= 1")]
-    table += [("anchor-ema-decay", 0 <= a.anchor_ema_decay <= 1, "in [0, 1]"), ("gate-gamma", a.gate_gamma > 0, "> 0")]
-    table += [("pivot-quantile", 0 <= a.pivot_quantile <= 1, "in [0, 1]"), ("gate-temp", a.gate_temp > 0, "> 0")]
-    table += [("process-clip", a.process_clip > 0, "> 0"), ("process-std-min", a.process_std_min >= 0, ">= 0")]
-    for flag, ok, allowed in table:
-        cli.need(ok, f"--{flag} must be {allowed}, got {getattr(a, flag.replace('-', '_'))}")
+    ranges = dict(anchor_lag=">= 1", num_buckets=">= 1", anchor_ema_decay="[0, 1]", gate_gamma="> 0", gate_temp="> 0")
+    ranges |= dict(pivot_quantile="[0, 1]", process_clip="> 0", process_std_min=">= 0", gate_alpha=">= 0")
+    ranges |= dict(process_coef=">= 0", process_coef_zero_var=">= 0", implicit_beta="> 0")
+    cli.need_ranges(a, **ranges)
     return a
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, run directory, torchrun, seeding; the model, reference, task and optimizer
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
     args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
-    model, tokenizer = common.load_policy(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    tokenizer = common.load_tokenizer(args.model)
+    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     need_ref = args.process_anchor == "ref" or args.beta > 0  # ALGO LOGIC: delta needs it even at --beta 0
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref else None
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
     anchor = ref_model if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
-    task = common.load_task(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     run.start(model, tokenizer, optimizer, task, state={} if anchor is ref_model else {"anchor": anchor})
     dist, G = run.dist, args.num_generations

@@ -27,13 +27,14 @@ class Args(cli.BaseArgs):
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, run directory, torchrun, seeding; the model, reference, task and optimizer
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
     args = cli.parse(Args)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
-    model, tokenizer = common.load_policy(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    tokenizer = common.load_tokenizer(args.model)
+    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     run.start(model, tokenizer, optimizer, task)  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
     dist, G = run.dist, args.num_generations

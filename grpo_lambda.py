@@ -39,9 +39,9 @@ class Args(cli.BaseArgs):
 
     # ALGO LOGIC: GRPO-λ
     lam: float = 0.99
-    """λ of the λ-return: the trace decays by γλ per token (paper: 0.99; 0 with --trace-style recent is GRPO)"""
+    """λ in [0, 1]: the trace decays by γλ per token (paper: 0.99; 0 with --trace-style recent is GRPO)"""
     gamma: float = 1.0
-    """γ: per-token discount (1, as the co-author's code)"""
+    """γ in [0, 1]: per-token discount (1, as the co-author's code)"""
     trace_style: Literal["recent", "both"] = "both"
     """recent: w(t,k) = (γλ)^(t−k); both: max((γλ)^(t−k), (γλ)^k), first tokens keep weight ~1 (reviewers: best)"""
     trace_apply: Literal["trace", "weight"] = "trace"
@@ -152,12 +152,11 @@ def grpo_lambda_token_loss(
 
 def validate(args: Args) -> Args:
     """GRPO-λ's own flag checks (one-line errors, exit code 2); the shared ones run in cli.parse."""
-    cli.need(0.0 <= args.gamma * args.lam <= 1.0, f"--gamma x --lam must be in [0, 1], got {args.gamma * args.lam}")
+    cli.need_ranges(args, lam="[0, 1]", gamma="[0, 1]", max_log_ratio="> 0")
     cli.need(
         args.adv_clamp.lower() == "none" or _is_float(args.adv_clamp) and float(args.adv_clamp) <= 0,
         f"--adv-clamp must be a number <= 0 or none, got {args.adv_clamp}",
     )
-    cli.need(args.max_log_ratio > 0, f"--max-log-ratio must be > 0, got {args.max_log_ratio}")
     return args
 
 
@@ -170,13 +169,14 @@ def _is_float(text: str) -> bool:
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, run directory, torchrun, seeding; the model, reference, task and optimizer
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
     args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
-    model, tokenizer = common.load_policy(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    tokenizer = common.load_tokenizer(args.model)
+    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     run.start(model, tokenizer, optimizer, task)  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
     dist, G = run.dist, args.num_generations

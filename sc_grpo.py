@@ -48,12 +48,12 @@ class Args(cli.BaseArgs):
     c_min: float = 1e-4
     """floor of the scale c in f = D / (D + c)"""
     alpha: float = 0.1
-    """scale of the solve-none diversity pseudo-advantage alpha * zscore(s_i)"""
+    """scale (>= 0) of the solve-none diversity pseudo-advantage alpha * zscore(s_i)"""
     outcome_std: Literal["population", "unbiased"] = "population"
     """the std of the GRPO advantage and the solve-none z-score: population + 1e-6 (verl's; the paper writes one std for
     both) or unbiased + 1e-4 (grpo.py's, TRL's); one for both, so their ratio does not move with G (docs/sc_grpo.md)"""
     kl_loss_coef: float = 0.0
-    """> 0: add this times D (gradient through the student) to the loss: the additive distillation baseline"""
+    """the additive distillation baseline (>= 0; 0 = off): add this times D, with its gradient, to the loss"""
     max_reference_tokens: int = 8192
     """a reference longer than this (or than the context window allows) is resampled, else its middle is cut"""
 
@@ -128,22 +128,23 @@ def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_
 
 def validate(args: Args) -> Args:
     """SC-GRPO's own checks (cli.parse has run the shared ones)."""
-    got = f"got {args.percentile}, {args.c_min} and {args.max_reference_tokens}"
-    ok = 0 <= args.percentile <= 100 and args.c_min > 0 and args.max_reference_tokens > 0
-    cli.need(ok, f"need 0 <= --percentile <= 100, --c-min > 0 and --max-reference-tokens > 0 ({got})")
+    ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0", max_reference_tokens=">= 1")
+    cli.need_ranges(args, **ranges)
+    cli.need(len(args.weighted_groups) > 0, "--weighted-groups needs at least one of partial, none, single, all")
     teacher_ranks = not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1)  # teacher passes differ per rank
     cli.need(teacher_ranks, "sc_grpo.py does not support --fsdp yet: use DDP, the default under torchrun")
     return args
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, run directory, torchrun, seeding; the model, reference, task and optimizer
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
     args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
-    model, tokenizer = common.load_policy(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    tokenizer = common.load_tokenizer(args.model)
+    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     routing = torch.Generator().manual_seed(args.seed)  # ALGO LOGIC: its own RNG (sampling's stays grpo.py's), saved
     run.start(model, tokenizer, optimizer, task, state={"routing": routing})  # prompt batches, --resume, vLLM, step 0

@@ -51,7 +51,7 @@ class Args(cli.BaseArgs):
     localization_temperature: float = 0.3
     """sampling temperature of the self-localization call (the paper's default)"""
     localization_max_new_tokens: int | None = None
-    """token cap of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps;
+    """token cap (>= 1) of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps;
     4096 otherwise)"""
     clip: bool = False
     """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official ablation also used
@@ -270,9 +270,8 @@ def validate(args: Args) -> Args:
         f"--num-generations must be a multiple of "
         f"{need_g} (at least {need_g}) for --split {args.split}, got {args.num_generations}",
     )
-    cli.need(args.max_fresh_attempts >= 1, f"--max-fresh-attempts must be >= 1, got {args.max_fresh_attempts}")
-    t = args.localization_temperature
-    cli.need(t >= 0, f"--localization-temperature must be >= 0, got {t}")
+    ranges = dict(max_fresh_attempts=">= 1", localization_temperature=">= 0", localization_max_new_tokens=">= 1")
+    cli.need_ranges(args, **ranges)
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
     cli.need(
         not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1),
@@ -288,14 +287,15 @@ def validate(args: Args) -> Args:
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, run directory, torchrun, seeding; the model, reference, task and optimizer
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
     args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
     rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws (a checkpoint holds them as "resets")
-    model, tokenizer = common.load_policy(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    tokenizer = common.load_tokenizer(args.model)
+    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    task = common.load_task(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     run.start(model, tokenizer, optimizer, task, state={"resets": rng})  # prompt batches, --resume, engine, step-0 eval
     dist = run.dist

@@ -2,7 +2,8 @@
 not an algorithm lives here. Layers point one way: scripts -> common.py -> this package; nothing here imports
 common.py or a script.
 
-  cli              the command line: BaseArgs (every shared flag), parsing, one-line errors, resume, threads
+  cli              the command line: BaseArgs (every shared flag), parsing, resume, threads
+  checks           every check before anything loads: one line naming the flag or file, exit code 2
   models           loading the policy (hub id or local directory, clear errors, dropout off)
   rollouts         the Rollouts batch, batched generation (HF generate or the vLLM engine), padding, stop tokens
   tracking         TensorBoard, metrics.jsonl and wandb

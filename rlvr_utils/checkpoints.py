@@ -62,6 +62,11 @@ class _atomic_dir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
+        umask = os.umask(0)
+        os.umask(umask)
+        for dirpath, _, files in os.walk(self.tmp):  # safetensors writes 0600: give every file the umask's mode
+            for name in files:
+                os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
         _fsync_tree(self.tmp)
         old = None
         if self.path.exists():
@@ -181,7 +186,8 @@ class Checkpointer:
             try:
                 found.append((int(json.loads((d / COMPLETE).read_text())["step"]), d))
             except (OSError, ValueError, KeyError, TypeError):
-                continue
+                if d == self.path and (d / "trainer.pt").is_file() and not (d / COMPLETE).exists():
+                    found.append((-1, d))  # saved before the marker existed: complete, its step unknown here
         return sorted(found, key=lambda c: (c[0], c[1] == self.path), reverse=True)
 
     def clean_leftovers(self) -> None:
@@ -253,6 +259,28 @@ class Checkpointer:
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 
+def damaged(copy: Path) -> str | None:
+    """What is wrong with a checkpoint copy, read cheaply before any model loads (safetensors headers, the zip
+    directory of trainer.pt), or None."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    weights = sorted((copy / "model").glob("*.safetensors"))
+    if not weights:
+        return f"{copy / 'model'} holds no weights (*.safetensors)"
+    for f in [*weights, copy / "trainer.pt"]:
+        try:
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), "pt") as w:
+                    w.keys()
+            else:
+                zipfile.ZipFile(f).close()
+        except Exception as e:  # missing, empty, truncated or not the right format
+            return f"{f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else 'empty'})"
+    return None
+
+
 def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -275,6 +303,35 @@ def _tied(model) -> set:
             tied.add(name)
         seen.setdefault(key, name)
     return tied | {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else tied
+
+
+def new_run_dir(output_dir: str | os.PathLike, name: str) -> Path:
+    """<output_dir>/<name>, created exclusively; when another run holds that name (two runs started in the same second
+    with the same task, name and seed), <name>-2, <name>-3, ... A run directory is never shared by two runs."""
+    for k in range(1, 10_000):
+        path = Path(output_dir) / (name if k == 1 else f"{name}-{k}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{output_dir}: no free run directory named {name}-N")
+
+
+def stop_while_loading() -> None:
+    """Until the run's first step (GracefulStop then takes over), Ctrl-C or SIGTERM ends the process with one line,
+    not a traceback from inside the model loading: nothing has been trained, so nothing is saved."""
+
+    def handler(signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name} before the first step: stopped, nothing was saved", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
 
 
 class GracefulStop:

@@ -1,25 +1,23 @@
-"""The command line every script shares: the flag checks that run before anything loads, `--resume`'s flags, threads.
-
-A user error (a flag out of range, a missing model directory or data file, a malformed data line, a flag the task
-would ignore, `--track` without wandb) ends the run with one line that names the flag or file and what is allowed,
-and exit code 2, before any model or data is loaded and before the run directory exists. Choice flags are `Literal`
-types in each script's Args, so tyro lists and checks them. Each script's own flags are checked in its `validate`.
+"""The command line every script shares: `BaseArgs` (every shared flag, with its --help text), `parse` (tyro, then
+every check before anything loads: rlvr_utils/checks.py and the script's own `validate`), `--resume`'s flags, threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
-import importlib.util
 import io
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Literal
 
-from rlvr_utils import tasks
+from rlvr_utils import checkpoints
+from rlvr_utils.checks import check_common
+from rlvr_utils.checks import need as need
+from rlvr_utils.checks import need_ranges as need_ranges
+from rlvr_utils.checks import usage_error as usage_error
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-arith")  # the bundled tiny policy
 
@@ -160,23 +158,29 @@ class BaseArgs:
     """seconds a collective waits for the other ranks before the run stops with an error"""
 
 
-def usage_error(message: str) -> NoReturn:
-    """One line on stderr, exit code 2 (as for tyro's own parse errors)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse(args_type, validate=None):
     """The command line, checked before anything loads: `tyro.cli(args_type)` (its parse errors, a framed panel, turned
     into the same one line as ours), --resume's flags, the shared checks, then the script's own `validate(args)`
     (one-line errors; it returns the args, with any field it derives). --epsilon-high defaults to --epsilon and
     --exp-name to the script's name."""
-    args = _tyro(args_type)
+    args = expand_paths(_tyro(args_type))
     args = resume_args(args, args_type) if args.resume else args
     check_common(args)
     args = validate(args) if validate is not None else args
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     return dataclasses.replace(args, epsilon_high=eps_high, exp_name=args.exp_name or Path(sys.argv[0]).stem)
+
+
+def expand_paths(args):
+    """`~` in the path flags, as a shell would have done for an unquoted `--flag ~/x` (not for `--flag=~/x`)."""
+    paths = {
+        k: os.path.expanduser(getattr(args, k))
+        for k in ("output_dir", "data_path", "eval_data_path", "resume")
+        if getattr(args, k, None)
+    }
+    if args.model.startswith("~"):
+        paths["model"] = os.path.expanduser(args.model)
+    return dataclasses.replace(args, **paths)
 
 
 def _tyro(args_type):
@@ -195,152 +199,6 @@ def _tyro(args_type):
         usage_error(" ".join(x for x in inner if x and not x.startswith(("─", "For full helptext"))) or text.strip())
 
 
-def need(ok: bool, message: str) -> None:
-    if not ok:
-        usage_error(message)
-
-
-def looks_like_path(name: str) -> bool:
-    """A --model that is a path rather than a hub id "org/name": it starts with . / ~, has more than one /, or its
-    first component is a local directory (assets/tiny-arth is a typo of a path, not a hub id)."""
-    return (
-        name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(name.split("/")[0]).is_dir())
-    )
-
-
-def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local .jsonl / .jsonl.gz / .json file, with `file:line: reason` for a line that is not a JSON
-    object, and a clear error for a missing or empty file. (.parquet is only checked for existence.)"""
-    p = Path(path)
-    need(p.is_file(), f"{flag} {path}: no such file")
-    if p.suffix == ".parquet":
-        return []
-    need(p.suffix in (".jsonl", ".json", ".gz"), f"{flag} {path}: expected a .jsonl, .jsonl.gz, .json or .parquet file")
-    try:
-        with gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        usage_error(f"{path}: cannot be read ({type(e).__name__}: {e})")
-    if not text.strip():
-        usage_error(f"{path}: the file is empty (expected one JSON object per line)")
-    if p.suffix == ".json" and text.lstrip().startswith("["):  # a JSON array of rows
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            usage_error(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
-        need(all(isinstance(r, dict) for r in rows), f"{path}: the JSON array must hold one object per row")
-        return rows
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            usage_error(f"{path}:{lineno}: not a JSON object ({e.msg} at column {e.colno})")
-        need(isinstance(row, dict), f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def check_data(task: str, path: str | None, flag: str) -> None:
-    if path is None:
-        return
-    need(
-        task != "arith",
-        f"{flag} {path}: --task arith is built in and reads no data file (use --task gsm8k, math or code)",
-    )
-    for i, row in enumerate(read_rows(path, flag), 1):
-        problem = tasks.row_problem(task, row)
-        need(problem is None, f"{path}: row {i}: {problem}")
-
-
-def check_common(args) -> None:
-    """The checks every script shares (fields that a script does not have are skipped)."""
-    a = {f: getattr(args, f) for f in vars(args)}
-    positive = [
-        "total_steps",
-        "prompts_per_step",
-        "max_new_tokens",
-        "gen_batch_size",
-        "micro_batch_size",
-        "num_eval",
-        "max_prompt_length",
-        "num_iterations",
-        "num_minibatches",
-        "arith_steps",
-        "arith_max_operand",
-        "dist_timeout",
-        "max_sampling_rounds",
-    ]
-    for name in positive:
-        if name in a:
-            need(
-                isinstance(a[name], int) and a[name] >= 1,
-                f"--{name.replace('_', '-')} must be an integer >= 1, got {a[name]}",
-            )
-    for name in ("eval_every", "save_every", "threads", "top_k", "overlong_buffer"):
-        if name in a:
-            need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
-    for name in ("learning_rate", "max_grad_norm", "code_timeout"):
-        need(a[name] > 0, f"--{name.replace('_', '-')} must be > 0, got {a[name]}")
-    for name in ("weight_decay", "beta", "vllm_is_cap", "eval_temperature", "overlong_penalty_factor"):
-        if name in a:
-            need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
-    need(
-        a["temperature"] > 0,
-        f"--temperature must be > 0 (training samples; greedy evaluation is --eval-temperature 0), "
-        f"got {a['temperature']}",
-    )
-    need(0 < a["top_p"] <= 1, f"--top-p must be in (0, 1], got {a['top_p']}")
-    need(
-        a["num_generations"] >= 2,
-        f"--num-generations must be >= 2 (the completions of a prompt are compared), got {a['num_generations']}",
-    )
-    need(0 < a["epsilon"] < 1, f"--epsilon must be in (0, 1), got {a['epsilon']}")
-    need(a["epsilon_high"] is None or a["epsilon_high"] > 0, f"--epsilon-high must be > 0, got {a['epsilon_high']}")
-    need(
-        0 < a["vllm_gpu_memory_utilization"] <= 1,
-        f"--vllm-gpu-memory-utilization must be in (0, 1], got {a['vllm_gpu_memory_utilization']}",
-    )
-    need(
-        a["arith_max_value"] >= a["arith_max_operand"],
-        f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})",
-    )
-    if a.get("overlong_buffer"):
-        need(
-            a["overlong_buffer"] < a["max_new_tokens"],
-            f"--overlong-buffer ({a['overlong_buffer']}) must be smaller than --max-new-tokens ({a['max_new_tokens']})",
-        )
-    if "num_minibatches" in a:
-        need(
-            a["prompts_per_step"] % a["num_minibatches"] == 0,
-            f"--num-minibatches {a['num_minibatches']} must divide "
-            f"--prompts-per-step {a['prompts_per_step']} (each mini-batch holds whole prompts)",
-        )
-    dev = a["device"]
-    need(
-        dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
-        f"--device {dev}: choose auto, cpu, cuda or cuda:N",
-    )
-    if dev.startswith("cuda"):
-        import torch
-
-        need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
-    if looks_like_path(a["model"]):
-        need(Path(a["model"]).expanduser().is_dir(), f"--model {a['model']}: no such directory")
-    check_data(a["task"], a["data_path"], "--data-path")
-    check_data(a["task"], a["eval_data_path"], "--eval-data-path")
-    if a["track"]:
-        need(
-            importlib.util.find_spec("wandb") is not None,
-            "--track logs to Weights & Biases, which is not installed: "
-            "pip install wandb (then wandb login), or leave out --track",
-        )
-    if a.get("fsdp") and (a.get("save_every") or a.get("resume")):
-        usage_error("--save-every and --resume do not support --fsdp yet (use DDP, the default under torchrun)")
-
-
 RUNTIME_FLAGS = (
     "resume",
     "total_steps",
@@ -352,6 +210,7 @@ RUNTIME_FLAGS = (
     "eval_every",
     "device",
     "dist_timeout",
+    "model",  # the weights come from the checkpoint: a run made in another clone names its own copy of the model
 )  # may differ between a run and its resumption
 
 
@@ -359,15 +218,29 @@ def resume_args(args, args_type):
     """`--resume RUN_DIR` continues a run with the flags it was started with (its config.json). A flag given on this
     command line that differs from the run's is an error, except the runtime flags above, which may be given anew
     (e.g. --total-steps to extend a run; --threads changes the floating-point order, so a bit-for-bit continuation
-    keeps the run's). Returns the merged args."""
-    run_dir = Path(args.resume)
+    keeps the run's). The run must be this script's and hold a complete checkpoint before --total-steps. Returns the
+    merged args."""
+    run_dir, script = Path(args.resume), Path(sys.argv[0]).name
     need((run_dir / "config.json").is_file(), f"--resume {args.resume}: not a run directory (no config.json)")
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        assert isinstance(saved, dict)
+    except (ValueError, AssertionError, OSError) as e:
+        usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
+    made_by = saved.get("script")
     need(
-        (run_dir / "checkpoint" / "trainer.pt").is_file(),
-        f"--resume {args.resume}: no checkpoint in it (a run saves one with --save-every N, and on Ctrl-C)",
+        made_by in (None, script),
+        f"--resume {args.resume}: the run was made by {made_by}, not {script} (a run "
+        "continues with the script that started it)",
     )
-    saved, defaults = json.loads((run_dir / "config.json").read_text()), args_type()
-    merged = {}
+    copies = checkpoints.Checkpointer(run_dir, 0).copies()
+    need(
+        bool(copies),
+        f"--resume {args.resume}: no checkpoint in it (a run saves one with --save-every N, on Ctrl-C and on SIGTERM)",
+    )
+    problem = checkpoints.damaged(copies[0][1])
+    need(problem is None, f"--resume {args.resume}: {problem}")
+    defaults, merged = args_type(), {}
     runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
     for f in dataclasses.fields(args_type):
         given, default = getattr(args, f.name), getattr(defaults, f.name)
@@ -384,6 +257,12 @@ def resume_args(args, args_type):
             f"with {old}; a resumed run keeps its flags (only {runtime} may change)",
         )
         merged[f.name] = old
+    step = copies[0][0]
+    need(
+        step < 0 or merged["total_steps"] > step,
+        f"--resume {args.resume}: the run is already at step {step} "
+        f"(--total-steps {merged['total_steps']}): give a larger --total-steps to extend it",
+    )
     return dataclasses.replace(args, **merged)
 
 

@@ -104,6 +104,14 @@ class Dist:
         self.barrier()
         return out
 
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (a picklable object; world 1: `obj` itself)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def print(self, *a, **k) -> None:
         """print on rank 0 only"""
         if self.main:

@@ -10,26 +10,39 @@ import torch
 
 
 def load_tokenizer(name_or_path: str):
-    """AutoTokenizer, except for a tokenizer saved with the generic class (the bundled character
-    tokenizer): AutoTokenizer would rebuild it from config.json's model type (Qwen2Tokenizer) and
-    silently drop its spaces and newlines, so it is loaded as exactly what was saved."""
+    """The policy's tokenizer, left-padded for generation, with a pad token (its EOS when it has none). AutoTokenizer,
+    except for a tokenizer saved with the generic class (the bundled character tokenizer): AutoTokenizer would rebuild
+    it from config.json's model type (Qwen2Tokenizer) and silently drop its spaces and newlines, so it is loaded as
+    exactly what was saved."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg = Path(name_or_path).expanduser() / "tokenizer_config.json"
-    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in (
+    generic = cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in (
         "TokenizersBackend",
         "PreTrainedTokenizerFast",
-    ):
-        return PreTrainedTokenizerFast.from_pretrained(name_or_path)
-    return AutoTokenizer.from_pretrained(name_or_path)
+    )
+    try:
+        tokenizer = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(
+            f"--model {name_or_path}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from e
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
-    """`from_pretrained` a causal LM and its tokenizer (left padding for generation). dtype "auto": bfloat16 on CUDA,
-    float32 on CPU. A missing local path or an unreachable hub id is a clear error that names it. Dropout is off
-    (log-probs must be the sampling distribution's). `gradient_checkpointing`: each decoder layer is recomputed in
-    the backward (non-reentrant); the model is then kept in train mode, which that needs (generation switches to
-    eval mode and back)."""
+    """`load_model` and `load_tokenizer` together: (model, tokenizer)."""
+    return load_model(name_or_path, device, dtype, gradient_checkpointing), load_tokenizer(name_or_path)
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
+    """`from_pretrained` a causal LM. dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an
+    unreachable hub id is a clear error that names it. Dropout is off (log-probs must be the sampling distribution's).
+    `gradient_checkpointing`: each decoder layer is recomputed in the backward (non-reentrant); the model is then kept
+    in train mode, which that needs (generation switches to eval mode and back)."""
     from transformers import AutoModelForCausalLM
 
     looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
@@ -42,16 +55,12 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gr
         "float16": torch.float16,
     }[dtype]
     try:
-        tokenizer = load_tokenizer(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device)
     except (OSError, ValueError) as e:
         raise SystemExit(
             f"--model {name_or_path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
             "Pass a local Hugging Face directory, or a hub id on a machine with internet access."
         ) from e
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     disable_dropout(model)
     if gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
@@ -59,7 +68,7 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gr
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # transformers checkpoints a layer only in train mode
-    return model, tokenizer
+    return model
 
 
 def disable_dropout(model) -> None:

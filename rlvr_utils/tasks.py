@@ -85,6 +85,9 @@ def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[
         fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".gz": "json"}.get(p.suffix)
         if fmt is None:
             raise ValueError(f"--data-path {data_path}: expected a .jsonl, .json or .parquet file")
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()  # a local file loads in a moment: no "Generating train split" bars
         return list(load_dataset(fmt, data_files=str(p), split="train")), str(p)
     name, config, train_split, eval_split = HUB_DATASETS[task]
     split = train_split if split_kind == "train" else eval_split

@@ -1,10 +1,34 @@
-"""Metrics of a run: TensorBoard, `metrics.jsonl` beside it, and Weights & Biases with --track."""
+"""Metrics of a run: the update's diagnostics (UpdateStats, TRL's names), and where every metric goes: TensorBoard,
+`metrics.jsonl` beside it, and Weights & Biases with --track."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from collections import defaultdict
 from pathlib import Path
+
+import torch
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere is an
+    error naming it)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i < len(lines):
+                print(f"error: {path}:{i}: not a JSON line; the run's metrics are damaged", file=sys.stderr)
+                raise SystemExit(2)
+            print(
+                f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
+                file=sys.stderr,
+            )
+    return rows
 
 
 class Logger:
@@ -27,7 +51,7 @@ class Logger:
             None,
         )  # enabled: False on torchrun ranks > 0
         if resume_step:
-            rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").open() if line.strip()]
+            rows = _read_rows(self.run_dir / "metrics.jsonl")
             rows = [r for r in rows if r["step"] <= resume_step]
             self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
             if enabled:
@@ -78,3 +102,41 @@ class Logger:
         self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class UpdateStats:
+    """The update's diagnostics, TRL's names: clip fractions and kl as token means over every pass, entropy over the
+    first pass, policy_loss and grad_norm as means over optimizer steps, and the vLLM engine's mismatch (`engine`)."""
+
+    def __init__(self, mask: torch.Tensor, passes: int):
+        self.tokens, self.passes = max(float(mask.sum()), 1.0), passes
+        self.sums, self.losses, self.norms, self.loss, self.engine_stats = defaultdict(float), [], [], 0.0, {}
+
+    def engine(self, it: int) -> dict | None:
+        return self.engine_stats if it == 0 else None  # the engine metrics describe the rollouts: once
+
+    def add(self, m, ratio, adv, eps_low, eps_high, entropy=None, kl=None, loss=None) -> None:
+        low, high = ((ratio < 1 - eps_low) & (adv < 0)).float() * m, ((ratio > 1 + eps_high) & (adv > 0)).float() * m
+        self.sums["clip_ratio/low_mean"] += low.sum().item()
+        self.sums["clip_ratio/high_mean"] += high.sum().item()
+        self.sums["clip_ratio/region_mean"] += (low + high).sum().item()
+        if entropy is not None:
+            self.sums["entropy"] += (entropy * m).sum().item()
+        if kl is not None:
+            self.sums["kl"] += (kl.detach() * m).sum().item()
+        self.loss += loss.item() if loss is not None else 0.0
+
+    def step(self, grad_norm) -> None:
+        """After each optimizer step: the mini-batch's loss and gradient norm."""
+        self.losses.append(self.loss)
+        self.norms.append(float(grad_norm))
+        self.loss = 0.0
+
+    def metrics(self) -> dict:
+        out = {k: v / (self.tokens * (1 if k == "entropy" else self.passes)) for k, v in self.sums.items()}
+        out.update(
+            self.engine_stats,
+            policy_loss=sum(self.losses) / len(self.losses),
+            grad_norm=sum(self.norms) / len(self.norms),
+        )
+        return out

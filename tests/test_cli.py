@@ -9,7 +9,7 @@ import time
 import pytest
 from helpers import run_script
 
-from rlvr_utils import cli
+from rlvr_utils import checks
 
 CASES = [  # (script, flags, words the one line must hold)
     ("grpo.py", ["--num-generations", "1"], ["--num-generations", ">= 2"]),
@@ -31,7 +31,11 @@ CASES = [  # (script, flags, words the one line must hold)
     ("sc_grpo.py", ["--percentile", "120"], ["--percentile"]),
     ("grpo_lambda.py", ["--adv-clamp", "0.5"], ["--adv-clamp", "<= 0"]),
     ("ep_grpo.py", ["--anchor-lag", "0"], ["--anchor-lag", ">= 1"]),
-    ("srpo.py", ["--reset", "oracle", "--task", "gsm8k", "--data-path", "DATA"], ["--reset oracle", "arith"]),
+    (
+        "srpo.py",
+        ["--reset", "oracle", "--task", "gsm8k", "--data-path", "DATA", "--eval-data-path", "DATA"],
+        ["--reset oracle", "arith"],
+    ),
     ("grpo.py", ["--device", "tpu"], ["--device tpu", "cuda:N"]),
     ("grpo.py", ["--resume", "no/such/run"], ["--resume no/such/run", "not a run directory"]),
 ]
@@ -109,11 +113,11 @@ def test_track_without_wandb_says_how_to_install_it(tmp_path):
 
 
 def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
-    assert cli.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [
+    assert checks.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [
         {"x": 1},
         {"x": 2},
     ]
-    assert cli.read_rows(str(_data(tmp_path, "b.json", '[{"x": 1}]')), "--data-path") == [{"x": 1}]
+    assert checks.read_rows(str(_data(tmp_path, "b.json", '[{"x": 1}]')), "--data-path") == [{"x": 1}]
 
 
 @pytest.mark.parametrize(
@@ -128,4 +132,4 @@ def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
     ],
 )
 def test_looks_like_path(name, local):
-    assert cli.looks_like_path(name) is local
+    assert checks.looks_like_path(name) is local

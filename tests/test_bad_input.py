@@ -352,3 +352,11 @@ def test_a_kill_at_any_point_of_a_save_loses_and_repeats_no_step(tmp_path, monke
             }, (k, a["step"])
         if newest < 3:
             assert not list(run_dir(out).glob(".checkpoint.*")), k  # leftovers removed by the resume
+
+
+def test_an_oversized_evaluation_is_announced():
+    """--num-eval 100000 would generate 100000 completions at every evaluation: a warning says so (here the run
+    then stops on a bad method flag, so nothing loads)."""
+    out = _run("grpo_lambda.py", "--num-eval", "100000", "--lam", "2")
+    _one_line(out, "--lam")
+    assert "warning: --num-eval 100000" in out.stderr

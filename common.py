@@ -84,15 +84,23 @@ def prompt_batches(examples: Sequence[Example], n: int, seed: int):
         raise ValueError(
             f"need at least one prompt per batch and a non-empty prompt set (n={n}, {len(examples)} prompts)"
         )
+    if n > len(examples):
+        raise ValueError(f"{len(examples)} training prompts cannot fill a batch of {n} distinct prompts")
     rng = random.Random(seed)
     order: list[int] = []
     while True:
-        batch = []
+        batch, taken, later = [], set(), []
         while len(batch) < n:
             if not order:
                 order = list(range(len(examples)))
                 rng.shuffle(order)
-            batch.append(examples[order.pop()])
+            i = order.pop()
+            if i in taken:  # a new epoch began inside this batch: a prompt appears once per batch (one group id)
+                later.append(i)
+                continue
+            taken.add(i)
+            batch.append(examples[i])
+        order[:0] = later  # drawn later in the epoch
         yield batch
 
 
@@ -356,9 +364,11 @@ def evaluate(
     batch_size: int = 64,
     temperature: float = 0.0,
     dist: Dist | None = None,
+    success_threshold: float = 1.0,
 ) -> dict:
     """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
-    sample at that temperature. Returns {"eval/accuracy", "eval/mean_length"}. Under torchrun each
+    sample at that temperature. Returns {"eval/accuracy": the share of prompts whose reward reaches
+    `success_threshold`, "eval/reward": the mean reward, "eval/mean_length"}. Under torchrun each
     rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
     sums are all-reduced, so every rank returns the same figures."""
     ex, rank, world = task.eval, (dist.rank if dist else 0), (dist.world if dist else 1)
@@ -377,11 +387,11 @@ def evaluate(
         do_sample=temperature > 0,
         batch_size=batch_size,
     )
-    correct = sum(task.rewards(ro.texts[:counted], mine[:counted]))
-    length = ro.completion_mask[:counted].sum().item()
+    r = task.rewards(ro.texts[:counted], mine[:counted])
+    correct, total, length = sum(x >= success_threshold for x in r), sum(r), ro.completion_mask[:counted].sum().item()
     if dist is not None:
-        correct, length = dist.sum([correct, length])
-    return {"eval/accuracy": correct / len(ex), "eval/mean_length": length / len(ex)}
+        correct, total, length = dist.sum([correct, total, length])
+    return {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex), "eval/mean_length": length / len(ex)}
 
 
 def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict) -> None:
@@ -396,9 +406,9 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
         )
 
 
-def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> dict:
+def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int, success_threshold: float = 1.0) -> dict:
     """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths; and
-    frac_groups_unsolved, the share of groups where no completion has the full verifier score (>= 1)."""
+    frac_groups_unsolved, the share of groups where no completion's verifier score reaches `success_threshold`."""
     lengths = ro.completion_mask.sum(1).float()
     r = rewards.float().cpu()
     inv, constant = constant_groups(r, ro.group_ids.cpu())
@@ -408,7 +418,7 @@ def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int) -> 
         "reward": r.mean().item(),
         "reward_std": r.std().item() if len(r) > 1 else 0.0,
         "frac_reward_zero_std": constant.float().mean().item(),
-        "frac_groups_unsolved": (best < 1.0).float().mean().item(),
+        "frac_groups_unsolved": (best < success_threshold).float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/max_length": lengths.max().item(),
         "completions/min_length": lengths.min().item(),
@@ -429,6 +439,8 @@ TASK_FLAGS = (
     "arith_max_value",
     "arith_max_operand",
     "code_timeout",
+    "reward_fn",
+    "reward_weights",
 )
 
 
@@ -437,7 +449,13 @@ def load_task(args, tokenizer) -> Task:
     before the model loads, so a task that yields nothing (every prompt too long, every gold unparsable, a dataset
     that cannot be fetched) ends the run at once with one line, exit code 2."""
     try:
-        return tasks.load_task(args.task, tokenizer, **{k: getattr(args, k) for k in TASK_FLAGS})
+        task = tasks.load_task(args.task, tokenizer, **{k: getattr(args, k) for k in TASK_FLAGS})
+        cli.need(
+            len(task.train) >= args.prompts_per_step,
+            f"--prompts-per-step {args.prompts_per_step}: the task has "
+            f"{len(task.train)} training prompts (a batch holds distinct prompts; skipped: {task.skipped})",
+        )
+        return task
     except (ValueError, KeyError, FileNotFoundError, ConnectionError) as e:
         source = args.data_path or tasks.HUB_DATASETS.get(args.task, ("the built-in task",))[0]
         cli.usage_error(f"--task {args.task} ({source}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
@@ -493,8 +511,9 @@ class Run:
 
     def evaluate(self) -> dict:
         a = self.args
+        model, task, threshold = self.model, self.task, a.success_threshold
         return evaluate(
-            self.model, self.tokenizer, self.task, a.max_new_tokens, a.gen_batch_size, a.eval_temperature, self.dist
+            model, self.tokenizer, task, a.max_new_tokens, a.gen_batch_size, a.eval_temperature, self.dist, threshold
         )
 
     def steps(self):
@@ -529,7 +548,7 @@ class Run:
         step_time = sum(self.times.values())
         num_tokens = extra.get("num_tokens", float(ro.completion_mask.sum()))
         metrics = {
-            **completion_metrics(ro, rewards, a.num_generations),
+            **completion_metrics(ro, rewards, a.num_generations, a.success_threshold),
             "num_tokens": num_tokens,
             **extra,
             **stats.metrics(),

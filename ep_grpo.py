@@ -58,9 +58,7 @@ class Args(cli.BaseArgs):
     process_granularity: Literal["window", "token", "cumulative"] = "token"
     """(a) token: delta z-scored over the group's tokens in its window; (c) window: window sums; (c) prefix sums"""
     process_polarity: Literal["outcome", "none"] = "outcome"
-    """(a) outcome: P times d = sign(A_out), sign(r - reward-threshold) in all-equal groups; none (collapses): 1"""
-    reward_threshold: float = 0.5
-    """(c) theta_reward: an all-equal group's polarity is sign(r - this) (0.5: all-correct +1, all-wrong -1)"""
+    """(a) outcome: P times d = sign(A_out); in all-equal groups +1 if r >= --success-threshold, else -1; none: 1"""
     anchor_form: Literal["additive", "multiplicative"] = "additive"
     """(a) additive gate*(A_out + lambda*d*P); (c) multiplicative gate*A_out*(1 + lambda*tanh(sign(A_out)*P))"""
     process_coef: float = 0.2
@@ -108,7 +106,7 @@ def ep_advantages(
     entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, *,
     scale_rewards="group", outcome_std="population",  # A_out
     gate="soft", pivot_quantile=0.8, pivot_scope="batch", gate_alpha=1.0, gate_temp=0.1, gate_norm="response",  # g_hat
-    gate_gamma=1.0, process_granularity="token", process_polarity="outcome", reward_threshold=0.5,  # g_hat; P, d
+    gate_gamma=1.0, process_granularity="token", process_polarity="outcome", success_threshold=1.0,  # g_hat; P, d
     anchor_form="additive", process_coef=0.2, process_coef_zero_var=None, process_clip=3.0, process_std_min=1e-3,
     progress="entropy", num_buckets=10, advantage_form="A", implicit_beta=0.05, return_parts=False,  # windows, form B
 ):  # fmt: skip
@@ -131,7 +129,7 @@ def ep_advantages(
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
     zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
     # outcome polarity d: the verifier signs the process credit (all-wrong groups: -1, back towards the reference)
-    polarity = torch.where(zero_var, torch.sign(r - reward_threshold), torch.sign(a_out))
+    polarity = torch.where(zero_var, torch.where(r >= success_threshold, 1.0, -1.0), torch.sign(a_out))
     polarity = polarity if process_polarity == "outcome" else torch.ones_like(r)
     # entropy gate around tau, the rho-quantile of the batch's token entropies [B, 1] (other scopes and zsig: ablations)
     tau, temp = row_quantile(H.reshape(1, -1), valid.reshape(1, -1), pivot_quantile).repeat(B, 1), gate_temp
@@ -151,7 +149,7 @@ def ep_advantages(
         A, P, n_cell, ok = ep_ablations.other_forms(g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, **flags)
     parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv)
     parts.update(zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok, polarity=polarity, delta=delta)
-    return (A, dict(parts, above_threshold=r > reward_threshold)) if return_parts else A
+    return (A, dict(parts, above_threshold=r >= success_threshold)) if return_parts else A
 
 
 def validate(a: Args) -> Args:

@@ -151,7 +151,7 @@ if __name__ == "__main__":
     dist, G = run.dist, args.num_generations
     # ALGO LOGIC: the teacher's context window; each row's example, by its group id; DAPO keeps the solve-none groups
     context, examples = getattr(model.config, "max_position_embeddings", None) or 10**9, {e.id: e for e in task.train}
-    keep = (lambda s: bool((s < 1.0).all())) if "none" in args.weighted_groups else None
+    keep = (lambda s: bool((s < args.success_threshold).all())) if "none" in args.weighted_groups else None
     multiply, pad, kl_grad = args.weight_mode == "multiply", tokenizer.pad_token_id, args.kl_loss_coef > 0
     per_batch = multiply and args.kl_threshold_scope == "batch"  # f in step 4 (else in step 5)
     unbiased, eps = args.outcome_std == "unbiased", {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std]  # A, bonus
@@ -174,7 +174,7 @@ if __name__ == "__main__":
         gid = ro.group_ids.cpu()
         advantages = common.group_advantages(rewards, G, args.scale_rewards, eps, gid, unbiased)  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T]
-        correct = ro.scores >= 1.0  # a full verifier score (not the shaped reward)
+        correct = ro.scores >= args.success_threshold  # a verified success (not the shaped reward)
         modes, ref = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
         teachers, role, wlen, bad = teacher.build_teachers(
             tokenizer, args.task, ro, examples, correct, ref, context - T, args.max_reference_tokens, routing

@@ -97,12 +97,13 @@ def assign(st: dict, found: list, args) -> None:
     """The official order: a failed chain with >= 1 thought is a parent while parents are missing, any other chain
     fills the base group while it has room; a chain drawn after the prompt is settled is surplus."""
     n_parents, _, n_base = split_sizes(args)
+    failed = lambda r: r < args.success_threshold  # noqa: E731 (a parent failed: its reward is below it)
     for ids, text, r in found:
         if len(st["parents"]) == n_parents and len(st["base"]) == n_base or st["tried"] >= args.max_fresh_attempts:
             break
         st["tried"] += 1
         st["seen"].append((ids, text, r))
-        if chains.split_thoughts(text, args.thought_delimiter) and r < 1.0 and len(st["parents"]) < n_parents:
+        if chains.split_thoughts(text, args.thought_delimiter) and failed(r) and len(st["parents"]) < n_parents:
             st["parents"].append((ids, text, r))
         elif len(st["base"]) < n_base:
             st["base"].append((ids, text, r))
@@ -189,7 +190,7 @@ def settle(model, sampler, task, examples, search: dict, cuts: list, sfx: list, 
     suffix_start on), then per prompt its base chains, or, with no parents found, the official fallback group (1x4:
     the base chains, 2x4: the failures found, 1x8: the chains sampled so far; topped up with spare fresh chains).
     One group id per normalization group; each prompt's rows together. Adds the reset metrics to sampler.info."""
-    tok, info, max_new = sampler.tokenizer, sampler.info, args.max_new_tokens
+    tok, info, max_new, solved = sampler.tokenizer, sampler.info, args.max_new_tokens, args.success_threshold
     n_parents, K, n_base = split_sizes(args)
     new = [
         (e, pre + s[0][: max(max_new - len(pre), 1)], len(pre), (e.id, "reset", j))
@@ -219,7 +220,7 @@ def settle(model, sampler, task, examples, search: dict, cuts: list, sfx: list, 
     info.update(
         normalized_position=sum((k - 1) / n for k, n in ks) / len(ks) if ks else 0.0,
         correction_rate=sum(reset_rewards) / len(reset_rewards) if reset_rewards else 0.0,
-        suffix_pass_at_k=sum(max(r[4] for r in rows if r[3] == g) >= 1.0 for g in keys if g[1] == "reset")
+        suffix_pass_at_k=sum(max(r[4] for r in rows if r[3] == g) >= solved for g in keys if g[1] == "reset")
         / max(1, len(cuts)),
         fallback_share=sum(any(r[3] == (e.id, "fresh") for r in rows) for e in examples) / len(examples),
         num_parents=len(cuts),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlparse
 
-from rlvr_utils import tasks
+from rlvr_utils import custom, tasks
 
 
 def usage_error(message: str) -> NoReturn:
@@ -102,11 +102,32 @@ def check_data(task: str, path: str | None, flag: str) -> None:
         return
     need(
         task != "arith",
-        f"{flag} {path}: --task arith is built in and reads no data file (use --task gsm8k, math or code)",
+        f"{flag} {path}: --task arith is built in and reads no data file (use --task gsm8k, math, code or custom)",
     )
+    if task == "custom" and not Path(path).exists() and not looks_like_path(path):  # a hub dataset id
+        if not dataset_cached(path):
+            need_hub(f"{flag} {path} is not a local file, so it names a hub dataset", "a local .jsonl file")
+        return
     for i, row in enumerate(read_rows(path, flag), 1):
-        problem = tasks.row_problem(task, row)
+        problem = custom.prompt_problem(row) if task == "custom" else tasks.row_problem(task, row)
         need(problem is None, f"{path}: row {i}: {problem}")
+
+
+def check_custom(a: dict) -> None:
+    """--task custom needs rows and a reward; every --reward-fn must import and take TRL's arguments (the user's file
+    is imported here, before anything loads)."""
+    if a["task"] == "custom":
+        need(a["data_path"] is not None, "--task custom needs --data-path (a .jsonl file of rows with a 'prompt')")
+        need(bool(a["reward_fn"]), "--task custom needs --reward-fn PATH.py:NAME (README: Your own task)")
+    need(
+        not a["reward_weights"] or len(a["reward_weights"]) == len(a["reward_fn"]),
+        f"--reward-weights gives {len(a['reward_weights'])} weights for {len(a['reward_fn'])} --reward-fn",
+    )
+    for spec in a["reward_fn"]:
+        try:
+            custom.load_reward_fn(spec)
+        except custom.RewardFnError as e:
+            usage_error(str(e))
 
 
 def check_common(args) -> None:
@@ -185,10 +206,15 @@ def check_common(args) -> None:
 
         need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
     check_model(a["model"])
+    check_custom(a)
     check_data(a["task"], a["data_path"], "--data-path")
     check_data(a["task"], a["eval_data_path"], "--eval-data-path")
     check_rows_left(a)
-    if a["task"] != "arith" and a["data_path"] is None and not dataset_cached(tasks.HUB_DATASETS[a["task"]][0]):
+    if (
+        a["task"] in tasks.HUB_DATASETS
+        and a["data_path"] is None
+        and not dataset_cached(tasks.HUB_DATASETS[a["task"]][0])
+    ):
         need_hub(f"--task {a['task']} downloads its dataset ({tasks.HUB_DATASETS[a['task']][0]})", "--data-path FILE")
     if a["track"]:
         need(
@@ -301,7 +327,7 @@ def check_rows_left(a: dict) -> None:
             f"--arith-max-value {a['arith_max_value']} --arith-max-operand {a['arith_max_operand']}: only "
             f"{len(train)} training problems differ from the {len(evals)} held out; allow larger values or more steps",
         )
-    elif a["data_path"] is not None and a["eval_data_path"] is None:
+    elif a["data_path"] is not None and a["eval_data_path"] is None and Path(a["data_path"]).exists():
         n = len(read_rows(a["data_path"], "--data-path"))
         need(
             n == 0 or n > a["num_eval"],

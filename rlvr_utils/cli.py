@@ -11,7 +11,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from rlvr_utils import checkpoints
 from rlvr_utils.checks import check_common
@@ -56,10 +58,21 @@ class BaseArgs:
     # model and task
     model: str = DEFAULT_MODEL
     """Hugging Face hub id or local directory of the policy; the default is the bundled tiny model"""
-    task: Literal["arith", "gsm8k", "math", "code"] = "arith"
-    """arith (built in), gsm8k, math, or code (HumanEval-style unit tests run in a sandbox; reward = fraction passed)"""
+    task: Literal["arith", "gsm8k", "math", "code", "custom"] = "arith"
+    """arith (built in), gsm8k, math, code (HumanEval-style unit tests run in a sandbox; reward = fraction passed), or
+    custom (your rows, each with a `prompt`, scored by --reward-fn)"""
     data_path: str | None = None
-    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz)"""
+    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz);
+    custom: a file or a hub dataset id"""
+    reward_fn: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """PATH.py:NAME or package.module:NAME: a reward in TRL's convention, NAME(prompts, completions, **columns) ->
+    list of floats; repeat the flag for several (they sum); with a built-in task it replaces the task's reward
+    (README: Your own task)"""
+    reward_weights: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
+    """one weight per --reward-fn, the flag repeated in the same order (default: 1 each)"""
+    success_threshold: float = 1.0
+    """a completion whose reward reaches this is a success: SC-GRPO's verified solutions, SRPO's failed parents,
+    EP-GRPO's outcome polarity, eval/accuracy (1.0: the built-in tasks' full score)"""
     eval_data_path: str | None = None
     """local eval file; without it the first --num-eval training rows are held out"""
     arith_steps: int = 4

@@ -1,8 +1,10 @@
 """Tasks: the prompts an RL run trains and evaluates on, and their reward functions.
 
 `load_task(name, tokenizer, ...)` builds a `Task` (train and eval `Example`s and a reward function) with one small
-builder per task: `arith` (built in, arith.py), `gsm8k` and `math` (rewards.py), `code` (sandbox.py). Real datasets
-load through `datasets.load_dataset`: the hub dataset by default, a local jsonl/json/parquet with `data_path`.
+builder per task: `arith` (built in, arith.py), `gsm8k` and `math` (rewards.py), `code` (sandbox.py), and `custom`
+(custom.py: the user's rows and reward functions). Real datasets load through `datasets.load_dataset`: the hub dataset
+by default, a local jsonl/json/parquet with `data_path` (custom: a file or a hub id). The optional parts (arith, the
+code sandbox) are imported only when a run uses them.
 Rows whose gold answer cannot be parsed (code: without tests or entry point) and prompts longer than
 `max_prompt_length` are skipped and counted in `Task.skipped`, never rewarded.
 """
@@ -14,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from rlvr_utils import arith, rewards, sandbox
+from rlvr_utils import custom, rewards
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB_DATASETS = {
@@ -22,7 +24,7 @@ HUB_DATASETS = {
     "math": ("HuggingFaceH4/MATH-500", None, "test", None),
     "code": ("openai/openai_humaneval", None, "test", None),
 }
-TASKS = ("arith", "gsm8k", "math", "code")
+TASKS = ("arith", "gsm8k", "math", "code", "custom")
 
 
 @dataclasses.dataclass
@@ -78,6 +80,9 @@ def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[
     """Rows of a local jsonl/json/parquet file (`data_path`) or of the task's hub dataset."""
     from datasets import load_dataset
 
+    if data_path and task == "custom" and not Path(data_path).exists():  # a hub dataset id
+        split = "train" if split_kind == "train" else "test"
+        return list(load_dataset(data_path, split=split)), f"{data_path}[{split}]"
     if data_path:
         p = Path(data_path)
         if not p.exists():
@@ -142,7 +147,7 @@ class _Builder:
         Eval: `eval_data_path`, else the hub's eval split, else the first `num_eval` rows of the one file (at most a
         fifth of a file smaller than 2 * num_eval)."""
         rows, source = _load_rows(self.name, self.data_path, "train")
-        if self.eval_data_path or (not self.data_path and HUB_DATASETS[self.name][3]):
+        if self.eval_data_path or (not self.data_path and HUB_DATASETS.get(self.name, (0, 0, 0, None))[3]):
             eval_rows, eval_source = _load_rows(self.name, self.eval_data_path, "eval")
             return convert(rows, source, 0), convert(eval_rows, eval_source, 10**9)[: self.num_eval]
         k = self.num_eval if len(rows) >= 2 * self.num_eval else len(rows) // 5
@@ -150,6 +155,8 @@ class _Builder:
 
 
 def _arith_task(b: _Builder, seed: int, steps: int, max_value: int, max_operand: int, num_train: int):
+    from rlvr_utils import arith
+
     train, evals = arith.arith_problems(seed, num_train, b.num_eval, steps, max_value, max_operand)
 
     def build(problems, offset):
@@ -193,6 +200,7 @@ def _code_task(b: _Builder, timeout: float):
     """HumanEval's format (prompt, test, entry_point) or an MBPP-like one (text or prompt, test_list, optional
     test_setup_code); reward = fraction of tests passed in the sandbox."""
     b.skipped["no_tests_or_entry_point"] = 0
+    from rlvr_utils import sandbox
 
     def convert(rows, source, offset):
         out = []
@@ -243,6 +251,28 @@ def _code_task(b: _Builder, timeout: float):
     return *b.from_rows(convert), lambda completion, ex: code_batch([completion], [ex])[0], code_batch
 
 
+def _custom_task(b: _Builder):
+    """The user's rows (custom.py): `prompt` a string or chat messages, every other column for the reward."""
+
+    def convert(rows, source, offset):
+        out = []
+        for i, row in enumerate(rows):
+            problem = custom.prompt_problem(row)
+            if problem:
+                raise KeyError(f"{source}: row {i + 1}: {problem}")
+            text, user, chat = custom.render(b.tokenizer, row["prompt"])
+            ids = encode_prompt(b.tokenizer, text)
+            if len(ids) > b.max_prompt_length:
+                b.skipped["prompt_too_long"] += 1
+                continue
+            columns = {k: v for k, v in row.items() if k != "prompt"}
+            meta = {"prompt": row["prompt"], "chat": chat, "columns": columns}
+            out.append(Example(offset + i, user, "", text, ids, user if chat else "", meta))
+        return out
+
+    return *b.from_rows(convert), None, None
+
+
 def load_task(
     name: str,
     tokenizer,
@@ -256,12 +286,16 @@ def load_task(
     arith_max_operand: int = 9,
     arith_num_train: int = 20000,
     code_timeout: float = 5.0,
+    reward_fn: Sequence[str] = (),
+    reward_weights: Sequence[float] = (),
 ) -> Task:
     """Build a task's train and eval prompts and its reward function (see the module docstring).
 
     arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: the hub dataset or a local file via
     `data_path` (eval from `eval_data_path`, else held out from the same source); code: HumanEval or a local
-    jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in a sandbox for `code_timeout` seconds.
+    jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in a sandbox for `code_timeout` seconds;
+    custom: `data_path` rows scored by `reward_fn` (custom.py). `reward_fn` given with a built-in task replaces its
+    reward (the functions then get the columns `question` and `answer`, the gold).
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
@@ -269,16 +303,20 @@ def load_task(
         raise ValueError(f"--code-timeout must be a positive number of seconds, got {code_timeout}")
     b = _Builder(name, tokenizer, num_eval, data_path, eval_data_path, max_prompt_length)
     if name == "arith":
-        train, evals, reward_fn, batch_fn = _arith_task(
+        train, evals, reward, batch_fn = _arith_task(
             b, seed, arith_steps, arith_max_value, arith_max_operand, arith_num_train
         )
     elif name == "code":
-        train, evals, reward_fn, batch_fn = _code_task(b, code_timeout)
+        train, evals, reward, batch_fn = _code_task(b, code_timeout)
+    elif name == "custom":
+        train, evals, reward, batch_fn = _custom_task(b)
     else:
-        train, evals, reward_fn, batch_fn = _text_task(b)
+        train, evals, reward, batch_fn = _text_task(b)
+    if reward_fn:  # the user's reward functions, in TRL's convention
+        batch_fn = custom.reward_batch(reward_fn, reward_weights)
     train, evals = [e for e in train if e is not None], [e for e in evals if e is not None]
     if not train:
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {b.skipped})")
     if not evals:
         raise ValueError(f"task {name!r} has no usable eval prompts (skipped: {b.skipped})")
-    return Task(name, train, evals, reward_fn, b.skipped, batch_fn)
+    return Task(name, train, evals, reward, b.skipped, batch_fn)

@@ -55,9 +55,18 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
     """Token ids of the teacher's prompt: the student's full context plus the reference tau (paper §1.2). Chat models:
     the system message is the student's base system message (the template's default, if it has one) + GUIDE + tau,
     and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's prompt (for
-    arith, arith_reference_prompt: the block the tiny model was trained on)."""
+    arith, arith_reference_prompt: the block the tiny model was trained on). A custom task's chat prompt keeps its own
+    messages, its system message (or the template's default) followed by GUIDE + tau."""
     tau = tau.strip()
-    if tasks.has_chat_template(tokenizer):
+    if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its own system message
+        msgs = list(example.meta["prompt"])
+        own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
+        base = own or (default_system_message(tokenizer) + "\n\n" if default_system_message(tokenizer) else "")
+        system = [{"role": "system", "content": base + GUIDE + tau}]
+        text = tokenizer.apply_chat_template(system + msgs, add_generation_prompt=True, tokenize=False)
+    elif "chat" in example.meta:  # a custom task's plain string prompt, seen as it is
+        text = f"Reference solution:\n{tau}\n{example.prompt}"
+    elif tasks.has_chat_template(tokenizer):
         if not example.user:
             raise ValueError(
                 f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's"

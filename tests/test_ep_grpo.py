@@ -230,7 +230,7 @@ VARIANTS = [
     {"process_granularity": "window"},
     {"process_granularity": "cumulative"},
     {"process_polarity": "none"},
-    {"reward_threshold": -0.5},
+    {"success_threshold": -0.5},
     {"gate": "zsig"},
     {"gate": "zsig", "gate_gamma": 3.0},
     {"anchor_form": "multiplicative"},

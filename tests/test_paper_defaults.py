@@ -108,7 +108,7 @@ def test_ep_grpo_defaults():
     0.8 quantile, lambda 0.2 (a public ERPO reimplementation's eta), clip 3, k3 KL 1e-3, token-mean."""
     d = defaults(ep_grpo)
     assert (d["num_buckets"], d["progress"], d["process_granularity"]) == (10, "entropy", "token")
-    assert (d["process_polarity"], d["reward_threshold"], d["outcome_std"]) == ("outcome", 0.5, "population")
+    assert (d["process_polarity"], d["success_threshold"], d["outcome_std"]) == ("outcome", 1.0, "population")
     assert (d["gate"], d["pivot_quantile"], d["gate_alpha"], d["gate_norm"], d["gate_gamma"]) == (
         "soft",
         0.8,

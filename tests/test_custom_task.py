@@ -1,0 +1,351 @@
+"""Your own task: rows with a `prompt` and any columns, rewards in TRL's convention from a file outside the
+repository, in every script; bad reward functions and rows; the README's example as written; and a script copied with
+common.py and rlvr_utils/ into an empty folder outside the repository."""
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_MODEL
+from helpers import read_metrics, run_dir
+
+from rlvr_utils import arith, custom
+
+SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"]
+SHORT = [
+    "--total-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--prompts-per-step",
+    "4",
+    "--num-generations",
+    "4",
+    "--threads",
+    "1",
+    "--max-new-tokens",
+    "32",
+]
+REWARD = """
+import re
+
+
+def correct_sum(prompts, completions, answer, **kwargs):
+    out = []
+    for completion, gold in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[0]["content"]
+        found = re.findall(r"####\\s*(-?\\d+)", text)
+        out.append(1.0 if found and found[-1] == str(gold) else 0.0)
+    return out
+
+
+def quarter(prompts, completions, **kwargs):
+    return [0.25] * len(completions)
+
+
+def positional_only(x, y):
+    return [0.0]
+
+
+def raises(prompts, completions, **kwargs):
+    raise RuntimeError("the grader is down")
+
+
+def short(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+
+def nan(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def none(prompts, completions, **kwargs):
+    return [None] * len(completions)
+
+
+def word(prompts, completions, **kwargs):
+    return ["good"] * len(completions)
+
+
+CALLS = [0]
+
+
+def fails_later(prompts, completions, **kwargs):
+    CALLS[0] += 1
+    if CALLS[0] > 3:  # step-0 evaluation, step 1, step 1's evaluation... then it breaks
+        raise ValueError("broke at call " + str(CALLS[0]))
+    return [0.0] * len(completions)
+"""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    """A user's folder outside the repository: the reward file, string-prompt rows, chat-prompt rows, and a copy of
+    the tiny model whose tokenizer has a chat template."""
+    d = tmp_path_factory.mktemp("user")
+    (d / "my_reward.py").write_text(REWARD)
+    rng, rows = random.Random(0), []
+    for _ in range(24):
+        p = arith.make_arith_problem(rng, steps=3)
+        rows.append({"prompt": arith.arith_prompt(p), "answer": p.answer, "level": "easy"})
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chat = [
+        {
+            "prompt": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": r["prompt"]}],
+            "answer": r["answer"],
+        }
+        for r in rows
+    ]
+    (d / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    shutil.copytree(TINY_MODEL, d / "chat_model")
+    cfg = json.loads((d / "chat_model" / "tokenizer_config.json").read_text())
+    (d / "chat_model" / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    return d
+
+
+def _run(args, cwd=ROOT, timeout=600):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(out, *words, code=2):
+    assert out.returncode == code, (out.returncode, out.stderr[-2000:])
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_trains_on_rows_and_a_trl_reward_from_outside(user, tmp_path, script):
+    for rows, model in (("rows.jsonl", TINY_MODEL), ("chat.jsonl", user / "chat_model")):
+        out_dir = tmp_path / rows
+        out = _run(
+            [
+                str(ROOT / script),
+                "--task",
+                "custom",
+                "--data-path",
+                str(user / rows),
+                "--reward-fn",
+                f"{user / 'my_reward.py'}:correct_sum",
+                "--num-eval",
+                "4",
+                "--model",
+                str(model),
+                "--output-dir",
+                str(out_dir),
+                *SHORT,
+            ]
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        m = read_metrics(out_dir)
+        assert [r["step"] for r in m] == [0, 1, 2] and "reward" in m[1] and 0 <= m[2]["eval/accuracy"] <= 1
+        assert "eval/reward" in m[2]
+        if rows == "rows.jsonl" and script == "grpo.py":
+            assert m[1]["reward"] > 0  # the tiny model solves some of these: the reward really ran
+
+
+def test_reward_fn_loading_and_rows_are_checked_before_anything_loads(user, tmp_path):
+    base = [
+        str(ROOT / "grpo.py"),
+        "--task",
+        "custom",
+        "--data-path",
+        str(user / "rows.jsonl"),
+        "--output-dir",
+        str(tmp_path / "r"),
+    ]
+    rf = str(user / "my_reward.py")
+    _one_line(_run([*base, "--reward-fn", f"{user}/nope.py:f"]), "--reward-fn", "no such file")
+    _one_line(_run([*base, "--reward-fn", f"{rf}:missing"]), "--reward-fn", "no function missing")
+    _one_line(_run([*base, "--reward-fn", f"{rf}:positional_only"]), "positional_only", "takes none of the expected")
+    _one_line(_run([*base]), "--task custom needs --reward-fn")
+    _one_line(_run([str(ROOT / "grpo.py"), "--task", "custom", "--reward-fn", f"{rf}:quarter"]), "needs --data-path")
+    _one_line(
+        _run([*base, "--reward-fn", f"{rf}:quarter", "--reward-weights", "1", "--reward-weights", "2"]),
+        "--reward-weights",
+        "2",
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?"}) + "\n")
+    out = _run([str(ROOT / "grpo.py"), "--task", "custom", "--data-path", str(bad), "--reward-fn", f"{rf}:quarter"])
+    _one_line(out, "bad.jsonl", "row 1", "'prompt'")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("raises", ["raises", "RuntimeError", "the grader is down"]),
+        ("short", ["short", "returned 3 values for 4 completions"]),
+        ("nan", ["nan", "row 0", "finite number"]),
+        ("none", ["none", "None"]),
+        ("word", ["word", "'good'"]),
+    ],
+)
+def test_a_bad_reward_mid_run_is_one_line_naming_the_function(user, tmp_path, name, words):
+    out = _run(
+        [
+            str(ROOT / "grpo.py"),
+            "--task",
+            "custom",
+            "--data-path",
+            str(user / "rows.jsonl"),
+            "--reward-fn",
+            f"{user / 'my_reward.py'}:{name}",
+            "--num-eval",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            *SHORT,
+        ]
+    )
+    _one_line(out, f"--reward-fn {user / 'my_reward.py'}:{name}", *words, code=1)
+
+
+@pytest.mark.slow
+def test_a_reward_that_breaks_later_leaves_the_last_checkpoint_intact(user, tmp_path):
+    out = _run(
+        [
+            str(ROOT / "grpo.py"),
+            "--task",
+            "custom",
+            "--data-path",
+            str(user / "rows.jsonl"),
+            "--reward-fn",
+            f"{user / 'my_reward.py'}:fails_later",
+            "--num-eval",
+            "4",
+            "--save-every",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            *SHORT[:2],
+            "--eval-every",
+            "1",
+            *SHORT[4:],
+        ]
+    )
+    _one_line(out, "fails_later", "broke at call 4", code=1)
+    complete = run_dir(tmp_path) / "checkpoint" / "complete.json"
+    assert json.loads(complete.read_text())["step"] == 1
+
+
+@pytest.mark.slow
+def test_reward_fn_replaces_a_builtin_reward_and_several_sum_with_weights(user, tmp_path):
+    rf = user / "my_reward.py"
+    out = _run(
+        [
+            str(ROOT / "grpo.py"),
+            "--reward-fn",
+            f"{rf}:quarter",
+            "--reward-fn",
+            f"{rf}:quarter",
+            "--reward-weights",
+            "1",
+            "--reward-weights",
+            "2",
+            "--num-eval",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            *SHORT,
+        ]
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = read_metrics(tmp_path)
+    assert m[1]["reward"] == pytest.approx(0.75) and m[2]["eval/reward"] == pytest.approx(0.75)
+    assert m[2]["eval/accuracy"] == 0.0  # 0.75 < --success-threshold 1.0
+
+
+def test_module_form_and_the_calling_convention(user, monkeypatch):
+    monkeypatch.syspath_prepend(str(user))
+    fn = custom.load_reward_fn("my_reward:correct_sum")
+    assert fn(prompts=["p"], completions=["1+1=2\n#### 2"], answer=[2]) == [1.0]
+
+    class E:  # an Example with a chat prompt
+        id, prompt, question, gold = 7, "x", "q", "g"
+        meta = {"prompt": [{"role": "user", "content": "q"}], "chat": True, "columns": {"answer": 3, "level": "a"}}
+
+    seen = {}
+
+    def spy(prompts, completions, **columns):
+        seen.update(prompts=prompts, completions=completions, **columns)
+        return [0.5]
+
+    monkeypatch.setattr(custom, "load_reward_fn", lambda spec: spy)
+    assert custom.reward_batch(["spy"], [2.0])(["#### 3"], [E()]) == [1.0]
+    assert seen["completions"] == [[{"role": "assistant", "content": "#### 3"}]]
+    assert seen["prompts"] == [E.meta["prompt"]] and seen["answer"] == [3] and seen["level"] == ["a"]
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_as_written(tmp_path):
+    """The README's reward file, rows and command (plus flags that keep it short and write into a temporary folder)."""
+    text = (ROOT / "README.md").read_text().split("## Your own task", 1)[1]
+    (tmp_path / "my_reward.py").write_text(re.search(r"```python\n(.*?)```", text, re.S).group(1))
+    (tmp_path / "rows.jsonl").write_text(re.search(r"```json\n(.*?)```", text, re.S).group(1))
+    command = re.search(r"```bash\n(.*?)```", text, re.S).group(1).replace("\\\n", " ").split()
+    assert command[:2] == ["python", "sc_grpo.py"]
+    out = _run(
+        [
+            str(ROOT / command[1]),
+            *command[2:],
+            "--total-steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--output-dir",
+            str(tmp_path / "runs"),
+            "--num-generations",
+            "2",
+            "--threads",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs")] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_copied_script_runs_with_only_common_and_the_package(user, tmp_path):
+    """Copy sc_grpo.py, common.py and rlvr_utils/ into an empty folder outside the repository and train there: whatever
+    else it needs is a bug."""
+    here = tmp_path / "mine"
+    here.mkdir()
+    shutil.copy(ROOT / "sc_grpo.py", here)
+    shutil.copy(ROOT / "common.py", here)
+    shutil.copytree(ROOT / "rlvr_utils", here / "rlvr_utils", ignore=shutil.ignore_patterns("__pycache__"))
+    out = _run(["sc_grpo.py", "--help"], cwd=here)
+    assert out.returncode == 0 and "--reward-fn" in out.stdout, out.stderr[-2000:]
+    out = _run(
+        [
+            "sc_grpo.py",
+            "--task",
+            "custom",
+            "--data-path",
+            str(user / "rows.jsonl"),
+            "--reward-fn",
+            f"{user / 'my_reward.py'}:correct_sum",
+            "--model",
+            str(TINY_MODEL),
+            "--num-eval",
+            "4",
+            *SHORT,
+        ],
+        cwd=here,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list(Path(here, "runs").glob("*/metrics.jsonl"))

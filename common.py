@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, distributed, engines, tasks
+from rlvr_utils import checkpoints, cli, credit, distributed, engines, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
 from rlvr_utils.logprob_kernels import (
@@ -42,7 +42,7 @@ from rlvr_utils.models import load_tokenizer as load_tokenizer
 from rlvr_utils.rollouts import Rollouts as Rollouts
 from rlvr_utils.rollouts import generate_rollouts, make_rollouts, stop_token_ids
 from rlvr_utils.rollouts import pad_left as pad_left
-from rlvr_utils.tracking import Logger
+from rlvr_utils.tracking import Logger, completion_metrics
 from rlvr_utils.tracking import UpdateStats as UpdateStats
 
 if TYPE_CHECKING:
@@ -406,26 +406,6 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
         )
 
 
-def completion_metrics(ro: Rollouts, rewards: torch.Tensor, group_size: int, success_threshold: float = 1.0) -> dict:
-    """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths; and
-    frac_groups_unsolved, the share of groups where no completion's verifier score reaches `success_threshold`."""
-    lengths = ro.completion_mask.sum(1).float()
-    r = rewards.float().cpu()
-    inv, constant = constant_groups(r, ro.group_ids.cpu())
-    score = (ro.scores if ro.scores is not None else rewards).float().cpu()
-    best = torch.full((len(constant),), -float("inf")).scatter_reduce(0, inv, score, "amax")
-    return {
-        "reward": r.mean().item(),
-        "reward_std": r.std().item() if len(r) > 1 else 0.0,
-        "frac_reward_zero_std": constant.float().mean().item(),
-        "frac_groups_unsolved": (best < success_threshold).float().mean().item(),
-        "completions/mean_length": lengths.mean().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/clipped_ratio": ro.truncated.float().mean().item(),
-    }
-
-
 # ----------------------------------------------------------------------------------------------
 # 7. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
 # ----------------------------------------------------------------------------------------------
@@ -456,7 +436,9 @@ def load_task(args, tokenizer) -> Task:
             f"{len(task.train)} training prompts (a batch holds distinct prompts; skipped: {task.skipped})",
         )
         return task
-    except (ValueError, KeyError, FileNotFoundError, ConnectionError) as e:
+    except SystemExit:
+        raise
+    except Exception as e:  # a dataset that cannot be fetched or read, a chat template that refuses a prompt, ...
         source = args.data_path or tasks.HUB_DATASETS.get(args.task, ("the built-in task",))[0]
         cli.usage_error(f"--task {args.task} ({source}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
@@ -482,7 +464,9 @@ class Run:
         self.dist, self.device = distributed.init_distributed(
             args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
         )
-        seed_everything(args.seed + self.dist.rank)  # per-rank sampling; every rank draws the same prompt batches
+        seed_everything(
+            (args.seed + self.dist.rank) % 2**32
+        )  # per-rank sampling; every rank draws the same prompt batches
         self.dir = Path(args.resume) if args.resume else None  # a new run's directory is made by start()
 
     def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
@@ -495,6 +479,7 @@ class Run:
         self.batches = checkpoints.CountingBatches(lambda: prompt_batches(task.train, a.prompts_per_step, a.seed))
         self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), checkpoints.GracefulStop()
         self.first = self.ckpt.restore(model, optimizer, self.batches, self.state) + 1 if a.resume else 1
+        self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit if dist.main else 0)
         engines.attach_engine(
             a.engine, model, optimizer, a.model, a.vllm_gpu_memory_utilization, seed=a.seed + dist.rank
         )
@@ -530,7 +515,24 @@ class Run:
         for step in self.bar:
             reset_peak_memory(self.device)
             self.step, self.times, self.clock = step, {}, time.time()
+            self.credit.start(self.eval_due(step))  # --log-credit: at the evaluation steps
             yield step
+
+    def eval_due(self, step: int) -> bool:
+        return step == self.args.total_steps or bool(self.args.eval_every and step % self.args.eval_every == 0)
+
+    def watch_credit(self, logp, rows, mask, num_tokens, num_seqs) -> None:
+        """--log-credit: keep the gradient of these rows' log-probs [b, T], with each token's aggregation weight (the
+        same aggregate_loss call as the loss's, on ones), to record -dL/dlog p / weight after the update."""
+        if not self.credit.active:
+            return
+        a, ones = self.args, torch.ones_like(mask, dtype=torch.float, requires_grad=True)
+        agg = aggregate_loss(ones, mask, a.loss_agg, a.max_new_tokens, num_tokens, num_seqs)
+        self.credit.watch(logp, rows, torch.autograd.grad(agg, ones)[0])
+
+    def credit_signals(self, **signals) -> None:
+        """--log-credit: the method's own per-row or per-token signals, recorded beside the credit."""
+        self.credit.signals(**signals)
 
     def lap(self, name: str) -> float:
         """Seconds since the step or the last lap began, logged as time/<name>."""
@@ -540,6 +542,8 @@ class Run:
 
     def stop_if_nonfinite(self, value, what: str) -> None:
         stop_if_nonfinite(value, what, self.step, self.metrics)
+        if what == "loss" and self.credit.active:  # the backward follows: --log-credit records its gradient only
+            self.credit.before_backward()
 
     def end_step(self, step: int, ro: Rollouts, rewards: torch.Tensor, stats: UpdateStats, extra: dict) -> None:
         """The step's metrics (TRL's names; `extra`: the sampling metrics and the method's own), the evaluation when
@@ -558,7 +562,10 @@ class Run:
             "time/step": step_time,
             **peak_memory(self.device),
         }
-        if step == a.total_steps or (a.eval_every and step % a.eval_every == 0):
+        if self.credit.active:
+            rows = self.credit.write(step, Path(sys.argv[0]).name, ro, rewards, self.tokenizer, ro.completion_mask)
+            self.logger.text("credit", credit.as_text(rows), step)
+        if self.eval_due(step):
             metrics.update(self.evaluate())
         self.metrics = metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
         self.logger.log(metrics, step)

@@ -2,9 +2,9 @@
 
 Each token gets its own advantage A = g_hat * (A_out + lambda * d * P): GRPO's advantage A_out plus an implicit process
 signal P (delta = log pi_old - log pi_ref, z-scored over the group's tokens in the same window of cumulative-entropy
-progress), signed by the outcome polarity d (sign(A_out); sign(r - 0.5) where a group's rewards are all equal, so such
-groups still train), times an entropy gate g_hat that favours high-entropy "decision pivots". The paper's text and code
-were not reachable: each flag says if it is (a) the authors' formula as reported second-hand, (b) the abstract's or (c)
+progress), signed by the outcome polarity d (sign(A_out); +1 / -1 where a group's rewards are all equal and reach /
+miss --success-threshold, so such groups still train), times an entropy gate g_hat that favours high-entropy
+"decision pivots". Each flag says if it is (a) the authors' formula as reported second-hand, (b) the abstract's or (c)
 ours. Paper: Yu, Li, Zhao, Yang 2026, EP-GRPO (arXiv 2605.04960). Docs: docs/ep_grpo.md. Differences from grpo.py:
   1. per-token advantages (ep_advantages, step 3) from a no-grad pass of the policy (log pi_old, rollout entropy) that
      runs even on-policy, and from the reference, loaded even at --beta 0 (or a moving anchor, --process-anchor);
@@ -109,6 +109,7 @@ def ep_advantages(
     gate_gamma=1.0, process_granularity="token", process_polarity="outcome", success_threshold=1.0,  # g_hat; P, d
     anchor_form="additive", process_coef=0.2, process_coef_zero_var=None, process_clip=3.0, process_std_min=1e-3,
     progress="entropy", num_buckets=10, advantage_form="A", implicit_beta=0.05, return_parts=False,  # windows, form B
+    scores=None,  # d's verifier scores [B] (the rewards before any overlong shaping; default: rewards)
 ):  # fmt: skip
     """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * d * P), 0 at pads (the authors' Eq. 18-25 as
     reported second-hand; docs/ep_grpo.md). entropy: [B, T] rollout entropy (nats); logp_old, logp_ref: [B, T] log-probs
@@ -129,7 +130,8 @@ def ep_advantages(
     inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
     zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
     # outcome polarity d: the verifier signs the process credit (all-wrong groups: -1, back towards the reference)
-    polarity = torch.where(zero_var, torch.where(r >= success_threshold, 1.0, -1.0), torch.sign(a_out))
+    solved = (r if scores is None else scores.float().to(dev)) >= success_threshold  # [B] the verifier's success
+    polarity = torch.where(zero_var, torch.where(solved, 1.0, -1.0), torch.sign(a_out))
     polarity = polarity if process_polarity == "outcome" else torch.ones_like(r)
     # entropy gate around tau, the rho-quantile of the batch's token entropies [B, 1] (other scopes and zsig: ablations)
     tau, temp = row_quantile(H.reshape(1, -1), valid.reshape(1, -1), pivot_quantile).repeat(B, 1), gate_temp
@@ -149,7 +151,7 @@ def ep_advantages(
         A, P, n_cell, ok = ep_ablations.other_forms(g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, **flags)
     parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv)
     parts.update(zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok, polarity=polarity, delta=delta)
-    return (A, dict(parts, above_threshold=r >= success_threshold)) if return_parts else A
+    return (A, dict(parts, above_threshold=solved)) if return_parts else A
 
 
 def validate(a: Args) -> Args:
@@ -195,8 +197,10 @@ if __name__ == "__main__":
         run.lap("logprobs")
 
         # 3. ALGO LOGIC: credit assignment, per token [N, T]: A = gate * (A_out + lambda * d * P), every flag by name
-        token_adv, parts = ep_advantages(old_H, old_logp, anchor_logp, mask, rewards, G, ro.group_ids, **flags)
+        gid, scores = ro.group_ids, ro.scores  # d's success is the verifier's (rewards: shaped by --overlong-buffer)
+        token_adv, parts = ep_advantages(old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores)
         ep_stats = ep_diagnostics.ep_metrics(token_adv, parts, old_H, mask)  # the ep/* metrics, from its pieces
+        run.credit_signals(outcome=parts["outcome"], gate=parts["gate"], P=parts["process"], window=parts["windows"])
         run.lap("advantages")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
@@ -213,6 +217,7 @@ if __name__ == "__main__":
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
                     )
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
                     log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl

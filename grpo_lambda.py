@@ -195,6 +195,7 @@ if __name__ == "__main__":
         #    log-ratios, so it acts inside the loss, in step 5 (grpo_lambda_token_loss, paper §3.2, Eq. 2).
         advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu())  # [N]
         advantages = clamp_negative_advantages(advantages, adv_floor)  # [N]
+        run.credit_signals(advantage=advantages)  # --log-credit: credit / advantage is the trace multiplier c_k
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
@@ -221,6 +222,7 @@ if __name__ == "__main__":
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
                     )
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the traced ratio exp(z_t) (ϵ-trace; or ϵ-weight), Eq. 2
                     A = token_adv[mb]

@@ -155,9 +155,8 @@ if __name__ == "__main__":
     multiply, pad, kl_grad = args.weight_mode == "multiply", tokenizer.pad_token_id, args.kl_loss_coef > 0
     per_batch = multiply and args.kl_threshold_scope == "batch"  # f in step 4 (else in step 5)
     unbiased, eps = args.outcome_std == "unbiased", {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std]  # A, bonus
-    credit = functools.partial(  # ALGO LOGIC: SC-GRPO's credit at the flags' values: f, and the solve-none bonus
-        weights_and_advantages, percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased
-    )
+    flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
+    credit = functools.partial(weights_and_advantages, **flags)  # ALGO LOGIC: f, and the solve-none bonus
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
@@ -217,6 +216,7 @@ if __name__ == "__main__":
                         weights[mb], token_adv[mb], f = credit(D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb])
                     seen = it == 0 and prompts is not None and not per_batch  # D, once per row, for the sc/* metrics
                     log.add(D if seen else None, f if first else None, active[mb], cost)
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
                     log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
@@ -246,6 +246,7 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
+        run.credit_signals(f=weights, role=role)  # --log-credit: the token weight f and the row's role
         run.end_step(step, ro, rewards, stats, sampling | log.metrics(modes, bad, ro.texts, run.device))  # + sc/*
 
     run.finish()

@@ -313,6 +313,7 @@ if __name__ == "__main__":
         advantages = common.group_advantages(rewards, None, eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
         mask = mask if args.no_mask else suffix_mask(mask, suffix_start)  # [N, T]
+        run.credit_signals(reset_at=suffix_start)  # --log-credit: the suffix's first token (0: a fresh chain)
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
@@ -337,6 +338,7 @@ if __name__ == "__main__":
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
                     )
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate, dual-clip 3 (verl)
                     log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl

@@ -217,13 +217,15 @@ class Checkpointer:
         from safetensors.torch import load_file
 
         run = self.path.parent
-        if self.recover() is None:
-            _fail(
-                f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and on "
-                "SIGTERM)"
-            )
+        found = self.recover() if self.rank == 0 else None  # rank 0 alone moves a kill's copy into place
         if self.dist is not None:
             self.dist.barrier()
+            found = self.dist.broadcast(found)
+        if found is None:
+            _fail(
+                f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and "
+                "on SIGTERM)"
+            )
         files = sorted((self.path / "model").glob("*.safetensors"))
         if not files:
             _fail(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
@@ -244,6 +246,8 @@ class Checkpointer:
         optimizer.load_state_dict(state["optimizer"])
         batches.skip_to(state["batches_drawn"])
         for k, v in (extra or {}).items():
+            if k not in state["extra"]:
+                _fail(f"--resume {run}: the checkpoint holds no '{k}' state: it was made by another script")
             _load_into(v, state["extra"][k])
         rng = state if self.rank == 0 else _load(self.path / f"trainer_rank{self.rank}.pt", run)
         random.setstate(rng["python"])

@@ -157,7 +157,7 @@ def check_common(args) -> None:
                 isinstance(a[name], int) and a[name] >= 1,
                 f"--{name.replace('_', '-')} must be an integer >= 1, got {a[name]}",
             )
-    for name in ("eval_every", "save_every", "threads", "top_k", "overlong_buffer"):
+    for name in ("eval_every", "save_every", "threads", "top_k", "overlong_buffer", "log_credit"):
         if name in a:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     for name in ("learning_rate", "max_grad_norm", "code_timeout"):
@@ -237,12 +237,13 @@ def check_run_flags(a: dict) -> None:
         "64 characters, no '/' or '\\'",
     )
     out = Path(a["output_dir"]).expanduser()
-    need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
     parent = next(p for p in [out, *out.parents] if p.exists())
-    need(
-        parent.is_dir() and os.access(parent, os.W_OK | os.X_OK),
-        f"--output-dir {a['output_dir']}: {parent} is not a writable directory",
-    )
+    if not a["resume"]:  # a resumed run writes into its own directory
+        need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
+        ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+        need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
+    for w in a["reward_weights"]:
+        need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
     need(
         a["dtype"] != "float16",
         "--dtype float16: training in float16 overflows without loss scaling (one AdamW step "
@@ -294,9 +295,12 @@ def need_hub(what: str, instead: str) -> None:
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     if offline:
         usage_error(f"{what}, but HF_HUB_OFFLINE is set: pass {instead}")
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # reached through a proxy: no direct probe can tell; the download itself will say
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
     try:
-        socket.create_connection((host, 443), timeout=3).close()
+        socket.create_connection((host, port), timeout=3).close()
     except OSError as e:
         usage_error(f"{what}, but the hub ({host}) cannot be reached ({type(e).__name__}): pass {instead}")
 
@@ -329,9 +333,10 @@ def check_rows_left(a: dict) -> None:
         )
     elif a["data_path"] is not None and a["eval_data_path"] is None and Path(a["data_path"]).exists():
         n = len(read_rows(a["data_path"], "--data-path"))
+        held = a["num_eval"] if n >= 2 * a["num_eval"] else n // 5  # as tasks: a fifth of a small file
         need(
-            n == 0 or n > a["num_eval"],
-            f"--data-path {a['data_path']}: {n} rows, and --num-eval {a['num_eval']} "
-            "of them are held out for evaluation: nothing is left to train on (pass --eval-data-path, or a "
-            "smaller --num-eval)",
+            n == 0 or (held >= 1 and n - held >= a["prompts_per_step"]),
+            f"--data-path {a['data_path']}: {n} rows, {held} held out for evaluation (--num-eval {a['num_eval']}, at "
+            f"most a fifth of a small file): too few for a held-out set and batches of --prompts-per-step "
+            f"{a['prompts_per_step']} (pass --eval-data-path, or more rows)",
         )

@@ -152,6 +152,9 @@ class BaseArgs:
     """held-out prompts per evaluation"""
     eval_temperature: float = 0.0
     """0 = greedy pass@1"""
+    log_credit: int = 0
+    """record N training rollouts' per-token credit (the loss's gradient on each token's log-prob, in advantage units)
+    at each evaluation step, to <run-dir>/credit.jsonl and TensorBoard; draw them with tools/credit_view.py; 0 = off"""
 
     # rollout engine
     engine: Literal["auto", "hf", "vllm"] = "auto"
@@ -224,6 +227,7 @@ RUNTIME_FLAGS = (
     "device",
     "dist_timeout",
     "model",  # the weights come from the checkpoint: a run made in another clone names its own copy of the model
+    "output_dir",  # a resumed run writes into its own directory, wherever it has been moved
 )  # may differ between a run and its resumption
 
 

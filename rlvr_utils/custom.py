@@ -13,6 +13,7 @@ failed parents, EP-GRPO's outcome polarity, eval/accuracy).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -27,6 +28,7 @@ class RewardFnError(ValueError):
     """A --reward-fn that cannot be loaded or called as TRL's convention says."""
 
 
+@functools.lru_cache(maxsize=None)  # the user's file runs once, however often it is named
 def load_reward_fn(spec: str) -> Callable:
     """`PATH.py:NAME` (a file anywhere) or `package.module:NAME` (importable) -> the function, checked to take
     `prompts` and `completions` as keywords (or **kwargs)."""
@@ -38,8 +40,9 @@ def load_reward_fn(spec: str) -> Callable:
             path = Path(where).expanduser()
             if not path.is_file():
                 raise RewardFnError(f"--reward-fn {spec}: no such file {path}")
-            mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}_{abs(hash(path))}", path)
+            mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}_{abs(hash(str(path)))}", path)
             module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[mod_spec.name] = module  # dataclasses, pickling and relative lookups need it registered
             mod_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
@@ -64,6 +67,8 @@ def prompt_problem(row: dict) -> str | None:
     """What is wrong with a custom row's prompt, or None."""
     if "prompt" not in row:
         return f"custom rows need a 'prompt' column; this row has {sorted(row)}"
+    if {"prompts", "completions"} & set(row):
+        return "the columns 'prompts' and 'completions' are the reward function's own arguments: rename them"
     p = row["prompt"]
     if isinstance(p, str):
         return None if p.strip() else "the prompt is empty"
@@ -102,7 +107,7 @@ def reward_batch(specs: Sequence[str], weights: Sequence[float]) -> Callable:
         ]
         keys = dict.fromkeys(k for e in examples for k in _columns(e))
         columns = {k: [_columns(e).get(k) for e in examples] for k in keys}
-        total = [0.0] * len(texts)
+        total, scored = [0.0] * len(texts), [False] * len(texts)
         for (spec, fn), w in zip(fns, weights):
             params = inspect.signature(fn).parameters.values()
             kw = (
@@ -114,18 +119,23 @@ def reward_batch(specs: Sequence[str], weights: Sequence[float]) -> Callable:
                 out = fn(prompts=prompts, completions=completions, **kw)
             except Exception as e:
                 _stop(f"--reward-fn {spec} raised {type(e).__name__}: {e}")
+            out = out.tolist() if hasattr(out, "tolist") else out  # numpy arrays, torch tensors
             out = list(out) if out is not None and not isinstance(out, (str, bytes, dict)) else out
             if not isinstance(out, list) or len(out) != len(texts):
                 got = f"{len(out)} values" if isinstance(out, list) else repr(out)[:80]
                 _stop(f"--reward-fn {spec} returned {got} for {len(texts)} completions (one float each)")
             for i, v in enumerate(out):
-                ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
-                if not ok:
+                if v is None:  # TRL's "this function does not apply to this row"
+                    continue
+                if not (isinstance(v, numbers.Real) and math.isfinite(float(v))):
                     _stop(
-                        f"--reward-fn {spec} returned {v!r} for row {i} (prompt id {examples[i].id}): a reward "
-                        "must be a finite number"
+                        f"--reward-fn {spec} returned {v!r} for row {i} of the batch (prompt id {examples[i].id}): "
+                        "a reward must be a finite number (or None: not this function's row)"
                     )
-                total[i] += w * float(v)
+                total[i], scored[i] = total[i] + w * float(v), True
+        if not all(scored):
+            i = scored.index(False)
+            _stop(f"every --reward-fn returned None for row {i} of the batch (prompt id {examples[i].id}): no reward")
         return total
 
     return batch

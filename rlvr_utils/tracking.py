@@ -95,6 +95,10 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.enabled and text:
+            self.writer.add_text(tag, text, step)
+
     def close(self) -> None:
         if not self.enabled:
             return
@@ -140,3 +144,26 @@ class UpdateStats:
             grad_norm=sum(self.norms) / len(self.norms),
         )
         return out
+
+
+def completion_metrics(ro, rewards: torch.Tensor, group_size: int, success_threshold: float = 1.0) -> dict:
+    """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths; and
+    frac_groups_unsolved, the share of groups where no completion's verifier score reaches `success_threshold`."""
+    lengths = ro.completion_mask.sum(1).float()
+    r = rewards.float().cpu()
+    _, inv = torch.unique(ro.group_ids.cpu(), return_inverse=True)
+    n = int(inv.max()) + 1
+    hi = torch.full((n,), -float("inf")).scatter_reduce(0, inv, r, "amax")
+    constant = hi == torch.full((n,), float("inf")).scatter_reduce(0, inv, r, "amin")  # all rewards equal
+    score = (ro.scores if ro.scores is not None else rewards).float().cpu()
+    best = torch.full((len(constant),), -float("inf")).scatter_reduce(0, inv, score, "amax")
+    return {
+        "reward": r.mean().item(),
+        "reward_std": r.std().item() if len(r) > 1 else 0.0,
+        "frac_reward_zero_std": constant.float().mean().item(),
+        "frac_groups_unsolved": (best < success_threshold).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/clipped_ratio": ro.truncated.float().mean().item(),
+    }

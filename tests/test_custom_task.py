@@ -190,7 +190,7 @@ def test_reward_fn_loading_and_rows_are_checked_before_anything_loads(user, tmp_
         ("raises", ["raises", "RuntimeError", "the grader is down"]),
         ("short", ["short", "returned 3 values for 4 completions"]),
         ("nan", ["nan", "row 0", "finite number"]),
-        ("none", ["none", "None"]),
+        ("none", ["every --reward-fn returned None", "row 0"]),
         ("word", ["word", "'good'"]),
     ],
 )
@@ -211,7 +211,8 @@ def test_a_bad_reward_mid_run_is_one_line_naming_the_function(user, tmp_path, na
             *SHORT,
         ]
     )
-    _one_line(out, f"--reward-fn {user / 'my_reward.py'}:{name}", *words, code=1)
+    named = [] if name == "none" else [f"--reward-fn {user / 'my_reward.py'}:{name}"]  # None: no function is at fault
+    _one_line(out, *named, *words, code=1)
 
 
 @pytest.mark.slow
@@ -349,3 +350,19 @@ def test_a_copied_script_runs_with_only_common_and_the_package(user, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert list(Path(here, "runs").glob("*/metrics.jsonl"))
+
+
+def test_none_means_not_this_functions_row_and_numpy_outputs_work(monkeypatch):
+    """TRL's convention: a function returns None for the rows it does not score; numpy arrays and bools are fine."""
+    import numpy as np
+
+    fns = {
+        "a": lambda prompts, completions, **k: [None, 1.0],
+        "b": lambda prompts, completions, **k: np.array([0.5, True]),
+    }
+    monkeypatch.setattr(custom, "load_reward_fn", lambda spec: fns[spec])
+
+    class E:
+        id, prompt, question, gold, meta = 1, "p", "q", "g", {}
+
+    assert custom.reward_batch(["a", "b"], [])(["x", "y"], [E(), E()]) == [0.5, 2.0]

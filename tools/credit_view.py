@@ -1,0 +1,177 @@
+"""See the credit: each token of a few training rollouts shaded by the credit its log-prob's gradient got in the loss.
+
+    python grpo.py --log-credit 4 --output-dir runs/credit && python sc_grpo.py --log-credit 4 --output-dir runs/credit
+    python tools/credit_view.py runs/credit/<grpo run> runs/credit/<sc_grpo run> -o credit.html [--png credit.png]
+
+Reads each run's credit.jsonl (written by any script with --log-credit N at its evaluation steps) and writes one
+self-contained HTML page (no network, no JavaScript): one column per run, the rows of a step side by side when the
+runs share a seed (same step, same prompt, same row), each token on a diverging scale (red: pushed up, blue: pushed
+down, white: no credit), its exact credit and the method's signals in a tooltip. `--png` also draws one row of every
+run as a picture (matplotlib), for the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+from pathlib import Path
+
+
+def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
+    out = []
+    for d in dirs:
+        path = Path(d) / "credit.jsonl" if Path(d).is_dir() else Path(d)
+        if not path.is_file():
+            raise SystemExit(f"{d}: no credit.jsonl (run the script with --log-credit N)")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        name = rows[0]["script"] if rows else path.parent.name
+        out.append((f"{name} ({path.parent.name})", rows))
+    return out
+
+
+def color(c: float, scale: float) -> str:
+    """A diverging colour: red for positive credit, blue for negative, white at 0; full at |c| = scale."""
+    x = max(-1.0, min(1.0, c / scale)) if scale > 0 else 0.0
+    fade = int(255 * (1 - abs(x)))
+    return f"rgb(255,{fade},{fade})" if x >= 0 else f"rgb({fade},{fade},255)"
+
+
+def token_html(row: dict, i: int, scale: float) -> str:
+    tip = [f"credit {row['credit'][i]:+.4g}"]
+    for name, v in row["signals"].items():
+        tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else f"{name} {v:.4g}")
+    text = html.escape(row["tokens"][i]).replace("\n", "&#8629;<br>")
+    return (
+        f'<span class="t" style="background:{color(row["credit"][i], scale)}" title="{" | ".join(tip)}">{text}</span>'
+    )
+
+
+def page(runs: list[tuple[str, list[dict]]]) -> str:
+    keys = sorted({(r["step"], r["prompt_id"], r["row"]) for _, rows in runs for r in rows})
+    index = [{(r["step"], r["prompt_id"], r["row"]): r for r in rows} for _, rows in runs]
+    scales = [max((abs(c) for r in rows for c in r["credit"]), default=0.0) for _, rows in runs]
+    head = "".join(
+        f"<th>{html.escape(name)}<br><small>|credit| max {s:.3g}</small></th>" for (name, _), s in zip(runs, scales)
+    )
+    body = []
+    for key in keys:
+        cells = []
+        for ix, scale in zip(index, scales):
+            row = ix.get(key)
+            if row is None:
+                cells.append("<td></td>")
+                continue
+            tokens = "".join(token_html(row, i, scale) for i in range(len(row["tokens"])))
+            sig = ", ".join(f"{k} {v:.3g}" for k, v in row["signals"].items() if not isinstance(v, list))
+            cells.append(f'<td><div class="m">reward {row["reward"]:.3g}{"; " + sig if sig else ""}</div>{tokens}</td>')
+        prompt = next(ix[key]["prompt"] for ix in index if key in ix)
+        label = f"step {key[0]}, prompt {key[1]}, row {key[2]}<pre>{html.escape(prompt)}</pre>"
+        body.append(f"<tr><td class='k'>{label}</td>{''.join(cells)}</tr>")
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>token credit</title><style>
+body{{font-family:sans-serif;font-size:13px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;
+vertical-align:top;padding:4px;max-width:32em}} .t{{font-family:monospace;white-space:pre-wrap}} .m{{color:#555}}
+.k pre{{margin:2px 0;white-space:pre-wrap}}</style></head><body>
+<p>Each token shaded by its effective credit: the gradient its log-prob gets in the loss, in advantage units
+(red: pushed up, blue: pushed down, white: none; each column scaled to its own largest |credit|). Hover a token for
+the exact value and the method's signals.</p>
+<table><tr><th>rollout</th>{head}</tr>{"".join(body)}</table></body></html>"""
+
+
+def png(runs: list[tuple[str, list[dict]]], path: str, width: int = 60) -> None:
+    """One row (the first one every run shares, else each run's first) per run, tokens wrapped at `width` chars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    picks = [
+        (name, row, max((abs(c) for r in rows for c in r["credit"]), default=0.0))
+        for (name, rows), row in zip(runs, pick_rows(runs))
+    ]
+    lines = []
+    for name, row, scale in picks:
+        pos, line = 0, []
+        for tok, c in zip(row["tokens"], row["credit"]):
+            if pos + len(tok) > width or tok == "\n":
+                lines.append((name, line))
+                pos, line, name = 0, [], ""
+            if tok != "\n":
+                line.append((tok, c, scale))
+                pos += len(tok)
+        lines.append((name, line))
+        lines.append(("", []))
+    fig, ax = plt.subplots(figsize=(width * 0.13 + 2.5, 0.32 * len(lines) + 0.4))
+    ax.set_axis_off()
+    for y, (name, line) in enumerate(lines):
+        ax.text(0, -y, name, fontsize=8, va="center", ha="right", family="sans-serif")
+        for x, (tok, c, scale) in enumerate(_positions(line)):
+            ax.text(
+                x * 0.13 + 0.1,
+                -y,
+                tok,
+                fontsize=9,
+                va="center",
+                family="monospace",
+                bbox=dict(boxstyle="square,pad=0.05", fc=_rgb(c, scale), ec="none"),
+            )
+    ax.set_xlim(-0.1, width * 0.13 + 0.3)
+    ax.set_ylim(-len(lines), 1)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def pick_rows(runs: list[tuple[str, list[dict]]]) -> list[dict]:
+    """The rollout to draw for each run: the first (step, prompt, row) every run recorded where every run's credit is
+    not all zero and the runs' credit differs most; else each run's first row with credit (SRPO: a reset row)."""
+    key = lambda r: (r["step"], r["prompt_id"], r["row"])  # noqa: E731
+    index = [{key(r): r for r in rows} for _, rows in runs]
+    shared = [k for k in index[0] if all(k in ix and any(ix[k]["credit"]) for ix in index)]
+
+    def spread(k):  # how differently the runs shape the credit along the rollout (after scaling each to its mean)
+        shapes = []
+        for ix in index:
+            c = ix[k]["credit"]
+            mean = sum(abs(x) for x in c) / len(c) or 1.0
+            shapes.append([x / mean for x in c])
+        return sum(max(col) - min(col) for col in zip(*shapes)) if len({len(s) for s in shapes}) == 1 else 0.0
+
+    if shared:
+        best = max(shared, key=spread)
+        return [ix[best] for ix in index]
+    return [
+        next(
+            (r for r in rows if any(r["credit"]) and r["signals"].get("reset_at", 1) != 0),
+            next((r for r in rows if any(r["credit"])), rows[0]),
+        )
+        for _, rows in runs
+    ]
+
+
+def _positions(line):
+    out = []
+    for tok, c, scale in line:
+        out.extend([(ch, c, scale) for ch in tok])
+    return out
+
+
+def _rgb(c: float, scale: float) -> tuple[float, float, float]:
+    r, g, b = (int(v) / 255 for v in color(c, scale)[4:-1].split(","))
+    return r, g, b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (or credit.jsonl files), one column each")
+    ap.add_argument("-o", "--out", default="credit.html")
+    ap.add_argument("--png", default=None, help="also draw one shared row of every run into this PNG")
+    a = ap.parse_args()
+    runs = read_runs(a.runs)
+    Path(a.out).write_text(page(runs))
+    print(f"page: {a.out}")
+    if a.png:
+        png(runs, a.png)
+        print(f"picture: {a.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -151,5 +151,5 @@ def test_the_page_renders_every_recorded_token_with_its_value(tmp_path):
     titles = re.findall(r'title="credit ([^ ]+) \| f 0.5"', page)
     assert titles == [f"{c:+.4g}" for c in a[0]["credit"] + b[0]["credit"]]
     assert "&lt;b&gt;" in page and "<script" not in page and "http" not in page  # escaped, self-contained
-    assert "rgb(255,255,255)" in page and "rgb(255,0,0)" in page  # 0 is white, the largest credit full red
+    assert "rgb(255,255,255)" in page and "rgb(255,63,63)" in page  # 0 is white, the largest credit strongest red
     assert (tmp_path / "p.png").stat().st_size > 1000

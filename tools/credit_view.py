@@ -6,8 +6,8 @@
 Reads each run's credit.jsonl (written by any script with --log-credit N at its evaluation steps) and writes one
 self-contained HTML page (no network, no JavaScript): one column per run, the rows of a step side by side when the
 runs share a seed (same step, same prompt, same row), each token on a diverging scale (red: pushed up, blue: pushed
-down, white: no credit), its exact credit and the method's signals in a tooltip. `--png` also draws one row of every
-run as a picture (matplotlib), for the docs.
+down, white: no credit), its exact credit and the method's signals in a tooltip. `--png` also draws one rollout of every
+run as a picture (matplotlib), for the docs, each on its own colour scale.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
 
 
 def color(c: float, scale: float) -> str:
-    """A diverging colour: red for positive credit, blue for negative, white at 0; full at |c| = scale."""
+    """A diverging colour: red for positive credit, blue for negative, white at 0; strongest at |c| = scale."""
     x = max(-1.0, min(1.0, c / scale)) if scale > 0 else 0.0
-    fade = int(255 * (1 - abs(x)))
+    fade = int(255 * (1 - 0.75 * abs(x)))  # the strongest shade stays light enough to read the token on
     return f"rgb(255,{fade},{fade})" if x >= 0 else f"rgb({fade},{fade},255)"
 
 
@@ -85,10 +85,11 @@ def png(runs: list[tuple[str, list[dict]]], path: str, width: int = 60) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    picks = [
-        (name, row, max((abs(c) for r in rows for c in r["credit"]), default=0.0))
-        for (name, rows), row in zip(runs, pick_rows(runs))
-    ]
+    picks = []  # each drawn row on its own scale (its largest |credit| is full colour), the scale in its label
+    for (name, rows), row in zip(runs, pick_rows(runs)):
+        scale = max((abs(c) for c in row["credit"]), default=0.0)
+        label = f"{row['script']}, reward {row['reward']:.3g}\n|credit| max {scale:.3g}"
+        picks.append((label, row, scale))
     lines = []
     for name, row, scale in picks:
         pos, line = 0, []
@@ -135,6 +136,17 @@ def pick_rows(runs: list[tuple[str, list[dict]]]) -> list[dict]:
             shapes.append([x / mean for x in c])
         return sum(max(col) - min(col) for col in zip(*shapes)) if len({len(s) for s in shapes}) == 1 else 0.0
 
+    reset = [r for _, rows in runs for r in rows if r["signals"].get("reset_at", 0) > 0 and any(r["credit"])]
+    if reset:  # SRPO: one of its reset rollouts, and the other runs' rollout of the same prompt
+        want = reset[0]
+        same = [
+            next((r for r in rows if r["prompt_id"] == want["prompt_id"] and any(r["credit"])), None)
+            for _, rows in runs
+        ]
+        return [
+            want if any(r is want for r in rows) else s or next((r for r in rows if any(r["credit"])), rows[0])
+            for (_, rows), s in zip(runs, same)
+        ]
     if shared:
         best = max(shared, key=spread)
         return [ix[best] for ix in index]

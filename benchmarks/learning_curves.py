@@ -42,6 +42,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 SETTINGS = {
     "default": [],
     "headroom": ["--arith-steps", "6", "--arith-max-value", "150", "--max-new-tokens", "80"],
+    "hard": ["--arith-steps", "6", "--arith-max-value", "400", "--max-new-tokens", "80"],
 }
 METHODS = {
     "grpo": ["grpo.py"],
@@ -223,7 +224,70 @@ def cmd_report(a) -> None:
             Path(a.img) / f"learning_curves_{a.setting}_{base}_sweeps.png",
             f"arith '{a.setting}': {base} flag sweeps ({base}@tag) beside its defaults and GRPO; mean over their seeds",
         )
+    mechanisms(a, main, out)
     print(f"report: {out / 'report.md'}")
+
+
+MECHANISMS = {  # metric -> what it shows (docs/benchmarks.md explains each method's result with them)
+    "frac_groups_unsolved": "groups with no success (GRPO learns nothing from them)",
+    "frac_reward_zero_std": "groups whose rewards are all equal",
+    "reset/correction_rate": "SRPO: reset suffixes that succeed where the parent failed",
+    "reset/suffix_pass_at_k": "SRPO: reset groups with at least one successful suffix",
+    "reset/fallback_share": "SRPO: prompts with no failed parent (the fallback group)",
+    "ep/zero_var_adv_share": "EP-GRPO: share of the update's |A| from all-equal groups",
+    "ep/zero_var_groups_with_grad": "EP-GRPO: all-equal groups that still get a gradient",
+    "sc/groups_none": "SC-GRPO: solve-none groups (the diversity bonus)",
+    "sc/groups_partial": "SC-GRPO: partial-solve groups (f-weighted)",
+    "sc/weight_mean": "SC-GRPO: mean token weight f",
+}
+
+
+def mechanisms(a, methods, out: Path) -> None:
+    """The logged metrics that explain each result, first and last 10 steps (mean over seeds), appended to the report,
+    and the share of unsolved groups over training, per method, as a plot beside the accuracy plot."""
+    per = {}  # method -> metric -> step -> [values over seeds]
+    for m in methods:
+        for f in sorted((Path(a.results) / a.setting / m).glob("seed*.jsonl")):
+            for r in read_metrics(f):
+                for k in MECHANISMS:
+                    if k in r and r["step"] > 0:
+                        per.setdefault(m, {}).setdefault(k, {}).setdefault(r["step"], []).append(r[k])
+    lines = ["", "| method | metric | steps 1-10 | last 10 steps | what it shows |", "|---|---|---|---|---|"]
+    for m in sorted(per, key=lambda x: x != "grpo"):
+        for k, by_step in per[m].items():
+            steps = sorted(by_step)
+            avg = lambda ss: sum(sum(by_step[s]) / len(by_step[s]) for s in ss) / len(ss)  # noqa: E731
+            lines.append(f"| {m} | `{k}` | {avg(steps[:10]):.3f} | {avg(steps[-10:]):.3f} | {MECHANISMS[k]} |")
+    with (out / "report.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    palette = iter(plt.get_cmap("tab10").colors)
+    for m in sorted(per, key=lambda x: x != "grpo"):
+        by_step = per[m].get("frac_groups_unsolved", {})
+        steps = sorted(by_step)
+        if not steps:
+            continue
+        y = [sum(by_step[s]) / len(by_step[s]) for s in steps]
+        k = 10  # a 10-step moving average
+        smooth = [sum(y[max(0, i - k + 1) : i + 1]) / len(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
+        ax.plot(steps, smooth, label=m, color="black" if m == "grpo" else next(palette))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("share of groups with no success (10-step mean)")
+    ax.set_title(f"arith '{a.setting}': where GRPO starves (SRPO: its own trained groups)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(a.img) / f"learning_curves_{a.setting}_unsolved.png"
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 def plot(means: dict, path: Path, title: str) -> None:

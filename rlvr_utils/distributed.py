@@ -122,7 +122,10 @@ class Dist:
             torch.distributed.barrier()
 
     def close(self) -> None:
+        """Every rank reaches the same barrier before the process group goes: a rank that tears it down while another
+        still talks to it aborts (SIGABRT, "terminate called without an active exception") and fails the job."""
         if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 

@@ -248,11 +248,17 @@ def mechanisms(a, methods, out: Path) -> None:
     per = {}  # method -> metric -> step -> [values over seeds]
     for m in methods:
         for f in sorted((Path(a.results) / a.setting / m).glob("seed*.jsonl")):
-            for r in read_metrics(f):
+            rows = read_metrics(f)
+            if not rows or "eval/accuracy" not in rows[-1]:  # unfinished: left out as in the results table
+                continue
+            for r in rows:
                 for k in MECHANISMS:
                     if k in r and r["step"] > 0:
                         per.setdefault(m, {}).setdefault(k, {}).setdefault(r["step"], []).append(r[k])
-    lines = ["", "| method | metric | steps 1-10 | last 10 steps | what it shows |", "|---|---|---|---|---|"]
+    if not per:  # runs from before these metrics were logged
+        return
+    lines = ["", "What explains it (the logged metrics, mean over seeds):", ""]
+    lines += ["| method | metric | steps 1-10 | last 10 steps | what it shows |", "|---|---|---|---|---|"]
     for m in sorted(per, key=lambda x: x != "grpo"):
         for k, by_step in per[m].items():
             steps = sorted(by_step)

@@ -190,6 +190,7 @@ def test_learning_curves_report_from_raw_results(tmp_path):
         d.mkdir(parents=True)
         for seed, acc in enumerate(accs, 1):
             rows = [{"step": s, "num_tokens": 100, "eval/accuracy": a} for s, a in zip((0, 10, 20), acc)]
+            rows[1:1] = [{"step": s, "num_tokens": 100, "frac_groups_unsolved": 1 - a} for s, a in zip((1, 2), acc[1:])]
             (d / f"seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "headroom" / "srpo" / "seed3.jsonl").write_text(
         json.dumps({"step": 1, "num_tokens": 100}) + "\n"
@@ -220,12 +221,19 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast
     assert "| +0.100 [+0.100, +0.100] |" in srpo  # paired by seed: 0.6 - 0.5 and 0.7 - 0.6
     assert "| 0.400 [0.367, 0.433] |" in grpo  # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3
-    names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "seeds" not in line]
+    results, mechanisms = table.split("What explains it")
+    names = [
+        line.split("|")[1].strip() for line in results.splitlines() if line.startswith("| ") and "seeds" not in line
+    ]
     assert names == ["grpo", "srpo", "srpo@lr"]  # GRPO first, the --tag sweeps after the defaults
+    # the mechanism table: the mean over steps of each step's mean over seeds (steps 1 and 2 here)
+    assert "| grpo | `frac_groups_unsolved` | 0.500 | 0.500 |" in mechanisms  # ((0.6+0.5)/2 + (0.5+0.4)/2) / 2
+    assert "| srpo | `frac_groups_unsolved` | 0.400 | 0.400 |" in mechanisms  # ((0.4+0.5)/2 + (0.4+0.3)/2) / 2
     if importlib.util.find_spec("matplotlib"):  # a benchmark-only requirement
         assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
             "learning_curves_headroom.png",
             "learning_curves_headroom_srpo_sweeps.png",
+            "learning_curves_headroom_unsolved.png",
         ]
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 
@@ -177,6 +179,8 @@ def main() -> None:
     ap.add_argument("-o", "--out", default="credit.html")
     ap.add_argument("--png", default=None, help="also draw one shared row of every run into this PNG")
     a = ap.parse_args()
+    if a.png and importlib.util.find_spec("matplotlib") is None:
+        sys.exit("credit_view.py: --png needs matplotlib (pip install matplotlib, or -r requirements-dev.txt)")
     runs = read_runs(a.runs)
     Path(a.out).write_text(page(runs))
     print(f"page: {a.out}")

@@ -22,7 +22,6 @@ Differences from grpo.py (the teacher's prompt and forward: rlvr_utils/teacher.p
 import copy
 import dataclasses
 import functools
-import os
 from typing import Literal
 
 import torch
@@ -131,8 +130,6 @@ def validate(args: Args) -> Args:
     ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0", max_reference_tokens=">= 1")
     cli.need_ranges(args, **ranges)
     cli.need(len(args.weighted_groups) > 0, "--weighted-groups needs at least one of partial, none, single, all")
-    teacher_ranks = not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1)  # teacher passes differ per rank
-    cli.need(teacher_ranks, "sc_grpo.py does not support --fsdp yet: use DDP, the default under torchrun")
     return args
 
 
@@ -157,6 +154,7 @@ if __name__ == "__main__":
     unbiased, eps = args.outcome_std == "unbiased", {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std]  # A, bonus
     flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
     credit = functools.partial(weights_and_advantages, **flags)  # ALGO LOGIC: f, and the solve-none bonus
+    logprobs_and_kl = functools.partial(logprobs_and_kl, pad_id=pad, kl_grad=kl_grad, dist=dist)  # FSDP: dist's
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
@@ -186,7 +184,7 @@ if __name__ == "__main__":
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad():
+        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: teacher passes differ in number per rank
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
@@ -210,7 +208,7 @@ if __name__ == "__main__":
                     first = it == 0 and multiply and not per_batch  # f from pass 1 (the teacher is the current policy)
                     prompts = [teachers[i] for i in mb.tolist()] if first or kl_grad else None
                     logp, entropy, D, cost = logprobs_and_kl(  # ALGO LOGIC: and D to each row's teacher
-                        train_model, input_ids[mb], attn[mb], T, args.temperature, prompts, pad, it == 0, kl_grad
+                        train_model, input_ids[mb], attn[mb], T, args.temperature, prompts, with_entropy=it == 0
                     )
                     if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
                         weights[mb], token_adv[mb], f = credit(D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb])

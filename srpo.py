@@ -23,7 +23,6 @@ Differences from grpo.py:
 
 import copy
 import dataclasses
-import os
 import random
 from typing import Literal
 
@@ -275,11 +274,6 @@ def validate(args: Args) -> Args:
     cli.need_ranges(args, **ranges)
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
     cli.need(
-        not (args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1),
-        "srpo.py does not support --fsdp yet (its sampling "
-        "rounds differ in size per rank): use DDP, the default under torchrun",
-    )
-    cli.need(
         args.reset != "oracle" or args.task == "arith",
         f"--reset oracle needs a task with a first-wrong-step oracle (arith), not --task {args.task}",
     )
@@ -304,7 +298,10 @@ if __name__ == "__main__":
     for step in run.steps():
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
         examples = dist.shard(next(run.batches))
-        ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(model, tokenizer, task, examples, args, rng)
+        with dist.gathered(model):  # FSDP: full weights, so ranks may run different numbers of sampling rounds
+            ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(
+                model, tokenizer, task, examples, args, rng
+            )
         mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
         T = mask.shape[1]
         run.lap("generation")
@@ -318,7 +315,7 @@ if __name__ == "__main__":
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad():
+        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: ranks hold different numbers of rows
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
@@ -331,9 +328,13 @@ if __name__ == "__main__":
             for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # ALGO LOGIC: by prompt, not group
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                micro = rows.split(args.micro_batch_size)
-                for k, mb in enumerate(micro):
-                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                micro, n = rows.split(args.micro_batch_size), dist.same_count(-(-len(rows) // args.micro_batch_size))
+                for k in range(n):  # FSDP: as many micro-batches on every rank (n: the most any rank has)
+                    dist.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
+                    if k >= len(micro):  # FSDP: an idle pass on the first row keeps the collectives matched
+                        dist.idle_pass(lambda: common.token_logprobs(train_model, input_ids[:1], attn[:1], T)[0].sum())
+                        continue
+                    mb = micro[k]
                     m = mask[mb].float()
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0

@@ -6,8 +6,13 @@ previous one (only the last is kept, and a crash never leaves a half-written one
   trainer.pt   the step, the optimizer state, every random-number state (Python, NumPy, torch CPU and CUDA, the
                script's own generators), the number of prompt batches drawn so far, and method state (EP-GRPO's
                moving anchor); under torchrun one trainer_rank<r>.pt per rank (each rank samples with its own seed)
+Under --fsdp the policy and the optimizer state are written sharded instead, by every rank at once, with
+torch.distributed.checkpoint (DCP): sharded/ replaces model/ and trainer.pt holds no optimizer state. DCP reshards on
+load, so a sharded checkpoint resumes on any number of ranks, with or without --fsdp, and a DDP checkpoint resumes
+under --fsdp (docs/scaling.md). `--save-model` still writes one Hugging Face folder.
 `--resume RUN_DIR` restores all of it after the script has built its model, optimizer and task, so the run goes on
-exactly as if it had not stopped (tests/test_checkpoints.py checks this bit for bit on CPU).
+exactly as if it had not stopped (tests/test_checkpoints.py checks this bit for bit on CPU; tests/test_dist.py the
+sharded checkpoints and world-size changes).
 """
 
 from __future__ import annotations
@@ -161,6 +166,8 @@ class Checkpointer:
         states = [None] * world
         if world > 1:
             torch.distributed.all_gather_object(states, {k: state[k] for k in ("python", "numpy", "torch", "cuda")})
+        if self.sharded:
+            return self._save_sharded(step, model, optimizer, state, states)
         if self.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with _atomic_dir(self.path) as tmp:
@@ -172,6 +179,45 @@ class Checkpointer:
             self.clean_leftovers()
         if self.dist is not None:
             self.dist.barrier()
+        return self.path
+
+    @property
+    def sharded(self) -> bool:
+        return self.dist is not None and self.dist.world > 1 and self.dist.fsdp
+
+    def _save_sharded(self, step: int, model, optimizer, state: dict, states: list) -> Path:
+        """FSDP: every rank writes its shards of the policy and the optimizer state into the same temporary copy (DCP,
+        sharded/), rank 0 the rest; the copy becomes the checkpoint as in `save` (one rename, after every rank's
+        shards are on disk). Non-finite weights on any rank: no checkpoint."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        if self.dist.sum([float(not all(torch.isfinite(p).all() for p in local))])[0] > 0:
+            raise ValueError("refusing to save a checkpoint with non-finite weights")
+        ctx = _atomic_dir(self.path) if self.rank == 0 else None
+        if ctx is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(self.dist.broadcast(str(ctx.__enter__()) if ctx is not None else None))
+        try:
+            msd, osd = get_state_dict(model, optimizer)
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "sharded"))  # every rank: its shards
+            self.dist.barrier()
+            if ctx is not None:
+                torch.save(
+                    {**{k: v for k, v in state.items() if k != "optimizer"}, "sharded": True}, tmp / "trainer.pt"
+                )
+                for r in range(1, self.dist.world):
+                    torch.save(states[r], tmp / f"trainer_rank{r}.pt")
+                (tmp / COMPLETE).write_text(json.dumps({"step": step, "world": self.dist.world}))
+        except BaseException as e:
+            if ctx is not None:
+                ctx.__exit__(type(e), e, None)
+            raise
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            self.clean_leftovers()
+        self.dist.barrier()
         return self.path
 
     def copies(self) -> list[tuple[int, Path]]:
@@ -226,30 +272,41 @@ class Checkpointer:
                 f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and "
                 "on SIGTERM)"
             )
-        files = sorted((self.path / "model").glob("*.safetensors"))
-        if not files:
-            _fail(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
-        weights = {}
-        for f in files:
-            try:
-                weights.update(load_file(str(f)))
-            except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
-                _fail(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if k not in _tied(model)]
-        if missing or unexpected:
-            _fail(
-                f"--resume {run}: the checkpoint does not fit the model (missing {missing[:3]}, unexpected "
-                f"{unexpected[:3]}): was the run started with another --model?"
-            )
         state = _load(self.path / "trainer.pt", run)
-        optimizer.load_state_dict(state["optimizer"])
+        if state.get("sharded"):  # an FSDP run's: DCP reshards onto this run's ranks (or one process)
+            self._restore_sharded(model, optimizer, run)
+        else:
+            files = sorted((self.path / "model").glob("*.safetensors"))
+            if not files:
+                _fail(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
+            weights = {}
+            for f in files:
+                try:
+                    weights.update(load_file(str(f)))
+                except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
+                    _fail(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            if self.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
+                self._restore_full_into_fsdp(model, optimizer, weights, state["optimizer"], run)
+            else:
+                missing, unexpected = model.load_state_dict(weights, strict=False)
+                missing = [k for k in missing if k not in _tied(model)]
+                if missing or unexpected:
+                    _fail(
+                        f"--resume {run}: the checkpoint does not fit the model (missing {missing[:3]}, unexpected "
+                        f"{unexpected[:3]}): was the run started with another --model?"
+                    )
+                optimizer.load_state_dict(state["optimizer"])
         batches.skip_to(state["batches_drawn"])
         for k, v in (extra or {}).items():
             if k not in state["extra"]:
                 _fail(f"--resume {run}: the checkpoint holds no '{k}' state: it was made by another script")
             _load_into(v, state["extra"][k])
-        rng = state if self.rank == 0 else _load(self.path / f"trainer_rank{self.rank}.pt", run)
+        own = self.path / f"trainer_rank{self.rank}.pt"
+        if self.rank > 0 and not own.is_file():  # more ranks than the run had: a new stream per rank and step
+            seed = (torch.initial_seed() + 1_000_003 * int(state["step"])) % 2**32
+            random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+            return int(state["step"])
+        rng = state if self.rank == 0 else _load(own, run)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
@@ -258,6 +315,41 @@ class Checkpointer:
         if self.rank == 0:
             self.clean_leftovers()
         return int(state["step"])
+
+    def _restore_sharded(self, model, optimizer, run: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)  # this run's layout: DCP fills it from any saved layout
+        state = {"model": msd, "optimizer": osd}
+        try:
+            dcp.load(state, checkpoint_id=str(self.path / "sharded"))
+        except Exception as e:  # a missing or damaged shard, or another model's checkpoint
+            _fail(f"--resume {run}: {self.path / 'sharded'} cannot be read ({type(e).__name__}: {_first_line(e)})")
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def _restore_full_into_fsdp(self, model, optimizer, weights: dict, optim: dict, run: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        names = [n for n, _ in model.named_parameters()]  # the optimizer was built from model.parameters(), in order
+        if len(names) != sum(len(g["params"]) for g in optim["param_groups"]):
+            _fail(f"--resume {run}: the checkpoint's optimizer does not fit the model: was it another --model?")
+        fqn = lambda i: names[i]  # noqa: E731  (index-keyed state, as optimizer.state_dict() writes it, to names)
+        optim = {
+            "state": {fqn(i): v for i, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [fqn(i) for i in g["params"]]} for g in optim["param_groups"]],
+        }
+        set_model_state_dict(model, weights, options=full)
+        set_optimizer_state_dict(model, optimizer, optim, options=full)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else "empty"
 
 
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
@@ -270,10 +362,17 @@ def damaged(copy: Path) -> str | None:
 
     from safetensors import safe_open
 
-    weights = sorted((copy / "model").glob("*.safetensors"))
+    if (copy / "sharded").is_dir():  # an FSDP run's (DCP): its index is read on load
+        weights = [copy / "sharded" / ".metadata"]
+    else:
+        weights = sorted((copy / "model").glob("*.safetensors"))
     if not weights:
         return f"{copy / 'model'} holds no weights (*.safetensors)"
     for f in [*weights, copy / "trainer.pt"]:
+        if f.name == ".metadata":
+            if not f.is_file() or f.stat().st_size == 0:
+                return f"{f} is missing or empty (an unfinished sharded save)"
+            continue
         try:
             if f.suffix == ".safetensors":
                 with safe_open(str(f), "pt") as w:

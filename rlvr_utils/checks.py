@@ -222,8 +222,6 @@ def check_common(args) -> None:
             "--track logs to Weights & Biases, which is not installed: "
             "pip install wandb (then wandb login), or leave out --track",
         )
-    if a.get("fsdp") and (a.get("save_every") or a.get("resume")):
-        usage_error("--save-every and --resume do not support --fsdp yet (use DDP, the default under torchrun)")
     check_run_flags(a)
 
 

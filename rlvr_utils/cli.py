@@ -226,6 +226,7 @@ RUNTIME_FLAGS = (
     "eval_every",
     "device",
     "dist_timeout",
+    "fsdp",  # the same maths sharded or not: a run moves between DDP and FSDP through its checkpoint
     "model",  # the weights come from the checkpoint: a run made in another clone names its own copy of the model
     "output_dir",  # a resumed run writes into its own directory, wherever it has been moved
 )  # may differ between a run and its resumption

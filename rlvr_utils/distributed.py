@@ -5,6 +5,7 @@ Without torchrun every script runs in a world of 1 and every method of `Dist` is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -63,11 +64,62 @@ class Dist:
                 for layer in getattr(getattr(m, "model", m), "layers", []):
                     fully_shard(layer)
                 fully_shard(m)
-            model._rlvr_synced_gpus = True  # generate() must keep every rank stepping until all are done
+            model._rlvr_gathered = self.gathered  # generation runs on the gathered weights (no collective per token)
             return model
+        # broadcast_buffers off: a causal LM's buffers are constants (rotary frequencies), and the broadcast is a
+        # collective in every forward, so ranks running different numbers of forwards (SC-GRPO's teacher) would hang
         return torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False
         )
+
+    @contextlib.contextmanager
+    def gathered(self, *models):
+        """FSDP: the full weights of `models` on every rank for the block (one all-gather per sharded module on entry,
+        on every rank), so ranks may run different numbers of forwards inside it (generation, SRPO's sampling rounds,
+        the no-gradient passes): no collective runs there. No gradient may be taken inside. Reentrant; otherwise a
+        no-op. Costs one unsharded copy of each model per GPU for the block, as a colocated vLLM engine does."""
+        from torch.distributed.fsdp import FSDPModule
+
+        mods = [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
+        if not (self.world > 1 and self.fsdp) or getattr(self, "_gathered", False) or not mods:
+            yield
+            return
+        self._gathered = True
+        try:
+            for m in mods:  # roots first (model.modules() order): a root's lazy init must precede its layers' unshard
+                m.set_reshard_after_forward(False, recurse=False)
+                m.unshard()
+            yield
+        finally:
+            self._gathered = False
+            for m in mods:
+                m.reshard()
+                is_root = any(
+                    m is model for model in models
+                )  # FSDP's default: the root keeps its weights after forward
+                m.set_reshard_after_forward(not is_root, recurse=False)
+
+    def same_count(self, n: int) -> int:
+        """FSDP: the largest `n` over ranks (every rank must run as many forwards and backwards: the ranks with
+        fewer run idle passes, see `idle_pass`); DDP and world 1: `n` (each rank's all-reduce meets once per step)."""
+        if not (self.world > 1 and self.fsdp):
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def any(self, flag: bool) -> bool:
+        """FSDP: whether `flag` holds on any rank (a collective); otherwise `flag`. For optional forwards (SC-GRPO's
+        teacher): when any rank runs one, every rank does."""
+        if not (self.world > 1 and self.fsdp):
+            return flag
+        return self.sum([float(flag)])[0] > 0
+
+    @staticmethod
+    def idle_pass(loss_of_one_row) -> None:
+        """One forward and backward that changes nothing (its loss times 0): keeps this rank's FSDP collectives matched
+        with a rank that has one more micro-batch. `loss_of_one_row()` runs the same forward as a real micro-batch."""
+        (loss_of_one_row() * 0.0).backward()
 
     def sync_grads(self, train_model, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients: only the last micro-batch of a pass does, so

@@ -8,6 +8,7 @@ pad_left, completion_mask_from_ids, stop_token_ids   padding, the completion mas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -142,24 +143,26 @@ def generate_rollouts(
     was_training = model.training
     model.eval()
     completions: list[list[int]] = []
-    for s in range(0, len(flat), batch_size):
-        chunk = [p for p, _ in flat[s : s + batch_size]]
-        ids, mask = pad_left(chunk, tokenizer.pad_token_id, device)
-        kw = (
-            dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
-            if do_sample
-            else dict(do_sample=False)
-        )
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=stops,
-            synced_gpus=getattr(model, "_rlvr_synced_gpus", False),
-            **kw,
-        )
-        completions.extend(out[:, ids.shape[1] :].tolist())
+    gathered = getattr(model, "_rlvr_gathered", None)  # FSDP: generate on the full weights, no collective per token
+    with gathered(model) if gathered is not None else contextlib.nullcontext():
+        for s in range(0, len(flat), batch_size):
+            chunk = [p for p, _ in flat[s : s + batch_size]]
+            ids, mask = pad_left(chunk, tokenizer.pad_token_id, device)
+            kw = (
+                dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+                if do_sample
+                else dict(do_sample=False)
+            )
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=stops,
+                synced_gpus=False,  # transformers' default turns it on for FSDP modules: here the weights are gathered
+                **kw,
+            )
+            completions.extend(out[:, ids.shape[1] :].tolist())
     model.train(was_training)
     T = max(len(c) for c in completions)
     raw = torch.full((len(completions), T), tokenizer.pad_token_id, dtype=torch.long)

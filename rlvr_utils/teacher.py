@@ -169,6 +169,7 @@ def logprobs_and_kl(
     chunk_size: int = 8,
     time_chunk: int = 128,
     fused: bool | None = None,
+    dist=None,
 ):
     """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
@@ -178,9 +179,10 @@ def logprobs_and_kl(
     states feed FusedLinearLogProb, and the same states and the teacher's go through the lm_head a few positions at
     a time in FusedLinearKL (extra memory O(positions x V); with `kl_grad` its backward recomputes them the same way).
     fused=False: the fp32 logits [b, T, V] of each row chunk, with gradient, and the teacher's, log-softmaxed
-    `time_chunk` positions at a time (models whose logits are not lm_head(h)). Returns logp, entropy (or None), D,
-    and the teacher pass's {"seconds", "peak_bytes": the step's peak GPU memory so far when the last teacher pass
-    ended (CUDA; 0 on CPU)}.
+    `time_chunk` positions at a time (models whose logits are not lm_head(h)). `dist` (FSDP): a chunk where any
+    rank has a teacher row runs a teacher forward on every rank (an idle one, discarded, where it has none). Returns
+    logp, entropy (or None), D, and the teacher pass's {"seconds", "peak_bytes": the step's peak GPU memory so far
+    when the last teacher pass ended (CUDA; 0 on CPU)}.
     """
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
@@ -201,12 +203,15 @@ def logprobs_and_kl(
             ents.extend([logprob_kernels.entropy_from_logits(out)] if with_entropy else [])
         D = torch.zeros(ids.shape[0], T, device=ids.device)
         rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
+        teacher = logprob_kernels.completion_hidden if fused else logprob_kernels.completion_logits
+        if dist is not None and dist.any(bool(rows)) and not rows:
+            with torch.no_grad():  # FSDP: another rank runs its teacher on this chunk; this one an idle forward
+                teacher(model, ids[:1], mask[:1], T)
         if rows:
             t0 = time.time()
             tp, tm = pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
             tids, tmask = torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1)
             with torch.no_grad():  # the teacher: stop-gradient
-                teacher = logprob_kernels.completion_hidden if fused else logprob_kernels.completion_logits
                 zt = teacher(model, tids, tmask, T)  # [r, T, H] or [r, T, V]
             idx = torch.tensor(rows, device=ids.device)
             zs = out[idx] if kl_grad else out.detach()[idx]

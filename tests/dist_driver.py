@@ -50,6 +50,22 @@ def recording_step(self, *args, **kwargs):
 
 
 torch.optim.AdamW.step = recording_step
+IDLE = {"passes": 0, "teacher": 0}  # FSDP's padding on this rank: idle micro-batches, idle teacher forwards
+_idle, _any = distributed.Dist.idle_pass, distributed.Dist.any
+
+
+def counting_idle(loss_of_one_row):
+    IDLE["passes"] += 1
+    return _idle(loss_of_one_row)
+
+
+def counting_any(self, flag):
+    out = _any(self, flag)
+    IDLE["teacher"] += int(out and not flag)
+    return out
+
+
+distributed.Dist.idle_pass, distributed.Dist.any = staticmethod(counting_idle), counting_any
 
 if __name__ == "__main__":
     out, rest = Path(sys.argv[1]), sys.argv[2:]
@@ -75,5 +91,5 @@ if __name__ == "__main__":
     }
     out.mkdir(parents=True, exist_ok=True)
     fused = logprob_kernels.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
-    torch.save({"params": state, "grads": FIRST_GRADS, "fused": fused}, out / f"world{world}_rank{rank}.pt")
+    torch.save({"params": state, "grads": FIRST_GRADS, "fused": fused, "idle": IDLE}, out / f"world{world}_rank{rank}.pt")
     close(g["dist"])

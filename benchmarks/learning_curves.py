@@ -234,7 +234,7 @@ MECHANISMS = {  # metric -> what it shows (docs/benchmarks.md explains each meth
     "reset/correction_rate": "SRPO: reset suffixes that succeed where the parent failed",
     "reset/suffix_pass_at_k": "SRPO: reset groups with at least one successful suffix",
     "reset/fallback_share": "SRPO: prompts with no failed parent (the fallback group)",
-    "ep/zero_var_adv_share": "EP-GRPO: share of the update's |A| from all-equal groups",
+    "ep/zero_var_adv_share": "EP-GRPO: share of the update's \\|A\\| from all-equal groups",
     "ep/zero_var_groups_with_grad": "EP-GRPO: all-equal groups that still get a gradient",
     "sc/groups_none": "SC-GRPO: solve-none groups (the diversity bonus)",
     "sc/groups_partial": "SC-GRPO: partial-solve groups (f-weighted)",

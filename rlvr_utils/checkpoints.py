@@ -121,6 +121,10 @@ class CountingBatches:
             next(self)
 
 
+def _is_rng(obj) -> bool:
+    return isinstance(obj, (torch.Generator, random.Random))
+
+
 def _state_of(obj):
     if isinstance(obj, torch.Generator):
         return obj.get_state()
@@ -162,10 +166,13 @@ class Checkpointer:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "extra": {k: _state_of(v) for k, v in (extra or {}).items()},
         }
+        # each rank's own streams: the script's generators too (SC-GRPO's routing draws differ per rank)
+        state["extra_rng"] = {k: state["extra"][k] for k, v in (extra or {}).items() if _is_rng(v)}
         world = self.dist.world if self.dist is not None else 1
         states = [None] * world
         if world > 1:
-            torch.distributed.all_gather_object(states, {k: state[k] for k in ("python", "numpy", "torch", "cuda")})
+            keys = ("python", "numpy", "torch", "cuda", "extra_rng")
+            torch.distributed.all_gather_object(states, {k: state[k] for k in keys})
         if self.sharded:
             return self._save_sharded(step, model, optimizer, state, states)
         if self.rank == 0:
@@ -307,6 +314,9 @@ class Checkpointer:
             random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
             return int(state["step"])
         rng = state if self.rank == 0 else _load(own, run)
+        for k, v in rng.get("extra_rng", {}).items():  # this rank's own generator states (older checkpoints: rank 0's)
+            if k in (extra or {}):
+                _load_into(extra[k], v)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])

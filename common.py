@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, credit, distributed, engines, tasks
+from rlvr_utils import checkpoints, cli, credit, distributed, engines, stopping, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
 from rlvr_utils.logprob_kernels import (
@@ -459,7 +459,7 @@ class Run:
 
     def __init__(self, args):
         cli.set_threads(args.threads)
-        checkpoints.stop_while_loading()  # Ctrl-C or SIGTERM before the first step: one line, exit code 130
+        stopping.stop_while_loading()  # Ctrl-C or SIGTERM before the first step: one line, exit code 130
         self.args, self.state, self.metrics, self.times = args, {}, {}, {}
         self.dist, self.device = distributed.init_distributed(
             args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
@@ -477,7 +477,7 @@ class Run:
             name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
             self.dir = Path(dist.broadcast(str(checkpoints.new_run_dir(a.output_dir, name)) if dist.main else None))
         self.batches = checkpoints.CountingBatches(lambda: prompt_batches(task.train, a.prompts_per_step, a.seed))
-        self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), checkpoints.GracefulStop()
+        self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), stopping.GracefulStop()
         self.first = self.ckpt.restore(model, optimizer, self.batches, self.state) + 1 if a.resume else 1
         self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit if dist.main else 0)
         engines.attach_engine(

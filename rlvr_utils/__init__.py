@@ -15,7 +15,9 @@ common.py or a script.
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
   engines          the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
-  checkpoints      atomic checkpoints, resume, Ctrl-C and SIGTERM
+  checkpoints      atomic checkpoints and resume
+  sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
+  stopping         Ctrl-C and SIGTERM (preemption): stop after the step, every rank at the same one
   teacher          SC-GRPO's self-conditioned teacher: its prompt, its forward (D without a [b, T, V] tensor), roles
   trace_diagnostics  GRPO-lambda's trace/* diagnostics and the closed form of its credit multiplier
   chains           SRPO's chain protocol: thoughts, the official stopping rules, the localization prompt and reply

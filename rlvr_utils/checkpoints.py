@@ -21,7 +21,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import NoReturn
 
 import numpy as np
 import torch
+
+from rlvr_utils import sharded
 
 
 def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
@@ -174,7 +175,7 @@ class Checkpointer:
             keys = ("python", "numpy", "torch", "cuda", "extra_rng")
             torch.distributed.all_gather_object(states, {k: state[k] for k in keys})
         if self.sharded:
-            return self._save_sharded(step, model, optimizer, state, states)
+            return sharded.save(self, step, model, optimizer, state, states)
         if self.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with _atomic_dir(self.path) as tmp:
@@ -191,41 +192,6 @@ class Checkpointer:
     @property
     def sharded(self) -> bool:
         return self.dist is not None and self.dist.world > 1 and self.dist.fsdp
-
-    def _save_sharded(self, step: int, model, optimizer, state: dict, states: list) -> Path:
-        """FSDP: every rank writes its shards of the policy and the optimizer state into the same temporary copy (DCP,
-        sharded/), rank 0 the rest; the copy becomes the checkpoint as in `save` (one rename, after every rank's
-        shards are on disk). Non-finite weights on any rank: no checkpoint."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        if self.dist.sum([float(not all(torch.isfinite(p).all() for p in local))])[0] > 0:
-            raise ValueError("refusing to save a checkpoint with non-finite weights")
-        ctx = _atomic_dir(self.path) if self.rank == 0 else None
-        if ctx is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(self.dist.broadcast(str(ctx.__enter__()) if ctx is not None else None))
-        try:
-            msd, osd = get_state_dict(model, optimizer)
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "sharded"))  # every rank: its shards
-            self.dist.barrier()
-            if ctx is not None:
-                torch.save(
-                    {**{k: v for k, v in state.items() if k != "optimizer"}, "sharded": True}, tmp / "trainer.pt"
-                )
-                for r in range(1, self.dist.world):
-                    torch.save(states[r], tmp / f"trainer_rank{r}.pt")
-                (tmp / COMPLETE).write_text(json.dumps({"step": step, "world": self.dist.world}))
-        except BaseException as e:
-            if ctx is not None:
-                ctx.__exit__(type(e), e, None)
-            raise
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            self.clean_leftovers()
-        self.dist.barrier()
-        return self.path
 
     def copies(self) -> list[tuple[int, Path]]:
         """(step, directory) of every complete copy of the checkpoint, newest first: the checkpoint itself and any
@@ -281,7 +247,7 @@ class Checkpointer:
             )
         state = _load(self.path / "trainer.pt", run)
         if state.get("sharded"):  # an FSDP run's: DCP reshards onto this run's ranks (or one process)
-            self._restore_sharded(model, optimizer, run)
+            sharded.restore(self.path / "sharded", model, optimizer, run)
         else:
             files = sorted((self.path / "model").glob("*.safetensors"))
             if not files:
@@ -293,7 +259,7 @@ class Checkpointer:
                 except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
                     _fail(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
             if self.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
-                self._restore_full_into_fsdp(model, optimizer, weights, state["optimizer"], run)
+                sharded.restore_full(model, optimizer, weights, state["optimizer"], run)
             else:
                 missing, unexpected = model.load_state_dict(weights, strict=False)
                 missing = [k for k in missing if k not in _tied(model)]
@@ -325,41 +291,6 @@ class Checkpointer:
         if self.rank == 0:
             self.clean_leftovers()
         return int(state["step"])
-
-    def _restore_sharded(self, model, optimizer, run: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        msd, osd = get_state_dict(model, optimizer)  # this run's layout: DCP fills it from any saved layout
-        state = {"model": msd, "optimizer": osd}
-        try:
-            dcp.load(state, checkpoint_id=str(self.path / "sharded"))
-        except Exception as e:  # a missing or damaged shard, or another model's checkpoint
-            _fail(f"--resume {run}: {self.path / 'sharded'} cannot be read ({type(e).__name__}: {_first_line(e)})")
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-    def _restore_full_into_fsdp(self, model, optimizer, weights: dict, optim: dict, run: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        full = StateDictOptions(full_state_dict=True, strict=False)
-        names = [n for n, _ in model.named_parameters()]  # the optimizer was built from model.parameters(), in order
-        if len(names) != sum(len(g["params"]) for g in optim["param_groups"]):
-            _fail(f"--resume {run}: the checkpoint's optimizer does not fit the model: was it another --model?")
-        fqn = lambda i: names[i]  # noqa: E731  (index-keyed state, as optimizer.state_dict() writes it, to names)
-        optim = {
-            "state": {fqn(i): v for i, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [fqn(i) for i in g["params"]]} for g in optim["param_groups"]],
-        }
-        set_model_state_dict(model, weights, options=full)
-        set_optimizer_state_dict(model, optimizer, optim, options=full)
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else "empty"
 
 
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
@@ -429,51 +360,3 @@ def new_run_dir(output_dir: str | os.PathLike, name: str) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"{output_dir}: no free run directory named {name}-N")
-
-
-def stop_while_loading() -> None:
-    """Until the run's first step (GracefulStop then takes over), Ctrl-C or SIGTERM ends the process with one line,
-    not a traceback from inside the model loading: nothing has been trained, so nothing is saved."""
-
-    def handler(signum, frame):
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\n{name} before the first step: stopped, nothing was saved", file=sys.stderr, flush=True)
-        raise SystemExit(130)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            pass
-
-
-class GracefulStop:
-    """The first Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it preempts a job) asks the run to
-    stop after the step in progress: the script then saves a checkpoint, closes its logs and exits with one line
-    naming the --resume command (exit code 130). A second signal stops at once, with one line and no traceback. Under
-    torchrun every rank must agree on the step: `requested(dist)` all-reduces the flag."""
-
-    def __init__(self):
-        self.flag = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread (e.g. a test runner): the signal keeps its default
-                pass
-
-    def _handler(self, signum, frame):
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if self.flag:
-            print(f"\n{name} again: stopping now, without a checkpoint of this step", file=sys.stderr, flush=True)
-            raise SystemExit(130)
-        self.flag = True
-        print(
-            f"\n{name}: the run stops after this step and saves a checkpoint (a second signal stops at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def requested(self, dist=None) -> bool:
-        if dist is not None and dist.world > 1:
-            return dist.sum([float(self.flag)])[0] > 0
-        return self.flag

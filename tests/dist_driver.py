@@ -91,5 +91,7 @@ if __name__ == "__main__":
     }
     out.mkdir(parents=True, exist_ok=True)
     fused = logprob_kernels.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
-    torch.save({"params": state, "grads": FIRST_GRADS, "fused": fused, "idle": IDLE}, out / f"world{world}_rank{rank}.pt")
+    torch.save(
+        {"params": state, "grads": FIRST_GRADS, "fused": fused, "idle": IDLE}, out / f"world{world}_rank{rank}.pt"
+    )
     close(g["dist"])

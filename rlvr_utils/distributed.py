@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import os
 from pathlib import Path
 from typing import Sequence
@@ -68,9 +69,13 @@ class Dist:
             return model
         # broadcast_buffers off: a causal LM's buffers are constants (rotary frequencies), and the broadcast is a
         # collective in every forward, so ranks running different numbers of forwards (SC-GRPO's teacher) would hang
-        return torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False
+        ddp = torch.nn.parallel.DistributedDataParallel
+        sync = (
+            "forward_sync_buffers"
+            if "forward_sync_buffers" in inspect.signature(ddp).parameters
+            else "broadcast_buffers"
         )
+        return ddp(model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **{sync: False})
 
     @contextlib.contextmanager
     def gathered(self, *models):

@@ -124,7 +124,8 @@ class VLLMEngine:
         A weight the engine does not know fails the sync loudly. `state`: weights to load instead of the model's."""
         self.wake_up()
         state = model.state_dict() if state is None else state
-        weights = [(k, v.detach()) for k, v in state.items()]
+        # FSDP: each weight gathered whole (a collective: every rank syncs its engine after every optimizer step)
+        weights = [(k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()) for k, v in state.items()]
         try:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights)))
         except Exception as e:

@@ -306,3 +306,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_ranks_with_fewer_micro_batches_run_idle_passes_under_fsdp(tmp_path):
+    """Rank 0 has two micro-batches, rank 1 one: under FSDP rank 1 runs one idle pass (otherwise the collectives of
+    rank 0's second forward have no partner and the job hangs until --dist-timeout); the gradient is DDP's."""
+    for mode in ("ddp", "fsdp"):
+        cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", str(ROOT / "tests" / "dist_uneven.py")]
+        e = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        r = subprocess.run([*cmd, str(tmp_path), mode], cwd=ROOT, capture_output=True, text=True, timeout=300, env=e)
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fsdp.pt")
+    assert a["n"] == b["n"] == 2  # rank 0's count (DDP: its own; FSDP: the most over ranks)
+    assert max_diff(a["grads"], b["grads"]) < 1e-6
+    assert max(g.abs().max().item() for g in a["grads"].values()) > 1e-3  # a real gradient

@@ -589,4 +589,4 @@ class Run:
         )
         if self.args.save_model:  # every rank joins the save
             self.dist.print(f"saved model to {self.dist.save(self.model, self.tokenizer, self.dir / 'model')}")
-        self.dist.close()
+        self.dist.close(then_exit=True)  # torchrun: every rank exits 0 here

@@ -22,8 +22,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--script", default="grpo.py")
     ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--failures", default=None, help="write each failed run's whole stderr here (a directory)")
     a = ap.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")  # stacks on abort
     failed = 0
     for i in range(a.runs):
         with tempfile.TemporaryDirectory() as out:
@@ -36,6 +37,9 @@ def main() -> None:
             print(f"run {i + 1}: exit {r.returncode} in {time.time() - t0:.1f} s", flush=True)
             if r.returncode:
                 print("\n".join(r.stderr.splitlines()[-5:]))
+                if a.failures:
+                    Path(a.failures).mkdir(parents=True, exist_ok=True)
+                    (Path(a.failures) / f"run{i + 1}.stderr").write_text(r.stderr)
     print(f"{a.runs - failed} of {a.runs} runs exited 0 ({a.script}, {a.steps} step(s){', --fsdp' if a.fsdp else ''})")
     sys.exit(1 if failed else 0)
 

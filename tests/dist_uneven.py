@@ -37,4 +37,4 @@ if __name__ == "__main__":
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"grads": grads, "n": n, "rank1_rows": 1}, out / f"{mode}.pt")
-    dist.close()
+    dist.close(then_exit=True)

@@ -170,15 +170,11 @@ def unwrap(model):
 def fused_logprobs_ok(model) -> bool:
     """Whether `token_logprobs` may use `FusedLinearLogProb` for this model: its output embedding is a plain
     Linear whose output *is* the logits. Checked once per model against the model's own logits on a short
-    random sequence (this catches soft-capped or scaled logits, e.g. Gemma-2's); never under FSDP, whose
-    lm_head weight is sharded outside the forward. The answer is cached on the model."""
+    random sequence (this catches soft-capped or scaled logits, e.g. Gemma-2's). The answer is cached on the model.
+    Under FSDP too: the root's weights (lm_head's among them) stay gathered from its forward until its backward, and
+    the kernels read `lm.weight` only after the forward, so they get the whole matrix and its gradient is sharded
+    with the root's (tests/test_dist.py, tied and untied embeddings)."""
     inner = unwrap(model)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - older torch
-        FSDPModule = ()
-    if isinstance(inner, FSDPModule):  # checked on every call: a model can be sharded after its first use
-        return False
     cached = getattr(inner, "_rlvr_fused_ok", None)
     if cached is not None:
         return cached

@@ -59,21 +59,43 @@ def one_process(tmp_path_factory):
     return torch.load(out / "world1_rank0.pt")
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_ranks_with_half_the_batch_step_like_one_with_all(one_process, tmp_path, mode):
-    flags = ["--fsdp"] if mode == "fsdp" else []
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """The bundled model with its own lm_head (a copy of the embedding, perturbed), saved: FSDP shards it apart."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import common
+
+    path = tmp_path_factory.mktemp("untied")
+    m = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL)
+    m.config.tie_word_embeddings = False
+    w = m.model.embed_tokens.weight.detach().clone()
+    m.lm_head.weight = torch.nn.Parameter(w + 0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    m.save_pretrained(path)
+    AutoTokenizer.from_pretrained(common.DEFAULT_MODEL).save_pretrained(path)
+    out = tmp_path_factory.mktemp("untied_one")
+    r = launch(out, "--fixed", "grpo.py", *FIXED, "--model", str(path), "--output-dir", str(out / "runs"), nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return path, torch.load(out / "world1_rank0.pt")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-untied"])
+def test_two_ranks_with_half_the_batch_step_like_one_with_all(one_process, tmp_path, mode, request):
+    flags = ["--fsdp"] if mode.startswith("fsdp") else []
+    model, one = request.getfixturevalue("untied") if mode == "fsdp-untied" else (None, one_process)
+    flags += ["--model", str(model)] if model else []
     r = launch(tmp_path, "--fixed", "grpo.py", *FIXED, *flags, "--output-dir", str(tmp_path / "runs"), "--save-model")
     assert r.returncode == 0, r.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "world2_rank0.pt"), torch.load(tmp_path / "world2_rank1.pt")
     assert max_diff(r0["params"], r1["params"]) == 0.0  # the ranks hold the same model
-    assert one_process["fused"] and r0["fused"] == (mode == "ddp")  # DDP: fused lm_head log-probs; FSDP: logits
-    assert max_diff(one_process["grads"], r0["grads"]) < 1e-6  # the gradient the optimizer saw (~0.05 at most)
-    assert max_diff(one_process["params"], r0["params"]) < 1e-5
+    assert one["fused"] and r0["fused"]  # fused lm_head log-probs (no [b, T, V] logits), under FSDP too
+    assert max_diff(one["grads"], r0["grads"]) < 1e-6  # the gradient the optimizer saw (~0.05 at most)
+    assert max_diff(one["params"], r0["params"]) < 1e-5
     from transformers import AutoModelForCausalLM
 
     import common
 
-    start = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(model or common.DEFAULT_MODEL).state_dict()
     assert max_diff(start, r0["params"]) > 5e-5  # it did train (one AdamW step moves weights by about lr = 1e-4)
     (run,) = (tmp_path / "runs").iterdir()  # only rank 0 wrote a run directory, with the metrics and the model
     saved = AutoModelForCausalLM.from_pretrained(run / "model").state_dict()
@@ -183,10 +205,7 @@ def test_fsdp_steps_as_ddp_and_its_sharded_checkpoint_resumes_on_two_ranks_then_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = torch.load(tmp_path / "ddp" / "world2_rank0.pt"), torch.load(tmp_path / "fsdp" / "world2_rank0.pt")
     assert max_diff(a["grads"], b["grads"]) < 1e-6
-    # EP-GRPO: FSDP's log-probs come from the logits, DDP's from the fused kernel; their ~1e-7 rounding differences
-    # enter delta = log pi_old - log pi_ref, which is itself that small in the first steps, and its z-score
-    tol = 1e-4 if script == "ep_grpo.py" else 1e-6
-    assert max_diff(a["params"], torch.load(tmp_path / "res2" / "world2_rank0.pt")["params"]) < tol
+    assert max_diff(a["params"], torch.load(tmp_path / "res2" / "world2_rank0.pt")["params"]) < 1e-6
     if script == "sc_grpo.py":  # the padding was needed: a rank ran a teacher forward for another's sake
         assert b["idle"]["teacher"] + torch.load(tmp_path / "fsdp" / "world2_rank1.pt")["idle"]["teacher"] > 0
     one = launch(tmp_path / "res1", script, "--resume", str(run), "--total-steps", "4", nproc=1)

@@ -580,6 +580,7 @@ class Run:
             dist.print(
                 f"stopped after step {step}; checkpoint in {self.dir}/checkpoint: continue with --resume {self.dir}"
             )
+            dist.close(then_exit=True, code=130)  # torchrun: every rank exits 130 here
             raise SystemExit(130)
 
     def finish(self) -> None:

@@ -15,6 +15,7 @@ With --gate-alpha 0 --process-coef 0 --outcome-std unbiased it is grpo.py --beta
 
 import copy
 import dataclasses
+import os
 from typing import Literal, get_args, get_origin
 
 import torch
@@ -160,6 +161,8 @@ def validate(a: Args) -> Args:
     ranges |= dict(pivot_quantile="[0, 1]", process_clip="> 0", process_std_min=">= 0", gate_alpha=">= 0")
     ranges |= dict(process_coef=">= 0", process_coef_zero_var=">= 0", implicit_beta="> 0")
     cli.need_ranges(a, **ranges)
+    sharded = a.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cli.need(not sharded or a.process_anchor == "ref", "--process-anchor ema/lagged do not support --fsdp: use ref")
     return a
 
 

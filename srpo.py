@@ -328,7 +328,8 @@ if __name__ == "__main__":
             for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # ALGO LOGIC: by prompt, not group
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                micro, n = rows.split(args.micro_batch_size), dist.same_count(-(-len(rows) // args.micro_batch_size))
+                size = min(args.micro_batch_size, 8) if args.fsdp else args.micro_batch_size  # FSDP: one forward each
+                micro, n = rows.split(size), dist.same_count(-(-len(rows) // size))
                 for k in range(n):  # FSDP: as many micro-batches on every rank (n: the most any rank has)
                     dist.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
                     if k >= len(micro):  # FSDP: an idle pass on the first row keeps the collectives matched

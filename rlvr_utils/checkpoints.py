@@ -332,7 +332,7 @@ def _fail(message: str) -> NoReturn:
 
 def _load(path: Path, run: Path) -> dict:
     try:
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto the saver's GPU
     except Exception as e:  # truncated, empty or not a torch file
         reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
         _fail(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")

@@ -179,19 +179,20 @@ class Dist:
         if self.world > 1:
             torch.distributed.barrier()
 
-    def close(self, then_exit: bool = False) -> None:
+    def close(self, then_exit: bool = False, code: int = 0) -> None:
         """Every rank reaches the same barrier before the process group goes: a rank that tears it down while another
         still talks to it aborts (SIGABRT, "terminate called without an active exception") and fails the job.
-        `then_exit` (the end of a run): under torchrun the process then exits 0 at once, without the interpreter's
-        teardown, where objects still holding the process group (DDP's reducer) are destroyed with gloo's threads
-        and aborted about 1 run in 50 (benchmarks/torchrun_exits.py). Logs are closed and flushed before."""
+        `then_exit` (the end of a run, or a stop on SIGTERM): under torchrun the process then exits (`code`) at once,
+        without the interpreter's teardown, where objects still holding the process group (DDP's reducer) are
+        destroyed with gloo's threads and aborted about 1 run in 60 (benchmarks/torchrun_exits.py). Logs are closed
+        and flushed before."""
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             if then_exit:
                 sys.stdout.flush()
                 sys.stderr.flush()
-                os._exit(0)
+                os._exit(code)
 
 
 def pick_device(device: str = "auto") -> torch.device:

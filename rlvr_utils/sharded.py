@@ -78,5 +78,9 @@ def restore_full(model, optimizer, weights: dict, optim: dict, run: Path) -> Non
         "state": {names[i]: v for i, v in optim["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]],
     }
-    set_model_state_dict(model, weights, options=full)
+    missing, unexpected = set_model_state_dict(model, weights, options=full)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if [k for k in missing if k not in tied] or unexpected:
+        checkpoints._fail(f"--resume {run}: the checkpoint does not fit the model (missing {list(missing)[:3]}, "
+                          f"unexpected {list(unexpected)[:3]}): was the run started with another --model?")  # fmt: skip
     set_optimizer_state_dict(model, optimizer, optim, options=full)

@@ -2,6 +2,10 @@
 
 import itertools
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,8 @@ from ep_grpo import entropy_gate, ep_advantages, progress_windows
 from rlvr_utils import tasks
 from rlvr_utils.ep_diagnostics import ep_metrics
 from rlvr_utils.masked_stats import cell_zscore, row_quantile
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
 G = 4
@@ -531,3 +537,15 @@ def test_all_wrong_groups_do_not_feed_drift(seed):
     assert after < 0.8 * before
     before_none, after_none = _tabular_drift("none", 0.0, seed=seed)
     assert after_none > 1.2 * before_none
+
+
+def test_moving_anchors_are_refused_under_fsdp_before_anything_loads():
+    """--process-anchor ema/lagged deep-copies the policy after it is sharded, and its checkpoint is rank 0's copy:
+    under torchrun with --fsdp it is refused with one line (WORLD_SIZE is what torchrun sets; nothing connects)."""
+    env = dict(os.environ, WORLD_SIZE="2")
+    for anchor in ("ema", "lagged"):
+        r = subprocess.run(
+            [sys.executable, "ep_grpo.py", "--fsdp", "--process-anchor", anchor],
+            cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and "--process-anchor ema/lagged do not support --fsdp" in r.stderr, r.stderr[-2000:]

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from rlvr_utils import checkpoints, cli, credit, distributed, engines, stopping, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
+from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
 from rlvr_utils.logprob_kernels import (
     FusedLinearLogProb,
     SelectedLogProb,
@@ -184,7 +185,7 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     num_completion_tokens: int,
     temperature: float = 1.0,
-    chunk_size: int = 8,
+    chunk_size: int = ROWS_PER_FORWARD,
     with_entropy: bool = False,
     entropy_chunk: int = 128,
     fused: bool | None = None,

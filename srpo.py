@@ -328,9 +328,9 @@ if __name__ == "__main__":
             for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # ALGO LOGIC: by prompt, not group
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                size = min(args.micro_batch_size, 8) if args.fsdp else args.micro_batch_size  # FSDP: one forward each
+                size = min(args.micro_batch_size, common.ROWS_PER_FORWARD if args.fsdp else args.micro_batch_size)
                 micro, n = rows.split(size), dist.same_count(-(-len(rows) // size))
-                for k in range(n):  # FSDP: as many micro-batches on every rank (n: the most any rank has)
+                for k in range(n):  # FSDP: one forward per micro-batch, as many on every rank (the most any has)
                     dist.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
                     if k >= len(micro):  # FSDP: an idle pass on the first row keeps the collectives matched
                         dist.idle_pass(lambda: common.token_logprobs(train_model, input_ids[:1], attn[:1], T)[0].sum())

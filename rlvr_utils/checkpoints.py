@@ -160,7 +160,7 @@ class Checkpointer:
         state = {
             "step": step,
             "batches_drawn": batches.drawn,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": None if self.sharded else optimizer.state_dict(),  # FSDP: in the shards (sharded.save)
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 MAX_LOG_RATIO = 20.0  # log pi - log pi_old is clamped to +-this (fp32) before exp, as verl and OpenRLHF do
+ROWS_PER_FORWARD = 8  # rows per model forward in the log-prob passes (common.token_logprobs, SC-GRPO's teacher)
 
 
 class SelectedLogProb(torch.autograd.Function):

@@ -34,7 +34,7 @@ def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "sharded"))  # every rank: its shards
         dist.barrier()
         if main:
-            torch.save({**{k: v for k, v in state.items() if k != "optimizer"}, "sharded": True}, tmp / "trainer.pt")
+            torch.save({**state, "sharded": True}, tmp / "trainer.pt")
             for r in range(1, dist.world):
                 torch.save(states[r], tmp / f"trainer_rank{r}.pt")
             (tmp / checkpoints.COMPLETE).write_text(json.dumps({"step": step, "world": dist.world}))  # last

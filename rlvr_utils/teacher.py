@@ -166,7 +166,7 @@ def logprobs_and_kl(
     pad_id: int = 0,
     with_entropy: bool = False,
     kl_grad: bool = False,
-    chunk_size: int = 8,
+    chunk_size: int = logprob_kernels.ROWS_PER_FORWARD,
     time_chunk: int = 128,
     fused: bool | None = None,
     dist=None,

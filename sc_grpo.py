@@ -55,6 +55,10 @@ class Args(cli.BaseArgs):
     """the additive distillation baseline (>= 0; 0 = off): add this times D, with its gradient, to the loss"""
     max_reference_tokens: int = 8192
     """a reference longer than this (or than the context window allows) is resampled, else its middle is cut"""
+    divergence: Literal["kl", "sampled-logratio"] = "kl"
+    """D per token: kl (the paper's, KL(teacher || student) over the vocabulary) or sampled-logratio (an ablation of
+    ours, not the paper's: the sampled token's teacher-minus-student log-prob, as on-policy distillation uses, signed
+    by the row's advantage, so a failed rollout's weight goes where the teacher disowns the sampled token)"""
 
 
 # ALGO LOGIC: SC-GRPO's own functions (pure; the equations are in docs/sc_grpo.md, the paper's §5.1)
@@ -125,11 +129,24 @@ def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_
     return weights, adv, f
 
 
+def signed_logratio(delta: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """--divergence sampled-logratio (ours, an ablation): D = relu(sign(A) * delta), delta [n, T] = log pi_teacher(o_t)
+    - log pi(o_t), adv [n] the rows' GRPO advantages: A < 0 weighs the tokens the teacher finds less likely than the
+    student does (where a failed rollout left the verified path), A > 0 those it finds more likely; A = 0 (solve-none
+    rows, the diversity bonus) |delta|. Returns [n, T] >= 0, in place of the paper's KL in f = D / (D + c)."""
+    sign = torch.sign(adv).to(delta)[:, None]
+    return torch.where(sign == 0, delta.abs(), torch.relu(sign * delta))
+
+
 def validate(args: Args) -> Args:
     """SC-GRPO's own checks (cli.parse has run the shared ones)."""
     ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0", max_reference_tokens=">= 1")
     cli.need_ranges(args, **ranges)
     cli.need(len(args.weighted_groups) > 0, "--weighted-groups needs at least one of partial, none, single, all")
+    cli.need(
+        args.divergence == "kl" or args.kl_loss_coef == 0,
+        "--kl-loss-coef needs --divergence kl (the sampled log-ratio has no gradient)",
+    )
     return args
 
 
@@ -154,7 +171,8 @@ if __name__ == "__main__":
     unbiased, eps = args.outcome_std == "unbiased", {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std]  # A, bonus
     flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
     credit = functools.partial(weights_and_advantages, **flags)  # ALGO LOGIC: f, and the solve-none bonus
-    logprobs_and_kl = functools.partial(logprobs_and_kl, pad_id=pad, kl_grad=kl_grad, dist=dist)  # FSDP: dist's
+    sampled = args.divergence == "sampled-logratio"  # ALGO LOGIC (ablation, ours): D from the sampled token
+    logprobs_and_kl = functools.partial(logprobs_and_kl, pad_id=pad, kl_grad=kl_grad, dist=dist, sampled=sampled)
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
@@ -189,7 +207,10 @@ if __name__ == "__main__":
             old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
             if per_batch:  # ALGO LOGIC: --kl-threshold-scope batch: D of every row first, then f with c over the batch
-                D = teacher.kl_of_every_row(model, ro, teachers, args.temperature, pad, G, args.micro_batch_size, log)
+                D = teacher.kl_of_every_row(
+                    model, ro, teachers, args.temperature, pad, G, args.micro_batch_size, log, sampled
+                )
+                D = signed_logratio(D, advantages.to(D.device)) if sampled else D  # ablation (ours)
                 weights, token_adv, f = credit(D, active, role, gid, token_adv)  # [N, T] each
                 log.add(D, f, active)
         run.lap("logprobs")
@@ -210,6 +231,8 @@ if __name__ == "__main__":
                     logp, entropy, D, cost = logprobs_and_kl(  # ALGO LOGIC: and D to each row's teacher
                         train_model, input_ids[mb], attn[mb], T, args.temperature, prompts, with_entropy=it == 0
                     )
+                    if first and sampled:  # ablation (ours): D from the sampled token, signed by the advantage
+                        D = signed_logratio(D, advantages.to(D.device)[mb])
                     if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
                         weights[mb], token_adv[mb], f = credit(D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb])
                     seen = it == 0 and prompts is not None and not per_batch  # D, once per row, for the sc/* metrics

@@ -50,8 +50,8 @@ class Args(cli.BaseArgs):
     localization_temperature: float = 0.3
     """sampling temperature of the self-localization call (the paper's default)"""
     localization_max_new_tokens: int | None = None
-    """token cap (>= 1) of the localization reply (default: 192 for arith, enough for the tiny model's reply to 6 steps;
-    4096 otherwise)"""
+    """token cap (>= 1) of the localization reply (default: 4096; on arith max(192, 20 x (operations + 2)), enough for
+    the tiny models' reply, which copies each step)"""
     clip: bool = False
     """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official ablation also used
     --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch, so the ratio leaves 1)"""
@@ -147,7 +147,9 @@ def localization(sampler, task, todo: list, args, rng: random.Random) -> list[tu
     thoughts = [chains.split_thoughts(p[1], args.thought_delimiter) for _, _, p in todo]
     replies = [None] * len(todo)
     if args.reset == "self" and todo:
-        cap = args.localization_max_new_tokens or (192 if task.name == "arith" else 4096)
+        cap = args.localization_max_new_tokens or (
+            max(192, 20 * (args.arith_steps + 2)) if task.name == "arith" else 4096
+        )
         prompts = [chains.localization_prompt(tok, task.name, e.question, th) for (e, _, _), th in zip(todo, thoughts)]
         replies = sampler.localize(prompts, cap, max(args.localization_temperature, 1e-5))
     points = []
@@ -310,7 +312,7 @@ if __name__ == "__main__":
         advantages = common.group_advantages(rewards, None, eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
         mask = mask if args.no_mask else suffix_mask(mask, suffix_start)  # [N, T]
-        run.credit_signals(reset_at=suffix_start)  # --log-credit: the suffix's first token (0: a fresh chain)
+        run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # --log-credit: suffix start, the prompts
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.

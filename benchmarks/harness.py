@@ -64,6 +64,7 @@ class Result:
     stderr: str = ""
     wall_s: float = 0.0  # start of the process to its end
     peak_rss_mb: float | None = None  # the child's own peak resident set (MiB); None when it was killed
+    files: dict[str, bytes] = field(default_factory=dict)  # `keep`: the run directory's files of those names
 
     @property
     def ok(self) -> bool:
@@ -105,10 +106,12 @@ def run_script(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     output_dir: bool = True,
+    keep: tuple[str, ...] = (),
 ) -> Result:
     """Run `python *args --output-dir <tmp>` in `cwd` (args: a script and its flags, or ["-c", code, ...]) and collect
     its metrics. threads: OMP_NUM_THREADS for the child. env: variables added to this process's environment (with
-    PYTHONUNBUFFERED=1). output_dir=False: no --output-dir flag. A timeout kills the child (returncode -9)."""
+    PYTHONUNBUFFERED=1). output_dir=False: no --output-dir flag. A timeout kills the child (returncode -9).
+    keep: names of files in the run directory (e.g. credit.jsonl) whose bytes come back in Result.files."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if threads is not None:
         full_env["OMP_NUM_THREADS"] = str(threads)
@@ -133,6 +136,7 @@ def run_script(
             rc, stdout, stderr = -9, decode(e.stdout), decode(e.stderr) + f"\ntimed out after {timeout} s"
         wall = time.perf_counter() - t0
         peak = float(peak_file.read_text()) if peak_file.exists() and peak_file.read_text() else None
+        files = {name: f.read_bytes() for name in keep for f in sorted(out.glob(f"*/{name}"))[:1]}
         return Result(
             cmd=[Path(sys.executable).name, *user_args],
             returncode=rc,
@@ -141,4 +145,5 @@ def run_script(
             stderr=stderr,
             wall_s=wall,
             peak_rss_mb=peak,
+            files=files,
         )

@@ -24,9 +24,15 @@ Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
   headroom  6 operations, running values <= 150, 80 new tokens: GRPO starts near 0.4 and is still rising at 150 steps
             (the model was trained on 2-6 operations and values <= 99, so the larger values are what RL must teach)
+  hard      6 operations, running values <= 400: most of GRPO's groups solve nothing
+  long      16 easy operations (values <= 99, operands <= 9) with the second bundled model, assets/tiny-arith-long
+            (trained on 2-16 operations): ~130-token solutions that fail by compounding, late (docs/benchmarks.md)
+
+`python benchmarks/learning_curves.py flags --setting long` prints a setting's script flags on one line.
 """
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -43,6 +49,7 @@ SETTINGS = {
     "default": [],
     "headroom": ["--arith-steps", "6", "--arith-max-value", "150", "--max-new-tokens", "80"],
     "hard": ["--arith-steps", "6", "--arith-max-value", "400", "--max-new-tokens", "80"],
+    "long": ["--model", "assets/tiny-arith-long", "--arith-steps", "16", "--max-new-tokens", "180"],
 }
 METHODS = {
     "grpo": ["grpo.py"],
@@ -57,6 +64,11 @@ METHODS = {
 
 def result_path(setting: str, name: str, seed: int, results: Path = RESULTS) -> Path:
     return results / setting / name / f"seed{seed}.jsonl"
+
+
+def credit_path(metrics: Path) -> Path:
+    """Where a run's --log-credit records are kept: seed<k>.credit.jsonl.gz beside its seed<k>.jsonl."""
+    return metrics.with_name(metrics.stem + ".credit.jsonl.gz")
 
 
 def complete(path: Path, steps: int) -> bool:
@@ -76,12 +88,17 @@ def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> s
         return f"{name} seed {seed}: claimed by another process ({out.with_suffix('.lock')})"
     script, *flags = script_flags
     flags += [*SETTINGS[setting], "--total-steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(seed)]
+    log_credit = ["--log-credit", str(a.log_credit)] if getattr(a, "log_credit", 0) else []  # recorded, not changed
     try:
-        res = run_script([script, *flags, *a.extra.split()], threads=a.threads)
+        res = run_script([script, *flags, *a.extra.split(), *log_credit], threads=a.threads, keep=("credit.jsonl",))
     finally:
         out.with_suffix(".lock").unlink(missing_ok=True)
     if not res.ok:
         return f"{name} seed {seed}: FAILED ({' '.join(res.cmd)})\n{res.tail(2000)}"
+    if "credit.jsonl" in res.files:  # --log-credit: the per-token credit, gzipped beside the metrics (written first)
+        tmp_credit = out.with_suffix(".credit.tmp")
+        tmp_credit.write_bytes(gzip.compress(res.files["credit.jsonl"], mtime=0))
+        os.replace(tmp_credit, credit_path(out))
     tmp_out = out.with_suffix(".tmp")
     tmp_out.write_text("".join(json.dumps(r) + "\n" for r in res.rows))  # as the script wrote them (json.dumps)
     os.replace(tmp_out, out)
@@ -105,6 +122,7 @@ def cmd_run(a) -> None:
                     "steps": a.steps,
                     "eval_every": a.eval_every,
                     "threads": a.threads,
+                    "log_credit": a.log_credit,
                     "commit": commit,
                 },
                 indent=1,
@@ -340,7 +358,16 @@ def main() -> None:
     r.add_argument("--tag", default="", help="results go to <method>@<tag>/ (for sweeps with --extra)")
     r.add_argument("--workers", type=int, default=1, help="runs at a time")
     r.add_argument("--threads", type=int, default=1, help="torch threads per run (results depend on it)")
+    r.add_argument(
+        "--log-credit",
+        type=int,
+        default=0,
+        help="also record N rows' per-token credit at every evaluation step (seed<k>.credit.jsonl.gz; the training is "
+        "the same: the credit is read from the loss's gradient); benchmarks/credit_accuracy.py reads them",
+    )
     r.add_argument("--results", default=str(RESULTS))
+    f = sub.add_parser("flags", help="print a setting's script flags on one line")
+    f.add_argument("--setting", choices=list(SETTINGS), required=True)
     p = sub.add_parser("report", help="table and plots from the results")
     p.add_argument("--setting", default="headroom")
     p.add_argument("--results", default=str(RESULTS))
@@ -348,7 +375,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "run" and a.extra and not a.tag:
         sys.exit("--extra changes the runs: give them a --tag so they do not mix with the defaults")
-    cmd_run(a) if a.cmd == "run" else cmd_report(a)
+    if a.cmd == "flags":
+        print(" ".join(SETTINGS[a.setting]))
+    else:
+        cmd_run(a) if a.cmd == "run" else cmd_report(a)
 
 
 if __name__ == "__main__":

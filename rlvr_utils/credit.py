@@ -23,9 +23,11 @@ class CreditLog:
         self.path, self.rows, self.active, self.pending = Path(path), rows, False, []
         self.watched: dict[int, tuple] = {}  # batch row -> (log-prob tensor, its row in it, aggregation weight)
         self.extra: dict[str, torch.Tensor] = {}
+        self.prompt_ids: torch.Tensor | None = None  # [N] each row's prompt, when groups are not prompts (SRPO)
 
     def start(self, active: bool) -> None:
         self.active, self.watched, self.extra, self.pending = active and self.rows > 0, {}, {}, []
+        self.prompt_ids = None
 
     def watch(self, logp: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> None:
         """Keep the gradient of `logp` [b, T] (rows `rows` of the batch), with each token's aggregation weight."""
@@ -44,8 +46,11 @@ class CreditLog:
             logp.grad = None
         self.pending = []
 
-    def signals(self, **named) -> None:
-        """The method's own per-row ([N]) or per-token ([N, T]) signals, recorded beside the credit."""
+    def signals(self, prompt_ids: torch.Tensor | None = None, **named) -> None:
+        """The method's own per-row ([N]) or per-token ([N, T]) signals, recorded beside the credit. `prompt_ids` [N]:
+        each row's prompt where a group is not a prompt (SRPO's reset groups), so rows line up across methods."""
+        if self.active and prompt_ids is not None:
+            self.prompt_ids = prompt_ids.detach().cpu()
         if self.active:
             self.extra.update({k: v.detach().float().cpu() for k, v in named.items() if v is not None})
 
@@ -64,7 +69,7 @@ class CreditLog:
                 "step": step,
                 "script": script,
                 "row": r,
-                "prompt_id": int(ro.group_ids[r]),
+                "prompt_id": int((ro.group_ids if self.prompt_ids is None else self.prompt_ids)[r]),
                 "prompt": tokenizer.decode(ro.prompt_ids[r][ro.prompt_mask[r].bool()].tolist()),
                 "reward": float(rewards[r]),
                 "tokens": [tokenizer.decode([t]) for t in ids],
@@ -79,6 +84,22 @@ class CreditLog:
                 f.write("".join(json.dumps(row) + "\n" for row in out))
         self.start(False)
         return out
+
+
+def token_lines(tokens: list[str]) -> list[int]:
+    """The line each recorded token belongs to, 1-based over the text's non-empty lines (as arith.arith_first_error
+    counts them): the line its first character is on, so a newline token belongs to the line it ends. 0 for a token on
+    a blank line (and an empty token). benchmarks/credit_accuracy.py and tools/credit_view.py use it."""
+    text = "".join(tokens)
+    number, n = [], 0
+    for line in text.split("\n"):  # raw line j -> its number among the non-empty lines (0: blank)
+        n += bool(line.strip())
+        number.append(n if line.strip() else 0)
+    out, pos = [], 0
+    for t in tokens:
+        out.append(number[text.count("\n", 0, pos)] if t else 0)
+        pos += len(t)
+    return out
 
 
 def as_text(rows: list[dict]) -> str:

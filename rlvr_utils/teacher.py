@@ -170,6 +170,7 @@ def logprobs_and_kl(
     time_chunk: int = 128,
     fused: bool | None = None,
     dist=None,
+    sampled: bool = False,
 ):
     """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
@@ -182,7 +183,8 @@ def logprobs_and_kl(
     `time_chunk` positions at a time (models whose logits are not lm_head(h)). `dist` (FSDP): a chunk where any
     rank has a teacher row runs a teacher forward on every rank (an idle one, discarded, where it has none). Returns
     logp, entropy (or None), D, and the teacher pass's {"seconds", "peak_bytes": the step's peak GPU memory so far
-    when the last teacher pass ended (CUDA; 0 on CPU)}.
+    when the last teacher pass ended (CUDA; 0 on CPU)}. `sampled` (sc_grpo.py's --divergence sampled-logratio, an
+    ablation): D is instead the sampled token's log pi_teacher(o_t) - log pi(o_t), detached (no KL is computed).
     """
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
@@ -216,7 +218,18 @@ def logprobs_and_kl(
             idx = torch.tensor(rows, device=ids.device)
             zs = out[idx] if kl_grad else out.detach()[idx]
             with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
-                if fused:  # [positions, V] fp32 temporaries of about 64 MB
+                if sampled:  # the teacher's log-prob of the sampled token minus the student's, no gradient
+                    with torch.no_grad():
+                        tgt = ids[rows, -T:]
+                        if fused:
+                            lt = logprob_kernels.FusedLinearLogProb.apply(
+                                zt.flatten(0, 1), lm.weight, lm.bias, tgt.flatten(), temperature, positions, False
+                            )[0].view(len(rows), T)
+                        else:
+                            zt = zt.float() / temperature
+                            lt = zt.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zt, dim=-1)
+                        kl = lt - logps[-1].detach()[idx]
+                elif fused:  # [positions, V] fp32 temporaries of about 64 MB
                     kl = logprob_kernels.FusedLinearKL.apply(
                         zs.flatten(0, 1),
                         zt.flatten(0, 1),
@@ -252,16 +265,18 @@ def kl_of_every_row(
     G: int,
     micro_batch_size: int,
     log: TeacherLog,
+    sampled: bool = False,
 ) -> torch.Tensor:
     """D [N, T] of every row under torch.no_grad (--kl-threshold-scope batch: before the update, so that c can be
-    taken over the whole batch), in micro-batches of whole groups as the update's; the teacher's cost goes to `log`."""
+    taken over the whole batch), in micro-batches of whole groups as the update's; the teacher's cost goes to `log`.
+    `sampled`: the sampled token's teacher-minus-student log-prob instead (logprobs_and_kl)."""
     device, T = ro.completion_mask.device, ro.completion_mask.shape[1]
     D, rows = torch.zeros(len(ro), T, device=device), torch.arange(len(ro), device=device)  # D: [N, T]
     with torch.no_grad():
         for mb in micro_batches_of_groups(rows, ro.group_ids.cpu(), G, micro_batch_size):
             prompts = [teachers[i] for i in mb.tolist()]
             _, _, D[mb], cost = logprobs_and_kl(
-                model, ro.input_ids[mb], ro.attention_mask[mb], T, temperature, prompts, pad_id
+                model, ro.input_ids[mb], ro.attention_mask[mb], T, temperature, prompts, pad_id, sampled=sampled
             )
             log.add(cost=cost)
     return D

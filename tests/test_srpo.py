@@ -376,4 +376,6 @@ def test_localization_cap_help_matches_the_code():
     import inspect
 
     doc = inspect.getsource(srpo).split("localization_max_new_tokens:")[1].split('"""')[1]
-    assert "4096 otherwise" in doc and '192 if task.name == "arith" else 4096' in inspect.getsource(srpo.localization)
+    code = inspect.getsource(srpo.localization)
+    assert "default: 4096; on arith max(192, 20 x (operations + 2))" in " ".join(doc.split())
+    assert "max(192, 20 * (args.arith_steps + 2)) if task.name" in code and "else 4096" in code

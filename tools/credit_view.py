@@ -4,9 +4,11 @@
     python tools/credit_view.py runs/credit/<grpo run> runs/credit/<sc_grpo run> -o credit.html [--png credit.png]
 
 Reads each run's credit.jsonl (written by any script with --log-credit N at its evaluation steps) and writes one
-self-contained HTML page (no network, no JavaScript): one column per run, the rows of a step side by side when the
-runs share a seed (same step, same prompt, same row), each token on a diverging scale (red: pushed up, blue: pushed
-down, white: no credit), its exact credit and the method's signals in a tooltip. `--png` also draws one rollout of every
+self-contained HTML page (no network, no JavaScript): one column per run, the rollouts of a step side by side when the
+runs share a seed (same step, same prompt: the k-th rollout of each), each token on a diverging scale (red: pushed
+up, blue: pushed down, white: no credit; each column scaled to the 95th percentile of its |credit|), each line's mean
+credit written after it, the first wrong line of a failed arith rollout outlined, and each token's exact credit and
+the method's signals in a tooltip. `--png` also draws one rollout of every
 run as a picture (matplotlib), for the docs, each on its own colour scale.
 """
 
@@ -16,8 +18,12 @@ import argparse
 import html
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlvr_utils import arith, credit  # noqa: E402
 
 
 def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
@@ -33,28 +39,74 @@ def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
 
 
 def color(c: float, scale: float) -> str:
-    """A diverging colour: red for positive credit, blue for negative, white at 0; strongest at |c| = scale."""
+    """A diverging colour: red for positive credit, blue for negative, white at 0; strongest at |c| >= scale."""
     x = max(-1.0, min(1.0, c / scale)) if scale > 0 else 0.0
     fade = int(255 * (1 - 0.75 * abs(x)))  # the strongest shade stays light enough to read the token on
     return f"rgb(255,{fade},{fade})" if x >= 0 else f"rgb({fade},{fade},255)"
 
 
-def token_html(row: dict, i: int, scale: float) -> str:
-    tip = [f"credit {row['credit'][i]:+.4g}"]
-    for name, v in row["signals"].items():
-        tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else f"{name} {v:.4g}")
-    text = html.escape(row["tokens"][i]).replace("\n", "&#8629;<br>")
-    return (
-        f'<span class="t" style="background:{color(row["credit"][i], scale)}" title="{" | ".join(tip)}">{text}</span>'
-    )
+def robust_scale(rows: list[dict], q: float = 0.95) -> float:
+    """The colour scale of a column: the q-quantile of its nonzero |credit| (one outlier, e.g. GRPO-lambda's early
+    tokens, cannot wash out every other shade; the few tokens above it saturate)."""
+    vals = sorted(abs(c) for r in rows for c in r["credit"] if c)
+    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else 0.0
+
+
+def first_wrong_line(row: dict) -> int | None:
+    """arith rows with reward below 1: the first wrong line (1-based over non-empty lines), else None."""
+    m = re.search(r"Solve:\s*([0-9+\-\s]+?)\s*$", row["prompt"], re.M)
+    if row["reward"] >= 1 or m is None:
+        return None
+    return arith.arith_first_error(m.group(1), "".join(row["tokens"]))
+
+
+def row_html(row: dict, scale: float) -> str:
+    """The tokens, shaded, each line followed by its mean credit (readable without a mouse); the first wrong line of a
+    failed arith rollout outlined and labelled; each token's exact credit and signals in its tooltip."""
+    lines, wrong = credit.token_lines(row["tokens"]), first_wrong_line(row)
+    out, current = [], []
+
+    def close(line: int) -> None:
+        if current:
+            mean = sum(current) / len(current)
+            mark = " &larr; first wrong line" if line == wrong else ""
+            out.append(f'<span class="v{" wv" if mark else ""}">{mean:+.3g}{mark}</span>')
+        current.clear()
+
+    for i, tok in enumerate(row["tokens"]):
+        tip = [f"credit {row['credit'][i]:+.4g}"]
+        for name, v in row["signals"].items():
+            tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else f"{name} {v:.4g}")
+        cls = "t w" if wrong is not None and lines[i] == wrong else "t"
+        text = html.escape(tok.replace("\n", "")) + ("&#8629;" if "\n" in tok else "")
+        style = f"background:{color(row['credit'][i], scale)}"
+        out.append(f'<span class="{cls}" style="{style}" title="{" | ".join(tip)}">{text}</span>')
+        current.append(row["credit"][i])
+        if "\n" in tok:  # the line ends: its mean credit, then a line break
+            close(lines[i])
+            out.append("<br>")
+    close(lines[-1] if lines else 0)
+    return "".join(out)
+
+
+def keyed(rows: list[dict]) -> dict:
+    """(step, prompt, k): the k-th recorded row of that prompt at that step, so that runs of the same seed line up by
+    prompt whatever their row order or group numbering (SRPO's groups are not prompts)."""
+    out, seen = {}, {}
+    for r in sorted(rows, key=lambda r: (r["step"], r["prompt_id"], r["row"])):
+        k = seen[(r["step"], r["prompt_id"])] = seen.get((r["step"], r["prompt_id"]), -1) + 1
+        out[(r["step"], r["prompt_id"], k)] = r
+    return out
 
 
 def page(runs: list[tuple[str, list[dict]]]) -> str:
-    keys = sorted({(r["step"], r["prompt_id"], r["row"]) for _, rows in runs for r in rows})
-    index = [{(r["step"], r["prompt_id"], r["row"]): r for r in rows} for _, rows in runs]
-    scales = [max((abs(c) for r in rows for c in r["credit"]), default=0.0) for _, rows in runs]
+    index = [keyed(rows) for _, rows in runs]
+    keys = sorted({k for ix in index for k in ix})
+    scales = [robust_scale(rows) for _, rows in runs]
     head = "".join(
-        f"<th>{html.escape(name)}<br><small>|credit| max {s:.3g}</small></th>" for (name, _), s in zip(runs, scales)
+        f"<th>{html.escape(name)}<br><small>colour scale {s:.3g} (95th percentile of |credit|); max "
+        f"{max((abs(c) for r in rows for c in r['credit']), default=0.0):.3g}</small></th>"
+        for (name, rows), s in zip(runs, scales)
     )
     body = []
     for key in keys:
@@ -64,19 +116,23 @@ def page(runs: list[tuple[str, list[dict]]]) -> str:
             if row is None:
                 cells.append("<td></td>")
                 continue
-            tokens = "".join(token_html(row, i, scale) for i in range(len(row["tokens"])))
             sig = ", ".join(f"{k} {v:.3g}" for k, v in row["signals"].items() if not isinstance(v, list))
-            cells.append(f'<td><div class="m">reward {row["reward"]:.3g}{"; " + sig if sig else ""}</div>{tokens}</td>')
+            head_line = f"row {row['row']}, reward {row['reward']:.3g}{'; ' + sig if sig else ''}"
+            cells.append(f'<td><div class="m">{head_line}</div>{row_html(row, scale)}</td>')
         prompt = next(ix[key]["prompt"] for ix in index if key in ix)
-        label = f"step {key[0]}, prompt {key[1]}, row {key[2]}<pre>{html.escape(prompt)}</pre>"
+        label = f"step {key[0]}, prompt {key[1]}, rollout {key[2] + 1}<pre>{html.escape(prompt)}</pre>"
         body.append(f"<tr><td class='k'>{label}</td>{''.join(cells)}</tr>")
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>token credit</title><style>
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>token credit</title><style>
 body{{font-family:sans-serif;font-size:13px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;
-vertical-align:top;padding:4px;max-width:32em}} .t{{font-family:monospace;white-space:pre-wrap}} .m{{color:#555}}
-.k pre{{margin:2px 0;white-space:pre-wrap}}</style></head><body>
+vertical-align:top;padding:4px;max-width:34em}} .t{{font-family:monospace;white-space:pre}} .m{{color:#555}}
+.w{{outline:2px solid #000;outline-offset:-1px}} .v{{font-size:10px;color:#444;margin-left:6px}}
+.wv{{color:#000;font-weight:bold}} .k pre{{margin:2px 0;white-space:pre-wrap}}</style></head><body>
 <p>Each token shaded by its effective credit: the gradient its log-prob gets in the loss, in advantage units
-(red: pushed up, blue: pushed down, white: none; each column scaled to its own largest |credit|). Hover a token for
-the exact value and the method's signals.</p>
+(red: pushed up, blue: pushed down, white: none). Each column has its own colour scale, the 95th percentile of its
+nonzero |credit| (tokens beyond it get the strongest shade, so one outlier cannot wash out the rest). The number after
+each line is the line's mean credit; on a failed arith rollout the first wrong line is outlined. Rows line up by step
+and prompt (the k-th rollout of the prompt in each run). Hover a token for its exact value and the method's
+signals.</p>
 <table><tr><th>rollout</th>{head}</tr>{"".join(body)}</table></body></html>"""
 
 

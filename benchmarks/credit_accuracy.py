@@ -1,0 +1,237 @@
+"""Benchmark: does each method's credit land on the error? Blame against the built-in task's ground truth.
+
+Every method here claims a better token-level credit than GRPO's uniform one. The built-in arith task knows where a
+failed completion went wrong (`arith_first_error`: its first wrong line), and `--log-credit` records each token's
+effective credit as the loss's own gradient gives it (rlvr_utils/credit.py). This script measures the one against the
+other:
+
+    python benchmarks/credit_accuracy.py run --setting long --seeds 1 2 3 4 5     # the runs (learning_curves.py's)
+    python benchmarks/credit_accuracy.py report RUN_DIR_OR_FILE ...               # one JSON line per run
+    python benchmarks/credit_accuracy.py table --setting long                     # docs/benchmarks.md's table
+
+`run` is learning_curves.py's `run` with `--log-credit` on every row of every evaluation step's batch: the same runs
+give the learning table (`learning_curves.py report`) and this one; the credit is kept as
+benchmarks/results/<setting>/<method>/seed<k>.credit.jsonl.gz.
+
+`report` reads credit records alone (a run directory holding credit.jsonl, or a .jsonl / .jsonl.gz file) and prints
+one JSON line per run: `run`, `auc`, `lift`, `completions` (and the same per recorded step under `by_step`).
+Definition, for each recorded completion with reward below 1 whose first wrong line k (1-based over its non-empty
+lines, as `arith_first_error` counts them) comes after at least one correct line (k >= 2) and holds a token:
+  - a token belongs to the line it starts on (so a newline token to the line it ends); tokens as recorded;
+  - blame_t = -credit_t;
+  - AUC = the probability that a token of line k has more blame than a token of a line before it, ties counting 1/2;
+    `auc` is the mean over those completions (a completion whose credit is 0 everywhere, e.g. in a group whose
+    rewards are all equal, counts 0.5: its update blames nothing; `auc_nonzero` leaves those out);
+  - lift = (the share of the completion's total |credit| on line k) / (line k's share of the completion's tokens);
+    `lift` is the mean over the completions with some credit (0/0 is left out; `lift_completions` counts them).
+GRPO gives auc 0.5 and lift 1.0 by construction (one credit per completion): the measure's own check.
+
+`table` builds, per method, auc and lift early (the first third of the recorded steps) and late (the last third) in
+training, each a mean over seeds with a 95% bootstrap interval over seeds, beside SRPO's reset placement (the share of
+reset points exactly at, before and after the first wrong line, from its logged reset/oracle_* metrics), and writes
+benchmarks/results/<setting>/credit_accuracy.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own directory)
+from harness import read_metrics  # noqa: E402
+
+from rlvr_utils.arith import arith_first_error, parse_arith_problem  # noqa: E402
+from rlvr_utils.credit import token_lines  # noqa: E402  (the line of each token: the definition's rule)
+
+PROBLEM_RE = re.compile(r"Solve:\s*([0-9+\-\s]+?)\s*$", re.M)
+
+
+# ----------------------------------------------------------------------------------------------
+# the measure
+# ----------------------------------------------------------------------------------------------
+def pairwise_auc(wrong: np.ndarray, right: np.ndarray) -> float:
+    """P(a blame from `wrong` > a blame from `right`), ties 1/2 (the Mann-Whitney U over all pairs)."""
+    diff = wrong[:, None] - right[None, :]
+    return float(((diff > 0).sum() + 0.5 * (diff == 0).sum()) / diff.size)
+
+
+def completion_scores(row: dict) -> dict | None:
+    """auc and lift of one recorded completion (None when the definition leaves it out)."""
+    if row["reward"] >= 1:
+        return None
+    m = PROBLEM_RE.search(row["prompt"])
+    if m is None:
+        return None  # not an arith prompt
+    tokens, credit = row["tokens"], np.asarray(row["credit"], dtype=np.float64)
+    k = arith_first_error(parse_arith_problem(m.group(1)), "".join(tokens))
+    lines = np.asarray(token_lines(tokens))
+    if k is None or k < 2 or not (lines == k).any():
+        return None
+    blame = -credit
+    out = {"auc": pairwise_auc(blame[lines == k], blame[(lines >= 1) & (lines < k)]), "nonzero": bool(credit.any())}
+    total = np.abs(credit).sum()
+    if total > 0:
+        out["lift"] = float((np.abs(credit[lines == k]).sum() / total) / ((lines == k).sum() / len(tokens)))
+    return out
+
+
+def summarize(scores: list[dict]) -> dict:
+    """Means over completions: auc (all), auc_nonzero, lift (those with some credit), and the counts."""
+    mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731
+    lifts = [s["lift"] for s in scores if "lift" in s]
+    return {
+        "auc": mean([s["auc"] for s in scores]),
+        "lift": mean(lifts),
+        "completions": len(scores),
+        "auc_nonzero": mean([s["auc"] for s in scores if s["nonzero"]]),
+        "lift_completions": len(lifts),
+    }
+
+
+def read_credit(path: Path) -> list[dict]:
+    """The rows of a credit.jsonl: `path` is a run directory holding it, a .jsonl file or a .jsonl.gz file."""
+    if path.is_dir():
+        path = path / "credit.jsonl"
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def score_run(rows: list[dict], steps: set[int] | None = None) -> dict:
+    """The run's summary over its recorded rows (or those of `steps`), with the same per recorded step."""
+    per_step: dict[int, list[dict]] = {}
+    for row in rows:
+        s = completion_scores(row)
+        if s is not None:
+            per_step.setdefault(row["step"], []).append(s)
+    chosen = [s for step, ss in per_step.items() if steps is None or step in steps for s in ss]
+    return {**summarize(chosen), "by_step": {str(k): summarize(v) for k, v in sorted(per_step.items())}}
+
+
+def run_name(path: Path) -> str:
+    if path.is_dir():
+        return path.name
+    name = path.name.split(".")[0]  # seed<k>.credit.jsonl.gz -> seed<k>; credit.jsonl -> credit
+    return f"{path.parent.name}/{name}" if name.startswith("seed") or name == "credit" else name
+
+
+def cmd_report(a) -> None:
+    for p in map(Path, a.runs):
+        if not (p / "credit.jsonl" if p.is_dir() else p).is_file():
+            sys.exit(f"{p}: no credit.jsonl there (run the script with --log-credit N)")
+        out = {"run": run_name(p), **score_run(read_credit(p))}
+        if not a.by_step:
+            out.pop("by_step")
+        print(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------------------------
+# run and table
+# ----------------------------------------------------------------------------------------------
+def cmd_run(a) -> None:
+    """learning_curves.py's run, recording every row's credit at every evaluation step."""
+    if a.extra and not a.tag:
+        sys.exit("--extra changes the runs: give them a --tag so they do not mix with the defaults")
+    lc.cmd_run(a)
+
+
+def thirds(steps: list[int]) -> tuple[set[int], set[int]]:
+    """The first and the last third of a run's recorded steps (at least one each)."""
+    n = max(1, len(steps) // 3)
+    return set(steps[:n]), set(steps[-n:])
+
+
+def placement(metrics: list[dict], steps: set[int]) -> tuple[float, float, float] | None:
+    """SRPO's reset points against the first wrong line over `steps`' batches: (exact, before, after) shares."""
+    rows = [r for r in metrics if r.get("step") in steps and "reset/oracle_exact" in r and r.get("reset/num_parents")]
+    if not rows:
+        return None
+    exact = float(np.mean([r["reset/oracle_exact"] for r in rows]))
+    after = float(np.mean([r["reset/oracle_after"] for r in rows]))
+    return exact, 1 - exact - after, after
+
+
+def cmd_table(a) -> None:
+    root = Path(a.results) / a.setting
+    files = sorted(root.glob("*/seed*.credit.jsonl.gz"))
+    if not files:
+        sys.exit(f"no credit records under {root}: run `credit_accuracy.py run --setting {a.setting}` first")
+    per: dict[str, dict[str, list]] = {}  # method -> column -> values over seeds
+    for f in files:
+        metrics_file = f.with_name(f.name.replace(".credit.jsonl.gz", ".jsonl"))
+        if not lc.complete(metrics_file, read_metrics(metrics_file)[-1]["step"] if metrics_file.exists() else -1):
+            print(f"skipped {f}: its run did not finish")
+            continue
+        rows = read_credit(f)
+        early, late = thirds(sorted({r["step"] for r in rows}))
+        cols = per.setdefault(f.parent.name, {})
+        for when, steps in (("early", early), ("late", late)):
+            s = score_run(rows, steps)
+            for key in ("auc", "lift", "auc_nonzero"):
+                if s[key] is not None:
+                    cols.setdefault(f"{key} {when}", []).append(s[key])
+            cols.setdefault(f"n {when}", []).append(s["completions"])
+            cols.setdefault(f"steps {when}", []).append(f"{min(steps)}-{max(steps)}")
+            place = placement(read_metrics(metrics_file), steps)
+            if place is not None:
+                cols.setdefault(f"reset {when}", []).append(place)
+    ci = lambda xs: "{:.3f} [{:.3f}, {:.3f}]".format(*lc.bootstrap_ci(xs)) if xs else "–"  # noqa: E731
+    lines = [
+        f"Setting `{a.setting}`; every row of the batch at each evaluation step; mean over seeds, 95% bootstrap "
+        "interval over seeds; early/late: the first/last third of the recorded steps.",
+        "",
+        "| method | seeds | steps early / late | completions per seed | auc early | auc late | lift early | lift late "
+        "| auc late, rows with credit | reset at / before / after the first wrong line (late) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in sorted(per, key=lambda x: (x != "grpo", "@" in x, x)):
+        c = per[m]
+        resets = c.get("reset late")
+        place = "–" if not resets else " / ".join(f"{np.mean([r[i] for r in resets]):.2f}" for i in range(3))
+        lines.append(
+            f"| {m} | {len(c['n late'])} | {c['steps early'][0]} / {c['steps late'][0]} | "
+            f"{np.mean(c['n early']):.0f} / {np.mean(c['n late']):.0f} | {ci(c.get('auc early'))} | "
+            f"{ci(c.get('auc late'))} | {ci(c.get('lift early'))} | {ci(c.get('lift late'))} | "
+            f"{ci(c.get('auc_nonzero late'))} | {place} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    (root / "credit_accuracy.md").write_text(
+        f"`python benchmarks/credit_accuracy.py table --setting {a.setting}`\n\n{table}\n"
+    )
+    print(f"table: {root / 'credit_accuracy.md'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the learning-curve runs, recording every row's credit at each evaluation step")
+    r.add_argument("--setting", choices=list(lc.SETTINGS), default="long")
+    r.add_argument("--methods", nargs="*", help=f"default: all of {list(lc.METHODS)}")
+    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
+    r.add_argument("--steps", type=int, default=150)
+    r.add_argument("--eval-every", type=int, default=10)
+    r.add_argument("--workers", type=int, default=1, help="runs at a time")
+    r.add_argument("--threads", type=int, default=1, help="torch threads per run (results depend on it)")
+    r.add_argument("--log-credit", type=int, default=100_000, help="rows recorded per evaluation step (all of them)")
+    r.add_argument("--extra", default="", help="extra flags for every script, one string (with --tag: an ablation)")
+    r.add_argument("--tag", default="", help="results go to <method>@<tag>/ (e.g. sc_grpo@logratio)")
+    r.add_argument("--results", default=str(lc.RESULTS))
+    p = sub.add_parser("report", help="one JSON line per run, from its credit records alone")
+    p.add_argument("runs", nargs="+", help="run directories (holding credit.jsonl) or credit .jsonl / .jsonl.gz files")
+    p.add_argument("--by-step", action="store_true", help="also each recorded step's figures")
+    t = sub.add_parser("table", help="the per-method table over seeds (docs/benchmarks.md)")
+    t.add_argument("--setting", default="long")
+    t.add_argument("--results", default=str(lc.RESULTS))
+    a = ap.parse_args()
+    {"run": cmd_run, "report": cmd_report, "table": cmd_table}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -153,3 +153,78 @@ def test_the_page_renders_every_recorded_token_with_its_value(tmp_path):
     assert "&lt;b&gt;" in page and "<script" not in page and "http" not in page  # escaped, self-contained
     assert "rgb(255,255,255)" in page and "rgb(255,63,63)" in page  # 0 is white, the largest credit strongest red
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _arith_rows(script: str, credit_of_line: list[float], row: int, prompt_id: int = 7) -> dict:
+    """A failed arith rollout (first wrong line 2 of 3), one token per character, each line's tokens one credit."""
+    lines = ["5+3=8\n", "8+2=11\n", "#### 11"]
+    return {
+        "step": 10,
+        "script": script,
+        "row": row,
+        "prompt_id": prompt_id,
+        "prompt": "Solve: 5+3+2\n",
+        "reward": 0.0,
+        "tokens": [ch for line in lines for ch in line],
+        "credit": [c for line, c in zip(lines, credit_of_line) for _ in line],
+        "signals": {"reset_at": 6.0},
+    }
+
+
+def test_the_page_lines_up_rows_by_prompt_marks_the_first_wrong_line_and_resists_outliers(tmp_path):
+    """SRPO's rows (another row order and group numbering) line up with GRPO's by prompt; each line's mean credit is
+    written; the first wrong line is outlined; one huge credit does not wash out the others (95th percentile)."""
+    for name, rows in {
+        "a": [_arith_rows("grpo.py", [-0.5, -0.5, -0.5], row=3)],
+        "b": [_arith_rows("srpo.py", [0.0, -1.0, -1.0], row=40), _arith_rows("srpo.py", [0.0, -1.0, -1.0], row=41)]
+        + [_arith_rows("srpo.py", [0.0, -1.0, -1.0], row=42, prompt_id=8)]
+        + [dict(_arith_rows("srpo.py", [0.0, 0.0, 0.0], row=43, prompt_id=9), credit=[-64.8] + [0.0] * 19)],
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "credit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "credit_view.py"), str(tmp_path / "a"), str(tmp_path / "b")]
+        + ["-o", str(tmp_path / "p.html")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "p.html").read_text()
+    body = page.split("<table>")[1].split("<tr>")[2:]  # the data rows
+    assert len(body) == 4  # prompt 7 rollouts 1 and 2, prompt 8, prompt 9
+    assert "row 3," in body[0] and "row 40," in body[0] and "row 41," in body[1] and "row 3," not in body[1]
+    assert page.count("&larr; first wrong line") == 5 and page.count('class="ln w"') == 5
+    assert ">-1 &larr; first wrong line<" in body[0] and ">-0.5 &larr; first wrong line<" in body[0]
+    assert "colour scale 1 (95th percentile" in page  # not 64.8: the outlier saturates alone
+    assert "rgb(63,63,255)" in body[0]  # so an ordinary -1 still gets the strongest blue
+
+
+def test_the_page_in_headless_chromium(tmp_path):
+    """The page as a person sees it: Chromium (Debian's package) renders it with no console error, and the DOM it
+    builds holds every token and the first-wrong-line mark."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
+    rows = [_arith_rows("grpo.py", [-0.5, -0.5, -0.5], row=0), _arith_rows("grpo.py", [0.2, -1.0, -0.1], row=1)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "credit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html_path = tmp_path / "p.html"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "credit_view.py"), str(tmp_path / "a"), "-o", str(html_path)], check=True
+    )
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    flags += [f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
+    dom = subprocess.run([*flags, "--dump-dom", html_path.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert dom.stdout.count('class="ln w"') == 2 and "first wrong line" in dom.stdout
+    assert dom.stdout.count('class="t"') == 2 * len(rows[0]["tokens"])
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    shot = tmp_path / "p.png"
+    r = subprocess.run(
+        [*flags, "--window-size=900,600", f"--screenshot={shot}", html_path.as_uri()], capture_output=True, timeout=120
+    )
+    assert r.returncode == 0 and shot.stat().st_size > 5000

@@ -192,6 +192,32 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     assert (D[1] == 0).all() and cost["seconds"] > 0
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_sampled_logratio_ablation_is_the_teacher_minus_student_log_prob_of_the_sampled_token(tiny, fused):
+    """--divergence sampled-logratio (ours): D = log pi_teacher(o_t) - log pi(o_t), from one unpadded forward each."""
+    model, tok = tiny
+    comps, prompts = ["12+3=15\n15-4=11\n#### 11", "12+3=16"], ["Solve: 12+3-4\n"]
+    prompt_ids, ids, attn, T = _batch(tok, comps, prompts)
+    ref = arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0])
+    teach = [tasks.encode_prompt(tok, ref), None]
+    with torch.no_grad():
+        kw = dict(fused=None if fused else False, sampled=True)
+        _, _, D, _ = teacher.logprobs_and_kl(model, ids, attn, T, 0.8, teach, tok.pad_token_id, **kw)
+        comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        L, tgt = len(comp), torch.tensor(comp)[:, None]
+        s_log = (model(torch.tensor([prompt_ids[0] + comp])).logits[0, -L - 1 : -1] / 0.8).log_softmax(-1)
+        t_log = (model(torch.tensor([teach[0] + comp])).logits[0, -L - 1 : -1] / 0.8).log_softmax(-1)
+        want = (t_log.gather(-1, tgt) - s_log.gather(-1, tgt)).squeeze(-1)
+    assert torch.allclose(D[0, :L], want, atol=1e-4) and want.abs().max() > 1e-3 and (D[1] == 0).all()
+
+
+def test_signed_logratio_hand_cases():
+    delta = torch.tensor([[-2.0, 0.5, 0.0], [-2.0, 0.5, 0.0], [-2.0, 0.5, 0.0]])
+    got = sc_grpo.signed_logratio(delta, torch.tensor([-1.3, 0.7, 0.0]))
+    # A < 0: where the teacher finds the token less likely (2.0); A > 0: more likely (0.5); A = 0: |delta|
+    assert torch.equal(got, torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.5, 0.0], [2.0, 0.5, 0.0]]))
+
+
 @pytest.mark.parametrize("kl_grad", [False, True])
 def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad):
     """The memory-bounded path (hidden states -> FusedLinearLogProb and FusedLinearKL) against the [b, T, V] logits
@@ -475,6 +501,12 @@ def test_the_fused_update_learns_as_the_unfused_one(tmp_path, monkeypatch):
             if key.startswith(("time/", "tokens_per_second", "memory/")) or key not in b:
                 continue
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def test_sampled_logratio_refuses_the_additive_kl_term(capsys):
+    with pytest.raises(SystemExit) as e:
+        run_inprocess("sc_grpo.py", "--divergence", "sampled-logratio", "--kl-loss-coef", "0.1")
+    assert e.value.code == 2 and "--kl-loss-coef needs --divergence kl" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", [("--c-min", "0"), ("--percentile", "101"), ("--max-reference-tokens", "0")])

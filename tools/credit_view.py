@@ -61,27 +61,28 @@ def first_wrong_line(row: dict) -> int | None:
 
 
 def row_html(row: dict, scale: float) -> str:
-    """The tokens, shaded, each line followed by its mean credit (readable without a mouse); the first wrong line of a
-    failed arith rollout outlined and labelled; each token's exact credit and signals in its tooltip."""
+    """The tokens, shaded, line by line, each line followed by its mean credit (readable without a mouse); the first
+    wrong line of a failed arith rollout outlined and labelled; each token's exact credit and signals in its tooltip."""
     lines, wrong = credit.token_lines(row["tokens"]), first_wrong_line(row)
-    out, current = [], []
+    out, spans, values = [], [], []
 
     def close(line: int) -> None:
-        if current:
-            mean = sum(current) / len(current)
-            mark = " &larr; first wrong line" if line == wrong else ""
-            out.append(f'<span class="v{" wv" if mark else ""}">{mean:+.3g}{mark}</span>')
-        current.clear()
+        if spans:
+            mark = line == wrong and line > 0
+            mean = f"{sum(values) / len(values):+.3g}" + (" &larr; first wrong line" if mark else "")
+            out.append(f'<span class="{"ln w" if mark else "ln"}">{"".join(spans)}</span>')
+            out.append(f'<span class="{"v wv" if mark else "v"}">{mean}</span>')
+        spans.clear()
+        values.clear()
 
     for i, tok in enumerate(row["tokens"]):
         tip = [f"credit {row['credit'][i]:+.4g}"]
         for name, v in row["signals"].items():
             tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else f"{name} {v:.4g}")
-        cls = "t w" if wrong is not None and lines[i] == wrong else "t"
         text = html.escape(tok.replace("\n", "")) + ("&#8629;" if "\n" in tok else "")
         style = f"background:{color(row['credit'][i], scale)}"
-        out.append(f'<span class="{cls}" style="{style}" title="{" | ".join(tip)}">{text}</span>')
-        current.append(row["credit"][i])
+        spans.append(f'<span class="t" style="{style}" title="{" | ".join(tip)}">{text}</span>')
+        values.append(row["credit"][i])
         if "\n" in tok:  # the line ends: its mean credit, then a line break
             close(lines[i])
             out.append("<br>")
@@ -125,7 +126,7 @@ def page(runs: list[tuple[str, list[dict]]]) -> str:
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>token credit</title><style>
 body{{font-family:sans-serif;font-size:13px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;
 vertical-align:top;padding:4px;max-width:34em}} .t{{font-family:monospace;white-space:pre}} .m{{color:#555}}
-.w{{outline:2px solid #000;outline-offset:-1px}} .v{{font-size:10px;color:#444;margin-left:6px}}
+.w{{outline:2px solid #000;outline-offset:1px}} .v{{font-size:10px;color:#444;margin-left:6px}}
 .wv{{color:#000;font-weight:bold}} .k pre{{margin:2px 0;white-space:pre-wrap}}</style></head><body>
 <p>Each token shaded by its effective credit: the gradient its log-prob gets in the loss, in advantage units
 (red: pushed up, blue: pushed down, white: none). Each column has its own colour scale, the 95th percentile of its

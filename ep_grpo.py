@@ -201,7 +201,10 @@ if __name__ == "__main__":
 
         # 3. ALGO LOGIC: credit assignment, per token [N, T]: A = gate * (A_out + lambda * d * P), every flag by name
         gid, scores = ro.group_ids, ro.scores  # d's success is the verifier's (rewards: shaped by --overlong-buffer)
-        token_adv, parts = ep_advantages(old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores)
+        #    torchrun: over the global batch (tau is the quantile of the whole batch's entropies), each rank its rows
+        token_adv, parts = dist.over_global_batch(
+            ep_advantages, old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores
+        )
         ep_stats = ep_diagnostics.ep_metrics(token_adv, parts, old_H, mask)  # the ep/* metrics, from its pieces
         run.credit_signals(outcome=parts["outcome"], gate=parts["gate"], P=parts["process"], window=parts["windows"])
         run.lap("advantages")

@@ -48,7 +48,9 @@ if __name__ == "__main__":
         run.lap("generation")
 
         # 3. ALGO LOGIC: credit assignment. GRPO gives every token of a completion the same advantage.
-        advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu())  # [N]
+        #    torchrun: taken over the global batch (--scale-rewards batch: its std), each rank keeping its own rows.
+        gid = ro.group_ids.cpu()
+        advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the

@@ -193,7 +193,9 @@ if __name__ == "__main__":
         # 3. ALGO LOGIC: credit assignment. GRPO's group advantage is the critic-free TD error, its negative values
         #    clamped (paper: at -0.1). The trace that carries it back to earlier tokens is over the *current* policy's
         #    log-ratios, so it acts inside the loss, in step 5 (grpo_lambda_token_loss, paper §3.2, Eq. 2).
-        advantages = common.group_advantages(rewards, G, args.scale_rewards, group_ids=ro.group_ids.cpu())  # [N]
+        #    torchrun: taken over the global batch (--scale-rewards batch: its std), each rank keeping its own rows.
+        gid = ro.group_ids.cpu()
+        advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid)
         advantages = clamp_negative_advantages(advantages, adv_floor)  # [N]
         run.credit_signals(advantage=advantages)  # --log-credit: credit / advantage is the trace multiplier c_k
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]

@@ -43,7 +43,8 @@ class Args(cli.BaseArgs):
     """c = max(this percentile of D over the micro-batch's weighted tokens, --c-min)"""
     kl_threshold_scope: Literal["micro-batch", "batch"] = "micro-batch"
     """c's percentile is over the weighted tokens of: micro-batch (the paper's: --micro-batch-size // G groups, so that
-    size changes f) or batch (the step's: f independent of it, for one extra no-grad pass of students and teachers)"""
+    size changes f) or batch (the step's, all ranks' under torchrun: f independent of the micro-batch size, for one
+    extra no-grad pass of students and teachers)"""
     c_min: float = 1e-4
     """floor of the scale c in f = D / (D + c)"""
     alpha: float = 0.1
@@ -187,7 +188,7 @@ if __name__ == "__main__":
         #    (c is the micro-batch's percentile, §5.1), in step 4 with --kl-threshold-scope batch. `advantages` [N]:
         #    GRPO's; `token_adv` [N, T]: what reaches the loss; `weights` [N, T]: f.
         gid = ro.group_ids.cpu()
-        advantages = common.group_advantages(rewards, G, args.scale_rewards, eps, gid, unbiased)  # [N]
+        advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, eps, gid, unbiased)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T]
         correct = ro.scores >= args.success_threshold  # a verified success (not the shaped reward)
         modes, ref = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
@@ -211,7 +212,7 @@ if __name__ == "__main__":
                     model, ro, teachers, args.temperature, pad, G, args.micro_batch_size, log, sampled
                 )
                 D = signed_logratio(D, advantages.to(D.device)) if sampled else D  # ablation (ours)
-                weights, token_adv, f = credit(D, active, role, gid, token_adv)  # [N, T] each
+                weights, token_adv, f = dist.over_global_batch(credit, D, active, role, gid, token_adv)  # [N, T] each
                 log.add(D, f, active)
         run.lap("logprobs")
 

@@ -48,6 +48,47 @@ class Dist:
         """This rank's prompts of a global batch (every world-th one)."""
         return list(examples[self.rank :: self.world])
 
+    def over_global_batch(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) over the global batch, for what a method defines over "the batch" (a quantile, a std):
+        every tensor argument with this rank's row count n as its first dimension is gathered from every rank (rank
+        order; 2-D ones right-padded with 0 to the widest), fn runs on the whole batch on every rank, and each tensor
+        of its result (also inside a tuple or dict) with the global row count as its first dimension comes back as
+        this rank's rows (2-D ones trimmed to this rank's width). Row order does not matter to per-group statistics,
+        so the rows get what one process with the whole batch gives them. World 1: fn(*args, **kwargs)."""
+        if self.world == 1:
+            return fn(*args, **kwargs)
+        first = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
+        n, width = first.shape[0], first.shape[1] if first.dim() > 1 else None
+        rowwise = lambda a: isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n  # noqa: E731
+        keys = [i for i, a in enumerate(args) if rowwise(a)] + [k for k, a in kwargs.items() if rowwise(a)]
+        mine = [(args[k] if isinstance(k, int) else kwargs[k]).detach().cpu() for k in keys]
+        everyone = [None] * self.world
+        torch.distributed.all_gather_object(everyone, (n, mine))
+        start, total = sum(e[0] for e in everyone[: self.rank]), sum(e[0] for e in everyone)
+        args, kwargs = list(args), dict(kwargs)
+        for j, k in enumerate(keys):
+            parts = [e[1][j] for e in everyone]
+            if parts[0].dim() == 2:
+                w = max(p.shape[1] for p in parts)
+                parts = [torch.nn.functional.pad(p, (0, w - p.shape[1])) for p in parts]
+            whole = torch.cat(parts).to((args[k] if isinstance(k, int) else kwargs[k]).device)
+            if isinstance(k, int):
+                args[k] = whole
+            else:
+                kwargs[k] = whole
+
+        def own(x):
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == total:
+                x = x[start : start + n]
+                return x[:, :width] if x.dim() == 2 and width is not None else x
+            if isinstance(x, tuple):
+                return tuple(own(v) for v in x)
+            if isinstance(x, dict):
+                return {k: own(v) for k, v in x.items()}
+            return x
+
+        return own(fn(*args, **kwargs))
+
     def loss_counts(self, mask: torch.Tensor, num_seqs: int | None = None) -> tuple[float, float]:
         """(tokens, sequences) to normalize this rank's loss by: the global counts / world, because DDP
         and FSDP average gradients over ranks."""

@@ -76,6 +76,13 @@ if __name__ == "__main__":
         distributed.Dist.loss_counts = lambda self, mask, num_seqs=None: (mask.sum().item(), len(mask))
     if os.environ.get("DRIVER_DIE_AT_STEP") and os.environ.get("RANK") == "1":  # rank 1 dies in its first rollout
         common.generate_rollouts = lambda *a, **k: os._exit(3) if k.get("do_sample", True) else _generate(*a, **k)
+    if os.environ.get("DRIVER_FIRST_CHOICE"):  # SC-GRPO's routing draws (torch.randint with its generator) take the
+        _randint = torch.randint  # first candidate, so that 1 and 2 ranks route alike whatever the group order
+
+        def first_choice(*a, **k):
+            return torch.zeros(a[1], dtype=torch.long) if "generator" in k else _randint(*a, **k)
+
+        torch.randint = first_choice
     if os.environ.get("DRIVER_BAD_FLAGS") and os.environ.get("RANK") == "1":
         rest = rest + ["--learning-rate", "0.5"]  # rank 1 disagrees with rank 0
     close, distributed.Dist.close = (
@@ -91,7 +98,12 @@ if __name__ == "__main__":
     }
     out.mkdir(parents=True, exist_ok=True)
     fused = logprob_kernels.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
+    ro = g.get("ro")  # the last step's rows and the per-token advantages that reached its loss (batch statistics)
+    adv = g.get("token_adv")
+    adv = adv * g["weights"] if adv is not None and "weights" in g else adv  # SC-GRPO: f times the advantage
+    rows = {"gid": ro.group_ids.cpu(), "adv": adv.detach().cpu(), "mask": g["mask"].cpu()} if adv is not None else None
     torch.save(
-        {"params": state, "grads": FIRST_GRADS, "fused": fused, "idle": IDLE}, out / f"world{world}_rank{rank}.pt"
+        {"params": state, "grads": FIRST_GRADS, "fused": fused, "idle": IDLE, "rows": rows},
+        out / f"world{world}_rank{rank}.pt",
     )
     close(g["dist"], then_exit=True)

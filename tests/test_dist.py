@@ -339,3 +339,43 @@ def test_ranks_with_fewer_micro_batches_run_idle_passes_under_fsdp(tmp_path):
     assert a["n"] == b["n"] == 2  # rank 0's count (DDP: its own; FSDP: the most over ranks)
     assert max_diff(a["grads"], b["grads"]) < 1e-6
     assert max(g.abs().max().item() for g in a["grads"].values()) > 1e-3  # a real gradient
+
+
+def _advantages_by_group(res: dict) -> dict:
+    """group id -> the group's per-token advantages [G, T'] (its rows in order, trimmed to its completion lengths)."""
+    rows = res["rows"]
+    out = {}
+    for g in rows["gid"].unique().tolist():
+        idx = (rows["gid"] == g).nonzero().flatten()
+        width = int(rows["mask"][idx].sum(1).max())
+        out[g] = rows["adv"][idx, :width] * rows["mask"][idx, :width]
+    return out
+
+
+@pytest.mark.parametrize(
+    "script, extra",
+    [
+        ("ep_grpo.py", []),
+        ("ep_grpo.py", ["--gate", "zsig"]),
+        ("sc_grpo.py", ["--kl-threshold-scope", "batch"]),
+        ("grpo.py", ["--scale-rewards", "batch"]),
+    ],
+)
+def test_batch_statistics_are_over_the_global_batch(tmp_path, script, extra):
+    """A statistic the method takes over "the batch" (EP-GRPO's entropy quantile tau and zsig's z-score, SC-GRPO's c
+    with --kl-threshold-scope batch, --scale-rewards batch's std) is the global batch's on every rank: the same global
+    batch on 1 and on 2 ranks gives every row the same per-token advantages and the optimizer the same gradient."""
+    flags = ["--fixed", script, *FIXED, "--prompts-per-step", "6", "--micro-batch-size", "4", *extra]
+    env = {"DRIVER_FIRST_CHOICE": "1"}  # SC-GRPO's random routing made the same on 1 and 2 ranks
+    one = launch(tmp_path / "one", *flags, "--output-dir", str(tmp_path / "one" / "runs"), nproc=1, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(tmp_path / "two", *flags, "--output-dir", str(tmp_path / "two" / "runs"), env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    single = torch.load(tmp_path / "one" / "world1_rank0.pt")
+    ranks = [torch.load(tmp_path / "two" / f"world2_rank{r}.pt") for r in (0, 1)]
+    want = _advantages_by_group(single)
+    got = {**_advantages_by_group(ranks[0]), **_advantages_by_group(ranks[1])}
+    assert got.keys() == want.keys() and len(want) == 6
+    assert max((got[g] - want[g]).abs().max().item() for g in want) < 1e-5
+    assert max(w.abs().max().item() for w in want.values()) > 0.1  # the advantages are not all 0
+    assert max_diff(single["grads"], ranks[0]["grads"]) < 1e-5

@@ -34,7 +34,8 @@ class Args(cli.BaseArgs):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """(c) token-mean (DAPO), seq-mean-token-mean (original GRPO; grpo.py's), seq-mean-token-sum-norm (Dr. GRPO)"""
     outcome_std: Literal["population", "unbiased"] = "population"
-    """(c) std of the outcome advantage: population + 1e-6 (verl-style) or unbiased + 1e-4 (grpo.py, TRL)"""
+    """(c) std of the outcome advantage: population + 1e-6 (ours; verl: unbiased + 1e-6) or unbiased + 1e-4 (grpo.py,
+    TRL)"""
     # ALGO LOGIC: EP-GRPO's own flags; every one but the anchor's three reaches ep_advantages under its own name
     gate: Literal["soft", "hard", "gtpo", "zsig", "none"] = "soft"
     """(c) soft 1 + alpha*sigmoid((H - tau)/gate-temp); hard 1[H > tau]; gtpo H; none 1; (a) zsig sigmoid(gamma*z(H))"""
@@ -71,7 +72,8 @@ class Args(cli.BaseArgs):
     process_std_min: float = 1e-3
     """(c) sigma_min: a (group, window) cell whose std is below this (>= 0) gets P = 0"""
     progress: Literal["entropy", "position"] = "entropy"
-    """(a) progress coordinate: cumulative entropy share (entropy), or token share (position)"""
+    """progress coordinate: (a) cumulative entropy share, (c) taken at the token's midpoint (C_t - H_t/2) / C_T
+    (the recovered form is S_t / S_T) (entropy), or (c) token share (position)"""
     num_buckets: int = 10
     """(a) K: number of progress windows (>= 1)"""
     advantage_form: Literal["A", "B"] = "A"
@@ -92,8 +94,9 @@ def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="res
 
 
 def progress_windows(entropy, mask, num_buckets=10, progress="entropy", eps=1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window b = min(K - 1, floor(K * u)) [B, T] of each token (pads: 0), u = (C_t - H_t/2) / C_T, C the cumulative
-    entropy [B, T] (nats); zero_entropy [B]: C_T <= eps, where (as with --progress position) u = (t - 1/2) / T."""
+    """Window b = min(K - 1, floor(K * u)) [B, T] of each token (pads: 0), u = (C_t - H_t/2) / C_T (ours: the authors'
+    coordinate S_t / S_T taken at the token's midpoint), C the cumulative entropy [B, T] (nats); zero_entropy [B]:
+    C_T <= eps, where (as with --progress position) u = (t - 1/2) / T."""
     m, H = mask.float(), entropy.float().clamp(min=0) * mask.float()
     pos = (m.cumsum(1) - 0.5) / m.sum(1, keepdim=True).clamp(min=1)
     C = H.cumsum(1)

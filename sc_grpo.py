@@ -50,8 +50,9 @@ class Args(cli.BaseArgs):
     alpha: float = 0.1
     """scale (>= 0) of the solve-none diversity pseudo-advantage alpha * zscore(s_i)"""
     outcome_std: Literal["population", "unbiased"] = "population"
-    """the std of the GRPO advantage and the solve-none z-score: population + 1e-6 (verl's; the paper writes one std for
-    both) or unbiased + 1e-4 (grpo.py's, TRL's); one for both, so their ratio does not move with G (docs/sc_grpo.md)"""
+    """the std of the GRPO advantage and the solve-none z-score: population + 1e-6 (ours; verl: unbiased + 1e-6; the
+    paper writes one std for both) or unbiased + 1e-4 (grpo.py's, TRL's); one for both, so their ratio does not move
+    with G (docs/sc_grpo.md)"""
     kl_loss_coef: float = 0.0
     """the additive distillation baseline (>= 0; 0 = off): add this times D, with its gradient, to the loss"""
     max_reference_tokens: int = 8192
@@ -91,6 +92,13 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
                 if len(others := good[good != i]):
                     ref[i] = others[torch.randint(len(others), (1,), generator=generator)]
     return modes, ref
+
+
+def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) -> torch.Tensor:
+    """The tokens f weighs, and c's percentile is over: a WEIGHTED or DIVERSITY row's first wlen tokens (wlen: |o_i|,
+    or min(|o_i|, |o_r|) in a solve-none group, paper §5.1), within the mask. mask [N, T], role, wlen [N]; [N, T]."""
+    span = torch.arange(mask.shape[1], device=mask.device) < wlen.to(mask.device)[:, None]  # each row's first wlen
+    return mask * (span & ((role == Role.WEIGHTED) | (role == Role.DIVERSITY)).to(mask.device)[:, None]).float()
 
 
 def kl_weights(kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c_min: float = 1e-4) -> torch.Tensor:
@@ -195,8 +203,7 @@ if __name__ == "__main__":
         teachers, role, wlen, bad = teacher.build_teachers(
             tokenizer, args.task, ro, examples, correct, ref, context - T, args.max_reference_tokens, routing
         )
-        span = torch.arange(T, device=run.device) < wlen[:, None]  # [N, T] each row's first wlen tokens
-        active = mask * (span & ((role == Role.WEIGHTED) | (role == Role.DIVERSITY))[:, None]).float()  # [N, T] c's
+        active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (and c's percentile is over)
         weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f: 1 on plain rows
         log = teacher.TeacherLog()  # D, f and the teacher's cost, for the sc/* metrics
 

@@ -48,7 +48,7 @@ class Args(cli.BaseArgs):
     thought_delimiter: str | None = None
     """string that ends a thought (default: a newline for arith, a blank line for gsm8k/math)"""
     localization_temperature: float = 0.3
-    """sampling temperature of the self-localization call (the paper's default)"""
+    """sampling temperature of the self-localization call (the official code's default; the paper does not state it)"""
     localization_max_new_tokens: int | None = None
     """token cap (>= 1) of the localization reply (default: 4096; on arith max(192, 20 x (operations + 2)), enough for
     the tiny models' reply, which copies each step)"""
@@ -77,6 +77,13 @@ def reset_index(
     if mode == "oracle":
         return min(max(oracle_step if oracle_step is not None else num_thoughts, 1), num_thoughts)
     raise ValueError(f"unknown reset mode {mode!r}: choose self, random or oracle")
+
+
+def srpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / std_g r over each normalization group g (the base chains, each reset group, the
+    fallback group), with the population std and no epsilon as the official code; 0 where a group's rewards are all
+    equal. rewards, group_ids [N] (groups of any size); returns [N] (docs/srpo.md, the advantage)."""
+    return common.group_advantages(rewards, None, eps=0.0, group_ids=group_ids, unbiased=False)
 
 
 def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> torch.Tensor:
@@ -309,7 +316,7 @@ if __name__ == "__main__":
         run.lap("generation")
 
         # 3. ALGO LOGIC: credit assignment. Each normalization group z-scored alone (population std); prefixes masked.
-        advantages = common.group_advantages(rewards, None, eps=0.0, group_ids=ro.group_ids.cpu(), unbiased=False)
+        advantages = srpo_advantages(rewards, ro.group_ids.cpu())  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
         mask = mask if args.no_mask else suffix_mask(mask, suffix_start)  # [N, T]
         run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # --log-credit: suffix start, the prompts

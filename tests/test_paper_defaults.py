@@ -104,7 +104,8 @@ def test_srpo_paper_defaults():
 def test_ep_grpo_defaults():
     """EP-GRPO (arXiv 2605.04960), as far as the authors' formulas are known (second-hand): K = 10 cumulative-entropy
     buckets, the implicit signal z-scored per token within a bucket, outcome polarity sign(A) / sign(r - theta) with
-    theta 0.5; population std for A_out. This project's choices (no source): the soft mass-preserving gate at the
+    theta = --success-threshold 1.0 (no value is given; any theta in (0, 1] is the same for 0/1 rewards); population
+    std for A_out (ours). This project's choices (no source): the soft mass-preserving gate at the
     0.8 quantile, lambda 0.2 (a public ERPO reimplementation's eta), clip 3, k3 KL 1e-3, token-mean."""
     d = defaults(ep_grpo)
     assert (d["num_buckets"], d["progress"], d["process_granularity"]) == (10, "entropy", "token")

@@ -84,9 +84,17 @@ if __name__ == "__main__":
                     A = token_adv[mb]
                     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
                     per_token_loss = -surrogate
-                    # vLLM rollouts: truncated importance sampling toward the engine's distribution (1 with HF)
+                    # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
                     per_token_loss = per_token_loss * engines.engine_correction(
-                        ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens
+                        ro,
+                        mb,
+                        old,
+                        m,
+                        args.vllm_is_cap,
+                        stats.engine(it),
+                        stats.tokens,
+                        args.vllm_is_mode,
+                        args.vllm_is_min,
                     )
                     kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
                     if kl is not None:

@@ -242,9 +242,17 @@ if __name__ == "__main__":
                         max_log_ratio=args.max_log_ratio,
                     )  # [n, T] each
                     trace.add(per_token_loss, logp, A, m, z, it == 0)  # ALGO LOGIC: trace/* (before backward)
-                    # vLLM rollouts: truncated importance sampling toward the engine's distribution (1 with HF)
+                    # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
                     per_token_loss = per_token_loss * engines.engine_correction(
-                        ro, mb, old, m, args.vllm_is_cap, stats.engine(it), stats.tokens
+                        ro,
+                        mb,
+                        old,
+                        m,
+                        args.vllm_is_cap,
+                        stats.engine(it),
+                        stats.tokens,
+                        args.vllm_is_mode,
+                        args.vllm_is_min,
                     )
                     kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
                     if kl is not None:

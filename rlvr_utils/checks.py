@@ -162,9 +162,14 @@ def check_common(args) -> None:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     for name in ("learning_rate", "max_grad_norm", "code_timeout"):
         need(a[name] > 0, f"--{name.replace('_', '-')} must be > 0, got {a[name]}")
-    for name in ("weight_decay", "beta", "vllm_is_cap", "eval_temperature", "overlong_penalty_factor"):
+    for name in ("weight_decay", "beta", "vllm_is_cap", "vllm_is_min", "eval_temperature", "overlong_penalty_factor"):
         if name in a:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
+    if "vllm_is_min" in a:
+        need(
+            a["vllm_is_min"] == 0 or a["vllm_is_min"] < a["vllm_is_cap"],
+            f"--vllm-is-min must be below --vllm-is-cap ({a['vllm_is_cap']}), got {a['vllm_is_min']}",
+        )
     need(
         a["temperature"] > 0,
         f"--temperature must be > 0 (training samples; greedy evaluation is --eval-temperature 0), "

@@ -163,9 +163,16 @@ class BaseArgs:
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (on CPU: of host memory)"""
     vllm_is_cap: float = 2.0
-    """with --engine vllm: each token's loss times min(pi_old / pi_vllm, cap), truncated importance sampling toward
-    the engine's sampling distribution (TRL's and verl's practice); 0 = off. Measured on CPU the engines agree (ratio
-    <= 1.00001: no effect); bf16 on a GPU is where they differ (docs/vllm.md)"""
+    """with --engine vllm: the cap C of the importance weight pi_old / pi_vllm toward the engine's sampling distribution
+    (--vllm-is-mode says how it applies); 0 = off. Measured on CPU the engines agree (ratio <= 1.00001: no effect);
+    bf16 on a GPU is where they differ (docs/vllm.md)"""
+    vllm_is_mode: Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"] = "token-truncate"
+    """how the weight applies: per token (the ratio of each token) or per sequence (exp of the sum of the row's token
+    log-ratios, one weight for the row); truncate: min(ratio, C); mask: 0 where the ratio exceeds C (TRL's current
+    default: sequence-mask, C = 3; verl and OpenRLHF leave the correction off). token-truncate is ours: a sequence
+    ratio compounds over long completions, so a small per-token gap drops or shrinks whole rollouts (docs/vllm.md)"""
+    vllm_is_min: float = 0.0
+    """with a mask mode: also 0 where the ratio is below this (a lower bound, as TRL offers); 0 = none"""
 
     # several processes: torchrun --nproc_per_node N <script> ... (docs/scaling.md)
     fsdp: bool = False

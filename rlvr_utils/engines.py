@@ -183,20 +183,39 @@ def attach_engine(
 
 
 def engine_correction(
-    ro, rows, old_logp: torch.Tensor, mask: torch.Tensor, cap: float, stats: dict | None, num_tokens: float
+    ro,
+    rows,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+    stats: dict | None,
+    num_tokens: float,
+    mode: str = "token-truncate",
+    floor: float = 0.0,
 ) -> torch.Tensor | float:
-    """Per-token truncated importance weights min(pi_old / pi_engine, cap) for rows `rows` of the rollouts
-    (1.0 without an engine or with cap 0), and the engine-vs-trainer mismatch accumulated into `stats`:
-    mean |log pi_old - log pi_engine| and the mean and max importance ratio over completion tokens
-    (pass `stats=None` on later passes over the same batch: the metrics describe the rollouts, once)."""
+    """Importance weights toward the engine's sampling distribution for rows `rows` of the rollouts (1.0 without an
+    engine or with cap 0), detached, [b, T] (or [b, 1] per sequence), and the engine-vs-trainer mismatch accumulated
+    into `stats`: mean |log pi_old - log pi_engine|, the mean and max importance ratio over completion tokens, and the
+    share of masked tokens (pass `stats=None` on later passes over the same batch: the metrics describe the rollouts,
+    once). mode: token-* use each token's ratio pi_old / pi_engine, sequence-* one ratio per row, exp(sum over its
+    tokens of the log-ratios); *-truncate: min(ratio, cap); *-mask: the ratio where it is <= cap (and >= `floor`),
+    else 0 (TRL's four vllm_importance_sampling_mode values)."""
     if ro.engine_logp is None:
         return 1.0
     log_ratio = (old_logp.detach() - ro.engine_logp[rows]) * mask
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    per_seq = mode.startswith("sequence")
+    weight = torch.exp(log_ratio.sum(-1, keepdim=True).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) if per_seq else ratio
+    if mode.endswith("truncate"):
+        out = torch.clamp(weight, max=cap)
+    else:
+        out = torch.where((weight > cap) | (weight < floor), torch.zeros_like(weight), weight)
     if stats is not None:
         stats["vllm/logp_abs_diff"] = stats.get("vllm/logp_abs_diff", 0.0) + (log_ratio.abs().sum() / num_tokens).item()
         stats["vllm/is_ratio_mean"] = stats.get("vllm/is_ratio_mean", 0.0) + ((ratio * mask).sum() / num_tokens).item()
         stats["vllm/is_ratio_max"] = max(stats.get("vllm/is_ratio_max", 0.0), (ratio * mask).max().item())
+        masked = ((out == 0) & (weight != 0)).float().expand_as(mask) * mask if mode.endswith("mask") else 0 * mask
+        stats["vllm/is_masked_frac"] = stats.get("vllm/is_masked_frac", 0.0) + (masked.sum() / num_tokens).item()
         if ro.engine_released_gb:
             stats["memory/vllm_released_gb"] = ro.engine_released_gb
-    return torch.clamp(ratio, max=cap).detach() if cap > 0 else 1.0
+    return out.detach() if cap > 0 else 1.0

@@ -524,6 +524,33 @@ def test_engine_correction_truncates_the_engine_ratio_at_the_default_cap():
     assert engines.engine_correction(types.SimpleNamespace(engine_logp=None), None, old, mask, 2.0, None, 3.0) == 1.0
 
 
+def test_engine_correction_modes_by_hand():
+    """TRL's four modes: token ratios (5, 1, 0.5) and (1, 1, 1); the sequence ratios are their products, 2.5 and 1.
+    token-mask zeroes the token over the cap, sequence-truncate caps the row's one ratio, sequence-mask zeroes a row
+    whose product exceeds the cap, and a lower bound (mask modes) zeroes ratios under it."""
+    import types
+
+    from rlvr_utils import engines
+
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.3, 0.3, 0.3]]))
+    ro = types.SimpleNamespace(engine_logp=torch.log(torch.tensor([[0.1, 0.9, 0.4], [0.3, 0.3, 0.3]])))
+    ro.engine_released_gb = 0.0
+    mask, rows = torch.ones(2, 3), torch.tensor([0, 1])
+
+    def w(mode, cap=2.0, floor=0.0, stats=None):
+        return engines.engine_correction(ro, rows, old, mask, cap, stats, 6.0, mode, floor)
+
+    assert torch.allclose(w("token-truncate"), torch.tensor([[2.0, 1.0, 0.5], [1.0, 1.0, 1.0]]), atol=1e-6)
+    stats = {}
+    assert torch.allclose(w("token-mask", stats=stats), torch.tensor([[0.0, 1.0, 0.5], [1.0, 1.0, 1.0]]), atol=1e-6)
+    assert stats["vllm/is_masked_frac"] == pytest.approx(1 / 6)
+    assert torch.allclose(w("token-mask", floor=0.8), torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]]), atol=1e-6)
+    assert torch.allclose(w("sequence-truncate"), torch.tensor([[2.0], [1.0]]), atol=1e-6)
+    assert torch.allclose(w("sequence-truncate", cap=3.0), torch.tensor([[2.5], [1.0]]), atol=1e-5)
+    assert torch.allclose(w("sequence-mask"), torch.tensor([[0.0], [1.0]]), atol=1e-6)
+    assert torch.allclose(w("sequence-mask", cap=3.0), torch.tensor([[2.5], [1.0]]), atol=1e-5)
+
+
 def test_completion_metrics_count_unsolved_groups_by_the_verifier_score():
     """frac_groups_unsolved: groups with no completion at the full verifier score; an overlong penalty (rewards below
     the scores) does not turn a solved group into an unsolved one."""

@@ -45,6 +45,10 @@ class Args(cli.BaseArgs):
     """1x4: 4 fresh + 4 suffixes of one parent; 2x4: 2 parents x 4 suffixes; 1x8: 1 parent x 8 suffixes"""
     max_fresh_attempts: int = 12
     """fresh chains sampled per prompt while looking for failed parents; none found: plain GRPO on fresh chains"""
+    thought_reserve: int | None = None
+    """a new thought starts only while at least this many tokens (>= 0) of the --max-new-tokens budget are left, and a
+    thought the budget cuts short is dropped (the official code: 256, its per-thought cap, of a 5120-token budget;
+    default: min(256, max-new-tokens // 20), the same ratio)"""
     thought_delimiter: str | None = None
     """string that ends a thought (default: a newline for arith, a blank line for gsm8k/math)"""
     localization_temperature: float = 0.3
@@ -130,7 +134,7 @@ def parents(sampler, search: dict, examples, args, riders=None) -> list:
         counts = {e.id: (left[e.id], spare) for e in pending}
     prompts, budgets = riders or ([], [])
     owners = [e for e in examples if e.id in counts for _ in range(sum(counts[e.id]))]
-    out = sampler.sample(prompts + [e.prompt_ids for e in owners], budgets + [chains.MAX_THOUGHTS] * len(owners))
+    out = sampler.sample(prompts + [e.prompt_ids for e in owners], budgets + [sampler.budget([])] * len(owners))
     found = sampler.scored(out[len(prompts) :], owners)
     for e in (e for e in examples if e.id in counts):
         n_search, n_spare = counts[e.id]
@@ -280,6 +284,7 @@ def validate(args: Args) -> Args:
         f"{need_g} (at least {need_g}) for --split {args.split}, got {args.num_generations}",
     )
     ranges = dict(max_fresh_attempts=">= 1", localization_temperature=">= 0", localization_max_new_tokens=">= 1")
+    ranges |= dict(thought_reserve=">= 0")
     cli.need_ranges(args, **ranges)
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
     cli.need(

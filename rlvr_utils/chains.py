@@ -114,15 +114,35 @@ def prefix_token_count(tokenizer, ids: list[int], text: str, k: int, delimiter: 
     return tokens_before(tokenizer, ids, starts[k - 1]) if 2 <= k <= len(starts) else 0
 
 
-def protocol_cut(tokenizer, ids: list[int], text: str, delimiter: str, max_thoughts: int = MAX_THOUGHTS) -> list[int]:
+def protocol_cut(
+    tokenizer,
+    ids: list[int],
+    text: str,
+    delimiter: str,
+    max_thoughts: int = MAX_THOUGHTS,
+    budget: int | None = None,
+    reserve: int = 0,
+    truncated: bool = False,
+) -> list[int]:
     """The official chain's stopping rules applied to a response generated in one call (docs/srpo.md, "The chain
-    protocol"): it ends after the first thought that contains `\\boxed{` and after `max_thoughts` thoughts. Returns
-    the kept token ids."""
+    protocol"): it ends after the first thought that contains `\\boxed{`, after `max_thoughts` thoughts, and before
+    the first thought that would start with fewer than `reserve` tokens of the response's token `budget` left (the
+    official loop stops when len(response) + 256 > response_length); a thought the budget or the generation cap
+    (`truncated`) cut short is dropped, back to the last whole thought (the official safety truncation). A response
+    with no whole thought that fits keeps its first `budget` tokens. Returns the kept token ids."""
     starts = thought_starts(text, delimiter)
     ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
     last = next((i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]), len(starts) - 1)
     last = min(last, max_thoughts - 1)
-    if last < 0 or last == len(starts) - 1:
+    over = budget is not None and len(ids) > budget
+    if budget is not None:
+        room = len(tokenizer.decode(ids[:budget], skip_special_tokens=True)) if over else len(text)
+        whole = [(e < len(text) or not truncated) and e <= room for e in ends]  # ended by a delimiter or EOS, in budget
+        opens = [k == 0 or tokens_before(tokenizer, ids, s) + reserve <= budget for k, s in enumerate(starts)]
+        last = min(last, next((k - 1 for k in range(len(starts)) if not (whole[k] and opens[k])), len(starts) - 1))
+        if last < 0 and starts:  # nothing whole fits: the budget's tokens, as a plain cut would keep them
+            return ids[:budget]
+    if last < 0 or (last == len(starts) - 1 and not over):
         return ids  # nothing after the last kept thought but its own end
     return ids[: tokens_before(tokenizer, ids, ends[last])]
 
@@ -136,6 +156,9 @@ class Sampler:
     def __init__(self, model, tokenizer, task, args):
         self.model, self.tokenizer, self.task, self.args = model, tokenizer, task, args
         self.delimiter = args.thought_delimiter
+        # a new thought needs this many tokens of the budget left (default: the official ratio 256 / 5120, at most 256)
+        reserve = getattr(args, "thought_reserve", None)
+        self.reserve = min(THOUGHT_TOKENS, args.max_new_tokens // 20) if reserve is None else reserve
         self.info = dict.fromkeys(COUNTS, 0) | {"time_localization": 0.0}
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> rollouts.Rollouts:
@@ -156,17 +179,22 @@ class Sampler:
         self.info["generate_calls"] += 1
         return ro
 
-    def sample(self, prompts: list[list[int]], budgets: list[int] | None = None) -> list[tuple[list[int], str]]:
+    def sample(
+        self, prompts: list[list[int]], budgets: list[tuple[int, int]] | None = None
+    ) -> list[tuple[list[int], str]]:
         """(kept token ids, text) per prompt, each response cut by `protocol_cut` (no call for no prompts).
-        budgets: thoughts each response may still add (default MAX_THOUGHTS; a continuation's prefix counts)."""
+        budgets: (thoughts, tokens) each response may still add (default `budget([])`: 20 thoughts, --max-new-tokens;
+        a continuation's prefix counts against both)."""
         if not prompts:
             return []
-        budgets = budgets or [MAX_THOUGHTS] * len(prompts)
+        budgets = budgets or [self.budget([])] * len(prompts)
         ro = self.generate(prompts, self.args.max_new_tokens, self.args.temperature)
         out, tok = [], self.tokenizer
         for i in range(len(ro)):
             ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
-            cut = protocol_cut(tok, ids, ro.texts[i], self.delimiter, budgets[i])
+            thoughts, tokens = budgets[i]
+            truncated = bool(ro.truncated[i])
+            cut = protocol_cut(tok, ids, ro.texts[i], self.delimiter, thoughts, tokens, self.reserve, truncated)
             out.append((cut, ro.texts[i] if len(cut) == len(ids) else tok.decode(cut, skip_special_tokens=True)))
             if len(ids) > THOUGHT_TOKENS:  # the official loop closes a thought at 256 tokens; here they are counted
                 self.info["long_thoughts"] += sum(
@@ -179,10 +207,12 @@ class Sampler:
         """(ids, text, reward) per chain; owners: the example of each chain."""
         return [(ids, text, r) for (ids, text), r in zip(chains, self.task.rewards([c[1] for c in chains], owners))]
 
-    def budget(self, prefix_ids: list[int]) -> int:
-        """Thoughts a continuation may add: the official chain stops at 20 thoughts, the kept prefix's included."""
+    def budget(self, prefix_ids: list[int]) -> tuple[int, int]:
+        """(thoughts, tokens) a continuation may add: the official chain stops at 20 thoughts and at the response's
+        token budget (--max-new-tokens), the kept prefix's included."""
         prefix = self.tokenizer.decode(prefix_ids, skip_special_tokens=True)
-        return max(MAX_THOUGHTS - len(split_thoughts(prefix, self.delimiter)), 1)
+        thoughts = max(MAX_THOUGHTS - len(split_thoughts(prefix, self.delimiter)), 1)
+        return thoughts, max(self.args.max_new_tokens - len(prefix_ids), 1)
 
     def localize(self, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[str]:
         """The localization replies, one generate call (their tokens are never trained on)."""

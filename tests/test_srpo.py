@@ -307,6 +307,28 @@ def test_protocol_cut_ends_after_the_boxed_thought_and_at_twenty_thoughts(tiny):
     assert chains.protocol_cut(tok, ids, short, "\n") == ids
 
 
+def test_protocol_cut_keeps_whole_thoughts_within_the_token_budget(tiny):
+    """The official budget rules (one token per character here): a thought starts only with `reserve` tokens of the
+    budget left; a thought the budget or the generation cap cut short is dropped back to the last whole thought."""
+    _, tok = tiny
+    text = "12+3=15\n15-4=11\n11+2=13\n#### 13"  # thoughts start at tokens 0, 8, 16, 24; 31 tokens, then EOS
+    ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+    def kept(**kw):
+        return tok.decode(chains.protocol_cut(tok, ids, text, "\n", **kw), skip_special_tokens=True)
+
+    assert chains.protocol_cut(tok, ids, text, "\n", budget=40, reserve=0) == ids  # all of it fits: unchanged
+    assert kept(budget=20, reserve=0) == "12+3=15\n15-4=11"  # the budget cuts thought 3 (16-23) short: dropped
+    assert kept(budget=40, reserve=10) == text  # 40 - 24 = 16 >= 10 tokens left when thought 4 starts
+    assert kept(budget=32, reserve=10) == "12+3=15\n15-4=11\n11+2=13"  # 32 - 24 = 8 < 10 left: no 4th thought
+    assert kept(budget=33, reserve=8) == text  # 33 - 24 = 9 >= 8 left: it starts (and ends at the EOS)
+    cut = ids[:20]  # the generation cap stopped it mid-thought (no EOS): the partial third line goes
+    assert tok.decode(
+        chains.protocol_cut(tok, cut, text[:20], "\n", truncated=True, budget=48), skip_special_tokens=True
+    ) == ("12+3=15\n15-4=11")
+    assert chains.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0) == ids[:3]  # nothing whole fits
+
+
 @pytest.mark.slow
 def test_clip_ablation_clips_with_several_minibatch_steps(tmp_path):
     """--clip with --num-minibatches 4: after the first optimizer step the ratio leaves 1, so the clipped surrogate and

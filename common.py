@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, credit, distributed, engines, stopping, tasks
+from rlvr_utils import checkpoints, cli, credit, distributed, engines, model_files, stopping, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
 from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
@@ -429,8 +429,10 @@ def load_task(args, tokenizer) -> Task:
     """The task named by --task, built with the shared task flags (rlvr_utils.tasks.load_task). The scripts build it
     before the model loads, so a task that yields nothing (every prompt too long, every gold unparsable, a dataset
     that cannot be fetched) ends the run at once with one line, exit code 2."""
+    flags = {k: getattr(args, k) for k in TASK_FLAGS}  # a prompt must fit beside a whole completion in the model
+    flags["max_prompt_length"] = model_files.prompt_limit(args.model, args.max_prompt_length, args.max_new_tokens)
     try:
-        task = tasks.load_task(args.task, tokenizer, **{k: getattr(args, k) for k in TASK_FLAGS})
+        task = tasks.load_task(args.task, tokenizer, **flags)
         cli.need(
             len(task.train) >= args.prompts_per_step,
             f"--prompts-per-step {args.prompts_per_step}: the task has "
@@ -586,9 +588,10 @@ class Run:
 
     def finish(self) -> None:
         self.logger.close()
-        self.dist.print(
+        saved = self.dist.save(self.model, self.tokenizer, self.dir / "model") if self.args.save_model else None
+        self.dist.print(  # after the save: a closed stdout cannot lose the model
             f"final eval accuracy {self.logger.last_eval['eval/accuracy']:.3f}; metrics in {self.dir}/metrics.jsonl"
         )
-        if self.args.save_model:  # every rank joins the save
-            self.dist.print(f"saved model to {self.dist.save(self.model, self.tokenizer, self.dir / 'model')}")
+        if self.args.save_model:  # every rank joined the save
+            self.dist.print(f"saved model to {saved}")
         self.dist.close(then_exit=True)  # torchrun: every rank exits 0 here

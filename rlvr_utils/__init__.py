@@ -4,6 +4,8 @@ common.py or a script.
 
   cli              the command line: BaseArgs (every shared flag), parsing, resume, threads
   checks           every check before anything loads: one line naming the flag or file, exit code 2
+  errors           that one line: usage_error and need
+  model_files      a --model before it loads: its files whole and consistent, its tokenizer, the hub, its positions
   models           loading the policy (hub id or local directory, clear errors, dropout off)
   rollouts         the Rollouts batch, batched generation (HF generate or the vLLM engine), padding, stop tokens
   tracking         TensorBoard, metrics.jsonl and wandb

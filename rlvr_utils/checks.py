@@ -12,24 +12,14 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 from pathlib import Path
-from typing import NoReturn
-from urllib.parse import urlparse
 
 from rlvr_utils import custom, tasks
-
-
-def usage_error(message: str) -> NoReturn:
-    """One line on stderr, exit code 2 (as for tyro's own parse errors)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def need(ok: bool, message: str) -> None:
-    if not ok:
-        usage_error(message)
+from rlvr_utils.errors import need as need
+from rlvr_utils.errors import usage_error as usage_error
+from rlvr_utils.model_files import check_model, need_hub
+from rlvr_utils.model_files import looks_like_path as looks_like_path
 
 
 def need_ranges(args, **ranges: str) -> None:
@@ -49,14 +39,6 @@ def need_ranges(args, **ranges: str) -> None:
         need(ok and math.isfinite(v), f"{flag} must be {'in ' if spec[0] in '[(' else ''}{spec}, got {v}")
 
 
-def looks_like_path(name: str) -> bool:
-    """A --model that is a path rather than a hub id "org/name": it starts with . / ~, has more than one /, or its
-    first component is a local directory (assets/tiny-arth is a typo of a path, not a hub id)."""
-    return (
-        name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(name.split("/")[0]).is_dir())
-    )
-
-
 def read_rows(path: str, flag: str) -> list[dict]:
     """Every row of a local .jsonl / .jsonl.gz / .json file, with `file:line: reason` for a line that is not a JSON
     object, and a clear error for a missing, empty or unreadable file."""
@@ -73,8 +55,10 @@ def read_rows(path: str, flag: str) -> list[dict]:
     try:
         with gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8") as f:
             text = f.read()
+    except EOFError:
+        usage_error(f"{flag} {path}: the compressed file is cut short (an interrupted download or copy?)")
     except (OSError, UnicodeDecodeError) as e:
-        usage_error(f"{path}: cannot be read ({type(e).__name__}: {e})")
+        usage_error(f"{flag} {path}: cannot be read ({type(e).__name__}: {e})")
     if not text.strip():
         usage_error(f"{path}: the file is empty (expected one JSON object per line)")
     if p.suffix == ".json" and text.lstrip().startswith("["):  # a JSON array of rows
@@ -236,7 +220,7 @@ def check_run_flags(a: dict) -> None:
     name = a["exp_name"]
     need(
         not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", "..")),
-        f"--exp-name {name!r}: a run name is one short path component: letters, digits, '.', '_' or '-', at most "
+        f"--exp-name {name!r}: a run name is one short path component: ASCII letters, digits, '.', '_' or '-', at most "
         "64 characters, no '/' or '\\'",
     )
     out = Path(a["output_dir"]).expanduser()
@@ -245,6 +229,11 @@ def check_run_flags(a: dict) -> None:
         need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
         ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
         need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
+    need(
+        a["success_threshold"] > 0,
+        f"--success-threshold must be > 0 (a reward at or above it counts as a success; 0 or less makes every "
+        f"completion one), got {a['success_threshold']}",
+    )
     for w in a["reward_weights"]:
         need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
     need(
@@ -268,44 +257,6 @@ def check_run_flags(a: dict) -> None:
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-
-def check_model(model: str) -> None:
-    """A local directory must hold a model (config.json and weights); a hub id must be in the local cache or the hub
-    reachable (one line at once, not minutes of retries)."""
-    if looks_like_path(model):
-        d = Path(model).expanduser()
-        need(d.is_dir(), f"--model {model}: no such directory")
-        need((d / "config.json").is_file(), f"--model {model}: the directory holds no model (no config.json)")
-        weights = [*d.glob("*.safetensors"), *d.glob("*.bin"), *d.glob("*.safetensors.index.json")]
-        need(bool(weights), f"--model {model}: the directory holds no weights (no *.safetensors or *.bin)")
-        return
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
-    except Exception:  # an id the hub library rejects: from_pretrained will say why
-        return
-    if not cached:
-        need_hub(
-            f"--model {model} is a hub id, not a local directory, and it is not in the local cache",
-            "a local directory (download it where there is internet: huggingface-cli download ...)",
-        )
-
-
-def need_hub(what: str, instead: str) -> None:
-    """`what` needs the Hugging Face hub: fail at once when it is off (HF_HUB_OFFLINE) or cannot be reached."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if offline:
-        usage_error(f"{what}, but HF_HUB_OFFLINE is set: pass {instead}")
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return  # reached through a proxy: no direct probe can tell; the download itself will say
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    try:
-        socket.create_connection((host, port), timeout=3).close()
-    except OSError as e:
-        usage_error(f"{what}, but the hub ({host}) cannot be reached ({type(e).__name__}): pass {instead}")
 
 
 def dataset_cached(name: str) -> bool:

@@ -17,9 +17,9 @@ import tyro
 
 from rlvr_utils import checkpoints
 from rlvr_utils.checks import check_common
-from rlvr_utils.checks import need as need
 from rlvr_utils.checks import need_ranges as need_ranges
-from rlvr_utils.checks import usage_error as usage_error
+from rlvr_utils.errors import need as need
+from rlvr_utils.errors import usage_error as usage_error
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-arith")  # the bundled tiny policy
 

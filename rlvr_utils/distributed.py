@@ -212,9 +212,13 @@ class Dist:
         return box[0]
 
     def print(self, *a, **k) -> None:
-        """print on rank 0 only"""
+        """print on rank 0 only, flushed; a closed stdout (`python grpo.py ... | head -1`) does not stop the run: its
+        later output goes to /dev/null."""
         if self.main:
-            print(*a, **k)
+            try:
+                print(*a, **k, flush=True)
+            except BrokenPipeError:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -1,12 +1,16 @@
-"""Stopping on request: Ctrl-C (SIGINT) or SIGTERM, what a cluster scheduler (and torchrun, which forwards it to every
-rank) sends before it preempts a job. Before the first step the run ends with one line; afterwards it stops after the
-step in progress with a checkpoint (checkpoints.py), every rank at the same step.
+"""Stopping on request: Ctrl-C (SIGINT), SIGTERM, what a cluster scheduler (and torchrun, which forwards it to every
+rank) sends before it preempts a job, or SIGHUP, what a closing terminal or ssh session sends. Before the first step
+the run ends with one line; afterwards it stops after the step in progress with a checkpoint (checkpoints.py), every
+rank at the same step.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+
+# Ctrl-C, a scheduler's preemption, and SIGHUP: a closed terminal or ssh session (where the platform has it)
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def stop_while_loading() -> None:
@@ -18,7 +22,7 @@ def stop_while_loading() -> None:
         print(f"\n{name} before the first step: stopped, nothing was saved", file=sys.stderr, flush=True)
         raise SystemExit(130)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in SIGNALS:
         try:
             signal.signal(sig, handler)
         except ValueError:  # not the main thread
@@ -33,7 +37,7 @@ class GracefulStop:
 
     def __init__(self):
         self.flag = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in SIGNALS:
             try:
                 signal.signal(sig, self._handler)
             except ValueError:  # not the main thread (e.g. a test runner): the signal keeps its default

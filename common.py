@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, credit, distributed, engines, model_files, stopping, tasks
+from rlvr_utils import checkpoints, cli, credit, distributed, engines, model_files, run_lock, stopping, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
 from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
@@ -479,6 +479,7 @@ class Run:
         if self.dir is None:  # its own directory, created exclusively on rank 0 (a name taken gets a suffix)
             name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
             self.dir = Path(dist.broadcast(str(checkpoints.new_run_dir(a.output_dir, name)) if dist.main else None))
+        self.lock = run_lock.lock_run_dir(self.dir) if dist.main else None  # one writer per run directory
         self.batches = checkpoints.CountingBatches(lambda: prompt_batches(task.train, a.prompts_per_step, a.seed))
         self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), stopping.GracefulStop()
         self.first = self.ckpt.restore(model, optimizer, self.batches, self.state) + 1 if a.resume else 1
@@ -486,7 +487,8 @@ class Run:
         engines.attach_engine(
             a.engine, model, optimizer, a.model, a.vllm_gpu_memory_utilization, seed=a.seed + dist.rank
         )
-        resumed, config = self.first - 1, {**vars(a), "script": Path(sys.argv[0]).name}
+        resumed, hashes = self.first - 1, cli.file_hashes(a)  # the data and reward files, for a resume to compare
+        config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
         self.logger = Logger(self.dir, config, a.track, a.wandb_project, enabled=dist.main, resume_step=resumed)
         dist.print(
             f"run {self.dir.name}: logs in {self.dir}/ (tensorboard --logdir {self.dir.parent}); "

@@ -18,6 +18,7 @@ common.py or a script.
   engines          the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
   checkpoints      atomic checkpoints and resume
+  run_lock         one writer per run directory (a lock the kernel drops when the process ends)
   sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
   stopping         Ctrl-C and SIGTERM (preemption): stop after the step, every rank at the same one
   teacher          SC-GRPO's self-conditioned teacher: its prompt, its forward (D without a [b, T, V] tensor), roles

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -177,17 +178,35 @@ class Checkpointer:
         if self.sharded:
             return sharded.save(self, step, model, optimizer, state, states)
         if self.rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with _atomic_dir(self.path) as tmp:
-                save_model_atomic(model, tokenizer, tmp / "model")
-                torch.save(state, tmp / "trainer.pt")
-                for r in range(1, world):  # other ranks' sampling streams
-                    torch.save(states[r], tmp / f"trainer_rank{r}.pt")
-                (tmp / COMPLETE).write_text(json.dumps({"step": step}))  # last: the copy is whole
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with _atomic_dir(self.path) as tmp:
+                    save_model_atomic(model, tokenizer, tmp / "model")
+                    torch.save(state, tmp / "trainer.pt")
+                    for r in range(1, world):  # other ranks' sampling streams
+                        torch.save(states[r], tmp / f"trainer_rank{r}.pt")
+                    (tmp / COMPLETE).write_text(json.dumps({"step": step}))  # last: the copy is whole
+            except (
+                Exception
+            ) as e:  # a full disk, a read-only directory, a file-size limit (OSError, or the writer's own)
+                self.failed(step, e)
             self.clean_leftovers()
         if self.dist is not None:
             self.dist.barrier()
         return self.path
+
+    def failed(self, step: int, e: BaseException) -> NoReturn:
+        """A save that could not be written: one line naming the directory, the cause and the checkpoint that is still
+        whole (the atomic copy never replaced it), then exit code 1."""
+        names = {28: "the disk is full", 13: "permission denied", 1: "permission denied", 30: "a read-only file system"}
+        names[27] = "a file-size limit"
+        code = getattr(e, "errno", None) or int((re.findall(r"os error (\d+)", str(e)) or [0])[0])
+        cause = names.get(code, "" if isinstance(e, OSError) else "the file could not be written")
+        cause = f"{cause}: {type(e).__name__}: {str(e).splitlines()[0][:160]}" if cause else f"{type(e).__name__}: {e}"
+        kept = self.copies()
+        left = f"the checkpoint of step {kept[0][0]} is intact" if kept else "no earlier checkpoint exists"
+        print(f"error: saving step {step} to {self.path} failed ({cause}); {left}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
     @property
     def sharded(self) -> bool:

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils import checkpoints
+from rlvr_utils import checkpoints, run_lock, tracking
 from rlvr_utils.checks import check_common
 from rlvr_utils.checks import need_ranges as need_ranges
 from rlvr_utils.errors import need as need
@@ -236,7 +238,37 @@ RUNTIME_FLAGS = (
     "fsdp",  # the same maths sharded or not: a run moves between DDP and FSDP through its checkpoint
     "model",  # the weights come from the checkpoint: a run made in another clone names its own copy of the model
     "output_dir",  # a resumed run writes into its own directory, wherever it has been moved
+    "data_path",  # a data file that moved (its contents are compared with the run's: file_hashes)
+    "eval_data_path",
 )  # may differ between a run and its resumption
+
+
+def file_hashes(args) -> dict:
+    """sha256 of the run's data and reward files by role (--data-path, --eval-data-path, each --reward-fn file),
+    recorded in config.json: a resume warns when one changed, also when the file moved and is given anew."""
+    files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
+    for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
+        files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
+    return {
+        role: hashlib.sha256(Path(p).expanduser().read_bytes()).hexdigest()
+        for role, p in files.items()
+        if p and Path(p).expanduser().is_file()
+    }
+
+
+def _same_type(default, value) -> bool:
+    """Whether a config.json value can stand for a flag whose default is `default` (None: any JSON scalar or list)."""
+    if default is None:
+        return value is None or isinstance(value, (str, int, float, list))
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, tuple):
+        return isinstance(value, (list, tuple))
+    return isinstance(value, type(default))
 
 
 def resume_args(args, args_type):
@@ -265,7 +297,26 @@ def resume_args(args, args_type):
     )
     problem = checkpoints.damaged(copies[0][1])
     need(problem is None, f"--resume {args.resume}: {problem}")
+    if os.environ.get("RANK", "0") == "0":  # one writer per run directory, before anything loads
+        run_lock.lock_run_dir(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    need(
+        metrics.is_file(),
+        f"--resume {args.resume}: {metrics} is missing (a resumed run appends to it): restore it, or start a new run",
+    )
+    tracking.read_rows(metrics)  # every line a JSON object with its step (one line naming the line otherwise)
     defaults, merged = args_type(), {}
+    hints = typing.get_type_hints(args_type)
+    for f in dataclasses.fields(args_type):  # a hand-edited config.json: one line naming the key, not a traceback
+        if f.name in saved:
+            kind = hints.get(f.name)
+            choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+            value = saved[f.name]
+            need(
+                _same_type(getattr(defaults, f.name), value) and (choices is None or value in choices),
+                f"--resume {args.resume}: {run_dir / 'config.json'}: {f.name} is {value!r}, not a value of "
+                f"--{f.name.replace('_', '-')}" + (f" (one of {', '.join(map(str, choices))})" if choices else ""),
+            )
     runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
     for f in dataclasses.fields(args_type):
         given, default = getattr(args, f.name), getattr(defaults, f.name)
@@ -288,7 +339,12 @@ def resume_args(args, args_type):
         f"--resume {args.resume}: the run is already at step {step} "
         f"(--total-steps {merged['total_steps']}): give a larger --total-steps to extend it",
     )
-    return dataclasses.replace(args, **merged)
+    out = dataclasses.replace(args, **merged)
+    now, then = file_hashes(out), saved.get("file_hashes", {})
+    for role in (r for r in then if now.get(r, then[r]) != then[r]):
+        warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
+        print(warning, file=sys.stderr)
+    return out
 
 
 def set_threads(threads: int) -> None:

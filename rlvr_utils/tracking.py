@@ -12,14 +12,18 @@ from pathlib import Path
 import torch
 
 
-def _read_rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere is an
-    error naming it)."""
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
+    line that is not a JSON object with an integer step, is an error naming it)."""
     lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     rows = []
     for i, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
+                print(f"error: {path}:{i}: not a metrics row (a JSON object with an integer step)", file=sys.stderr)
+                raise SystemExit(2)
+            rows.append(row)
         except ValueError:
             if i < len(lines):
                 print(f"error: {path}:{i}: not a JSON line; the run's metrics are damaged", file=sys.stderr)
@@ -51,7 +55,7 @@ class Logger:
             None,
         )  # enabled: False on torchrun ranks > 0
         if resume_step:
-            rows = _read_rows(self.run_dir / "metrics.jsonl")
+            rows = read_rows(self.run_dir / "metrics.jsonl")
             rows = [r for r in rows if r["step"] <= resume_step]
             self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
             if enabled:

@@ -142,3 +142,84 @@ def test_a_truncated_gzip_data_file_is_one_line(tmp_path, task):
     out = _run("grpo.py", "--task", task, "--data-path", str(path), *extra, "--output-dir", str(tmp_path / "runs"))
     _one_line(out, f"--data-path {path}", "cut short")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A grpo.py run of 1 step with a checkpoint."""
+    out = tmp_path_factory.mktemp("saved3")
+    r = _run("grpo.py", *TINY, "--total-steps", "1", "--save-every", "1", "--output-dir", str(out / "runs"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = (out / "runs").iterdir()
+    return run
+
+
+def _copy_run(saved, tmp_path):
+    d = tmp_path / saved.name
+    shutil.copytree(saved, d)
+    return d
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("no_metrics", ["metrics.jsonl is missing"]),
+        ("no_step", ["metrics.jsonl:2: not a metrics row"]),
+        ("list_line", ["metrics.jsonl:2: not a metrics row"]),
+        ("wrong_type", ["config.json: num_generations is 'eight'", "--num-generations"]),
+        ("bad_choice", ["config.json: loss_agg is 'mean'", "token-mean"]),
+    ],
+)
+def test_resume_checks_what_the_run_files_hold(saved, tmp_path, damage, words):
+    d = _copy_run(saved, tmp_path)
+    metrics = d / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    if damage == "no_metrics":
+        metrics.unlink()
+    elif damage in ("no_step", "list_line"):
+        rows[1] = json.dumps({"reward": 0.5}) if damage == "no_step" else "[]"
+        metrics.write_text("\n".join(rows) + "\n")
+    else:
+        config = json.loads((d / "config.json").read_text())
+        config |= {"num_generations": "eight"} if damage == "wrong_type" else {"loss_agg": "mean"}
+        (d / "config.json").write_text(json.dumps(config))
+    _one_line(_run("grpo.py", "--resume", str(d), "--total-steps", "2", timeout=120), *words)
+
+
+def test_two_writers_of_one_run_directory_are_refused(saved, tmp_path):
+    """A resume beside the live run (here: a process holding the run's lock) stops with one line naming the holder,
+    and writes nothing."""
+    d = _copy_run(saved, tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils import run_lock; "
+         f"f = run_lock.lock_run_dir('{d}'); print('held', flush=True); time.sleep(60)"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = (d / "metrics.jsonl").read_text()
+        _one_line(_run("grpo.py", "--resume", str(d), "--total-steps", "2", timeout=120), "is in use by pid")
+        assert (d / "metrics.jsonl").read_text() == before
+    finally:
+        holder.kill()
+    out = _run("grpo.py", "--resume", str(d), "--total-steps", "2")  # the holder is gone: the lock went with it
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_save_that_cannot_be_written_is_one_line_and_the_last_checkpoint_stays(saved, tmp_path):
+    """A file-size limit during the save (the checkpoint does not fit): one line naming the path and the cause, the
+    step-1 checkpoint intact; a resume after lifting the limit continues from it with no step lost or repeated."""
+    d = _copy_run(saved, tmp_path)
+    limit = "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (200000, 200000)); "
+    limit += f"sys.argv = ['grpo.py', '--resume', '{d}', '--total-steps', '2']; "
+    limit += "runpy.run_path('grpo.py', run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", limit], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(lines) == 1 and "saving step 2" in lines[0] and "checkpoint of step 1 is intact" in lines[0], lines
+    assert json.loads((d / "checkpoint" / "complete.json").read_text())["step"] == 1
+    out = _run("grpo.py", "--resume", str(d), "--total-steps", "2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (d / "metrics.jsonl").open()] == [0, 1, 2]

@@ -28,8 +28,10 @@ GRPO gives auc 0.5 and lift 1.0 by construction (one credit per completion): the
 
 `table` builds, per method, auc and lift early (the first third of the recorded steps) and late (the last third) in
 training, each a mean over seeds with a 95% bootstrap interval over seeds, beside SRPO's reset placement (the share of
-reset points exactly at, before and after the first wrong line, from its logged reset/oracle_* metrics), and writes
-benchmarks/results/<setting>/credit_accuracy.md.
+reset points exactly at, before and after the first wrong line, from its logged reset/oracle_* metrics over every
+training step of the first and the last third of the run), and writes benchmarks/results/<setting>/credit_accuracy.md.
+`calibrate --setting NAME` prints the setting's calibration from GRPO's runs (step-0 greedy accuracy, completion
+length, mixed groups, the median first wrong line of its failed completions).
 """
 
 from __future__ import annotations
@@ -178,22 +180,25 @@ def cmd_table(a) -> None:
                     cols.setdefault(f"{key} {when}", []).append(s[key])
             cols.setdefault(f"n {when}", []).append(s["completions"])
             cols.setdefault(f"steps {when}", []).append(f"{min(steps)}-{max(steps)}")
-            place = placement(read_metrics(metrics_file), steps)
+            metrics = read_metrics(metrics_file)
+            last = max(r["step"] for r in metrics)  # placement: every training step of that third of the run
+            third = set(range(1, last // 3 + 1)) if when == "early" else set(range(last - last // 3 + 1, last + 1))
+            place = placement(metrics, third)
             if place is not None:
                 cols.setdefault(f"reset {when}", []).append(place)
     ci = lambda xs: "{:.3f} [{:.3f}, {:.3f}]".format(*lc.bootstrap_ci(xs)) if xs else "–"  # noqa: E731
     lines = [
         f"Setting `{a.setting}`; every row of the batch at each evaluation step; mean over seeds, 95% bootstrap "
-        "interval over seeds; early/late: the first/last third of the recorded steps.",
+        "interval over seeds; early/late: the first/last third of the recorded steps (reset placement: of all steps).",
         "",
         "| method | seeds | steps early / late | completions per seed | auc early | auc late | lift early | lift late "
-        "| auc late, rows with credit | reset at / before / after the first wrong line (late) |",
+        "| auc late, rows with credit | reset at / before / after the first wrong line (early; late) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in sorted(per, key=lambda x: (x != "grpo", "@" in x, x)):
         c = per[m]
-        resets = c.get("reset late")
-        place = "–" if not resets else " / ".join(f"{np.mean([r[i] for r in resets]):.2f}" for i in range(3))
+        fmt = lambda rs: " / ".join(f"{np.mean([r[i] for r in rs]):.2f}" for i in range(3))  # noqa: E731
+        place = f"{fmt(c['reset early'])}; {fmt(c['reset late'])}" if c.get("reset late") else "–"
         lines.append(
             f"| {m} | {len(c['n late'])} | {c['steps early'][0]} / {c['steps late'][0]} | "
             f"{np.mean(c['n early']):.0f} / {np.mean(c['n late']):.0f} | {ci(c.get('auc early'))} | "
@@ -206,6 +211,38 @@ def cmd_table(a) -> None:
         f"`python benchmarks/credit_accuracy.py table --setting {a.setting}`\n\n{table}\n"
     )
     print(f"table: {root / 'credit_accuracy.md'}")
+
+
+def cmd_calibrate(a) -> None:
+    """The setting's calibration from GRPO's runs: step-0 greedy accuracy, mean completion length and share of mixed
+    groups over the first 10 steps, and the median first wrong line of the failed completions it recorded."""
+    root = Path(a.results) / a.setting / "grpo"
+    runs = sorted(root.glob("seed*.jsonl"))
+    if not runs:
+        sys.exit(f"no GRPO runs under {root}: run `credit_accuracy.py run --setting {a.setting} --methods grpo` first")
+    step0, lengths, mixed, first = [], [], [], []
+    for f in runs:
+        rows = read_metrics(f)
+        step0 += [r["eval/accuracy"] for r in rows if r["step"] == 0 and "eval/accuracy" in r]
+        early = [r for r in rows if 1 <= r["step"] <= 10 and "completions/mean_length" in r]
+        lengths += [r["completions/mean_length"] for r in early]
+        mixed += [1 - r["frac_reward_zero_std"] for r in early]
+        gz = f.with_name(f.name.replace(".jsonl", ".credit.jsonl.gz"))
+        for row in read_credit(gz) if gz.exists() else []:
+            m = PROBLEM_RE.search(row["prompt"])
+            if row["reward"] < 1 and m:
+                k = arith_first_error(parse_arith_problem(m.group(1)), "".join(row["tokens"]))
+                first += [k] if k is not None else []
+    out = {
+        "setting": a.setting,
+        "seeds": len(runs),
+        "step0_greedy_accuracy": float(np.mean(step0)),
+        "mean_completion_tokens_steps_1_10": float(np.mean(lengths)),
+        "mixed_group_share_steps_1_10": float(np.mean(mixed)),
+        "median_first_wrong_line": float(np.median(first)) if first else None,
+        "failed_completions": len(first),
+    }
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -229,8 +266,11 @@ def main() -> None:
     t = sub.add_parser("table", help="the per-method table over seeds (docs/benchmarks.md)")
     t.add_argument("--setting", default="long")
     t.add_argument("--results", default=str(lc.RESULTS))
+    c = sub.add_parser("calibrate", help="the setting's calibration, from GRPO's runs")
+    c.add_argument("--setting", default="long")
+    c.add_argument("--results", default=str(lc.RESULTS))
     a = ap.parse_args()
-    {"run": cmd_run, "report": cmd_report, "table": cmd_table}[a.cmd](a)
+    {"run": cmd_run, "report": cmd_report, "table": cmd_table, "calibrate": cmd_calibrate}[a.cmd](a)
 
 
 if __name__ == "__main__":

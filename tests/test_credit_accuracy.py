@@ -123,3 +123,21 @@ def test_run_at_a_tiny_size_then_table(tmp_path):
     )
     assert tab.returncode == 0, tab.stderr
     assert "| grpo@tiny | 1 |" in tab.stdout and "| srpo_oracle@tiny | 1 |" in tab.stdout
+
+
+def test_the_long_settings_flags_and_its_bundled_model():
+    """`learning_curves.py flags --setting long` prints the script flags on one line; the model it names is bundled
+    (under 20 MB) and was trained on chains as long as the setting's."""
+    r = subprocess.run(
+        [sys.executable, "benchmarks/learning_curves.py", "flags", "--setting", "long"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 1
+    flags = r.stdout.split()
+    model, steps = ROOT / flags[flags.index("--model") + 1], int(flags[flags.index("--arith-steps") + 1])
+    assert (model / "config.json").is_file() and (model / "tokenizer.json").is_file()
+    assert sum(f.stat().st_size for f in model.iterdir()) < 20 * 2**20
+    report = json.loads((model / "training_report.json").read_text())
+    assert report["args"]["max_steps_task"] >= steps

@@ -15,6 +15,7 @@ run as a picture (matplotlib), for the docs, each on its own colour scale.
 from __future__ import annotations
 
 import argparse
+import gzip
 import html
 import importlib.util
 import json
@@ -32,9 +33,11 @@ def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
         path = Path(d) / "credit.jsonl" if Path(d).is_dir() else Path(d)
         if not path.is_file():
             raise SystemExit(f"{d}: no credit.jsonl (run the script with --log-credit N)")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        data = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        rows = [json.loads(line) for line in data.splitlines() if line.strip()]
         name = rows[0]["script"] if rows else path.parent.name
-        out.append((f"{name} ({path.parent.name})", rows))
+        label = path.parent.name if path.name == "credit.jsonl" else f"{path.parent.name}/{path.name.split('.')[0]}"
+        out.append((f"{name} ({label})", rows))
     return out
 
 
@@ -100,9 +103,9 @@ def keyed(rows: list[dict]) -> dict:
     return out
 
 
-def page(runs: list[tuple[str, list[dict]]]) -> str:
+def page(runs: list[tuple[str, list[dict]]], max_rows: int | None = None) -> str:
     index = [keyed(rows) for _, rows in runs]
-    keys = sorted({k for ix in index for k in ix})
+    keys = sorted({k for ix in index for k in ix})[:max_rows]
     scales = [robust_scale(rows) for _, rows in runs]
     head = "".join(
         f"<th>{html.escape(name)}<br><small>colour scale {s:.3g} (95th percentile of |credit|); max "
@@ -232,14 +235,21 @@ def _rgb(c: float, scale: float) -> tuple[float, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run directories (or credit.jsonl files), one column each")
+    ap.add_argument("runs", nargs="+", help="run directories (or credit.jsonl / .jsonl.gz files), one column each")
+    ap.add_argument("--step", type=int, default=None, help="only this recorded step's rollouts")
+    ap.add_argument("--prompt", type=int, default=None, help="only this prompt id's rollouts")
+    ap.add_argument("--max-rows", type=int, default=None, help="only the first N rollouts (step, prompt) of the page")
     ap.add_argument("-o", "--out", default="credit.html")
     ap.add_argument("--png", default=None, help="also draw one shared row of every run into this PNG")
     a = ap.parse_args()
     if a.png and importlib.util.find_spec("matplotlib") is None:
         sys.exit("credit_view.py: --png needs matplotlib (pip install matplotlib, or -r requirements-dev.txt)")
     runs = read_runs(a.runs)
-    Path(a.out).write_text(page(runs))
+    if a.step is not None:
+        runs = [(name, [r for r in rows if r["step"] == a.step]) for name, rows in runs]
+    if a.prompt is not None:
+        runs = [(name, [r for r in rows if r["prompt_id"] == a.prompt]) for name, rows in runs]
+    Path(a.out).write_text(page(runs, a.max_rows))
     print(f"page: {a.out}")
     if a.png:
         png(runs, a.png)

@@ -206,8 +206,10 @@ if __name__ == "__main__":
         gid, scores = ro.group_ids, ro.scores  # d's success is the verifier's (rewards: shaped by --overlong-buffer)
         #    torchrun: over the global batch (tau is the quantile of the whole batch's entropies), each rank its rows
         token_adv, parts = dist.over_global_batch(
-            ep_advantages, old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores
-        )
+            ep_advantages, old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores,
+            keep_whole=("cell_members", "cell_ok"),  # per (group, window) cell, not per row: the metrics take them all
+        )  # fmt: skip
+        parts["group_index"] = torch.unique(gid.cpu(), return_inverse=True)[1].to(token_adv.device)  # this rank's
         ep_stats = ep_diagnostics.ep_metrics(token_adv, parts, old_H, mask)  # the ep/* metrics, from its pieces
         run.credit_signals(outcome=parts["outcome"], gate=parts["gate"], P=parts["process"], window=parts["windows"])
         run.lap("advantages")

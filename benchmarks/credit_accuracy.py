@@ -53,6 +53,7 @@ from rlvr_utils.arith import arith_first_error, parse_arith_problem  # noqa: E40
 from rlvr_utils.credit import token_lines  # noqa: E402  (the line of each token: the definition's rule)
 
 PROBLEM_RE = re.compile(r"Solve:\s*([0-9+\-\s]+?)\s*$", re.M)
+SPECIAL = re.compile(r"<\|?[A-Za-z_]+\|?>")  # a recorded special token (<eos>, <|endoftext|>): not the answer's text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,7 +73,8 @@ def completion_scores(row: dict) -> dict | None:
     if m is None:
         return None  # not an arith prompt
     tokens, credit = row["tokens"], np.asarray(row["credit"], dtype=np.float64)
-    k = arith_first_error(parse_arith_problem(m.group(1)), "".join(tokens))
+    text = "".join(t for t in tokens if not SPECIAL.fullmatch(t))  # the text the verifier saw (no <eos>)
+    k = arith_first_error(parse_arith_problem(m.group(1)), text)
     lines = np.asarray(token_lines(tokens))
     if k is None or k < 2 or not (lines == k).any():
         return None

@@ -123,13 +123,15 @@ def protocol_cut(
     budget: int | None = None,
     reserve: int = 0,
     truncated: bool = False,
+    continuation: bool = False,
 ) -> list[int]:
     """The official chain's stopping rules applied to a response generated in one call (docs/srpo.md, "The chain
     protocol"): it ends after the first thought that contains `\\boxed{`, after `max_thoughts` thoughts, and before
     the first thought that would start with fewer than `reserve` tokens of the response's token `budget` left (the
     official loop stops when len(response) + 256 > response_length); a thought the budget or the generation cap
-    (`truncated`) cut short is dropped, back to the last whole thought (the official safety truncation). A response
-    with no whole thought that fits keeps its first `budget` tokens. Returns the kept token ids."""
+    (`truncated`) cut short is dropped, back to the last whole thought (the official safety truncation). When no whole
+    thought fits, a `continuation` (its prefix spent the budget) adds nothing and a fresh chain keeps its first
+    `budget` tokens. Returns the kept token ids."""
     starts = thought_starts(text, delimiter)
     ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
     last = next((i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]), len(starts) - 1)
@@ -138,10 +140,10 @@ def protocol_cut(
     if budget is not None:
         room = len(tokenizer.decode(ids[:budget], skip_special_tokens=True)) if over else len(text)
         whole = [(e < len(text) or not truncated) and e <= room for e in ends]  # ended by a delimiter or EOS, in budget
-        opens = [k == 0 or tokens_before(tokenizer, ids, s) + reserve <= budget for k, s in enumerate(starts)]
+        opens = [tokens_before(tokenizer, ids, s) + reserve <= budget for s in starts]  # a prefix counts (budget)
         last = min(last, next((k - 1 for k in range(len(starts)) if not (whole[k] and opens[k])), len(starts) - 1))
-        if last < 0 and starts:  # nothing whole fits: the budget's tokens, as a plain cut would keep them
-            return ids[:budget]
+        if last < 0 and starts:  # nothing whole fits: a continuation adds nothing (official); a fresh chain keeps
+            return [] if continuation else ids[:budget]  # its first `budget` tokens (a response is never empty)
     if last < 0 or (last == len(starts) - 1 and not over):
         return ids  # nothing after the last kept thought but its own end
     return ids[: tokens_before(tokenizer, ids, ends[last])]
@@ -194,7 +196,8 @@ class Sampler:
             ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
             thoughts, tokens = budgets[i]
             truncated = bool(ro.truncated[i])
-            cut = protocol_cut(tok, ids, ro.texts[i], self.delimiter, thoughts, tokens, self.reserve, truncated)
+            more = tokens < self.args.max_new_tokens  # a continuation: its prefix took part of the budget
+            cut = protocol_cut(tok, ids, ro.texts[i], self.delimiter, thoughts, tokens, self.reserve, truncated, more)
             out.append((cut, ro.texts[i] if len(cut) == len(ids) else tok.decode(cut, skip_special_tokens=True)))
             if len(ids) > THOUGHT_TOKENS:  # the official loop closes a thought at 256 tokens; here they are counted
                 self.info["long_thoughts"] += sum(

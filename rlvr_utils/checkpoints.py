@@ -186,9 +186,9 @@ class Checkpointer:
                     for r in range(1, world):  # other ranks' sampling streams
                         torch.save(states[r], tmp / f"trainer_rank{r}.pt")
                     (tmp / COMPLETE).write_text(json.dumps({"step": step}))  # last: the copy is whole
-            except (
-                Exception
-            ) as e:  # a full disk, a read-only directory, a file-size limit (OSError, or the writer's own)
+            except Exception as e:  # a full disk, a read-only directory, a file-size limit (OSError or the writer's)
+                if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+                    raise  # not an I/O failure: a bug keeps its traceback
                 self.failed(step, e)
             self.clean_leftovers()
         if self.dist is not None:

@@ -151,6 +151,11 @@ def check_common(args) -> None:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     if "vllm_is_min" in a:
         need(
+            a["vllm_is_min"] == 0 or a["vllm_is_mode"].endswith("mask"),
+            f"--vllm-is-min acts only with a mask mode (token-mask, sequence-mask), "
+            f"not --vllm-is-mode {a['vllm_is_mode']}",
+        )
+        need(
             a["vllm_is_min"] == 0 or a["vllm_is_min"] < a["vllm_is_cap"],
             f"--vllm-is-min must be below --vllm-is-cap ({a['vllm_is_cap']}), got {a['vllm_is_min']}",
         )

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -256,19 +257,22 @@ def file_hashes(args) -> dict:
     }
 
 
-def _same_type(default, value) -> bool:
-    """Whether a config.json value can stand for a flag whose default is `default` (None: any JSON scalar or list)."""
-    if default is None:
-        return value is None or isinstance(value, (str, int, float, list))
-    if isinstance(default, bool):
+def _fits(kind, value) -> bool:
+    """Whether a config.json value is one the flag of type `kind` takes (Literal choices, X | None, tuples of them)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is type(None):
+        return value is None
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(k, value) for k in args)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_fits(args[0], v) for v in value) if args else True
+    if kind is bool:
         return isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(default, int):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(default, tuple):
-        return isinstance(value, (list, tuple))
-    return isinstance(value, type(default))
+    if kind in (int, float):
+        return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    return isinstance(value, kind) if kind is str else True  # anything else is not checked here
 
 
 def resume_args(args, args_type):
@@ -309,12 +313,11 @@ def resume_args(args, args_type):
     hints = typing.get_type_hints(args_type)
     for f in dataclasses.fields(args_type):  # a hand-edited config.json: one line naming the key, not a traceback
         if f.name in saved:
-            kind = hints.get(f.name)
-            choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
-            value = saved[f.name]
+            kind = hints[f.name]  # the Literal choices, also inside X | None or a tuple, for the message
+            choices = [c for k in (kind, *typing.get_args(kind)) if typing.get_origin(k) is Literal for c in k.__args__]
             need(
-                _same_type(getattr(defaults, f.name), value) and (choices is None or value in choices),
-                f"--resume {args.resume}: {run_dir / 'config.json'}: {f.name} is {value!r}, not a value of "
+                _fits(kind, saved[f.name]),
+                f"--resume {args.resume}: {run_dir / 'config.json'}: {f.name} is {saved[f.name]!r}, not a value of "
                 f"--{f.name.replace('_', '-')}" + (f" (one of {', '.join(map(str, choices))})" if choices else ""),
             )
     runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])

@@ -48,18 +48,20 @@ class Dist:
         """This rank's prompts of a global batch (every world-th one)."""
         return list(examples[self.rank :: self.world])
 
-    def over_global_batch(self, fn, *args, **kwargs):
+    def over_global_batch(self, fn, *args, keep_whole: tuple[str, ...] = (), **kwargs):
         """fn(*args, **kwargs) over the global batch, for what a method defines over "the batch" (a quantile, a std):
         every tensor argument with this rank's row count n as its first dimension is gathered from every rank (rank
         order; 2-D ones right-padded with 0 to the widest), fn runs on the whole batch on every rank, and each tensor
         of its result (also inside a tuple or dict) with the global row count as its first dimension comes back as
         this rank's rows (2-D ones trimmed to this rank's width). Row order does not matter to per-group statistics,
-        so the rows get what one process with the whole batch gives them. World 1: fn(*args, **kwargs)."""
+        so the rows get what one process with the whole batch gives them. `keep_whole`: keys of a dict result that
+        are not per row (left whole, whatever their length). World 1: fn(*args, **kwargs)."""
         if self.world == 1:
             return fn(*args, **kwargs)
-        first = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor))
-        n, width = first.shape[0], first.shape[1] if first.dim() > 1 else None
+        n = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)).shape[0]
         rowwise = lambda a: isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n  # noqa: E731
+        widths = [a.shape[1] for a in [*args, *kwargs.values()] if rowwise(a) and a.dim() == 2]
+        width = max(widths) if widths else None  # this rank's T: 2-D results are trimmed back to it
         keys = [i for i, a in enumerate(args) if rowwise(a)] + [k for k, a in kwargs.items() if rowwise(a)]
         mine = [(args[k] if isinstance(k, int) else kwargs[k]).detach().cpu() for k in keys]
         everyone = [None] * self.world
@@ -84,7 +86,7 @@ class Dist:
             if isinstance(x, tuple):
                 return tuple(own(v) for v in x)
             if isinstance(x, dict):
-                return {k: own(v) for k, v in x.items()}
+                return {k: v if k in keep_whole else own(v) for k, v in x.items()}
             return x
 
         return own(fn(*args, **kwargs))

@@ -214,7 +214,11 @@ def engine_correction(
         stats["vllm/logp_abs_diff"] = stats.get("vllm/logp_abs_diff", 0.0) + (log_ratio.abs().sum() / num_tokens).item()
         stats["vllm/is_ratio_mean"] = stats.get("vllm/is_ratio_mean", 0.0) + ((ratio * mask).sum() / num_tokens).item()
         stats["vllm/is_ratio_max"] = max(stats.get("vllm/is_ratio_max", 0.0), (ratio * mask).max().item())
-        masked = ((out == 0) & (weight != 0)).float().expand_as(mask) * mask if mode.endswith("mask") else 0 * mask
+        masked = (
+            ((out == 0) & (weight != 0)).float().expand_as(mask) * mask
+            if mode.endswith("mask") and cap > 0
+            else 0 * mask
+        )
         stats["vllm/is_masked_frac"] = stats.get("vllm/is_masked_frac", 0.0) + (masked.sum() / num_tokens).item()
         if ro.engine_released_gb:
             stats["memory/vllm_released_gb"] = ro.engine_released_gb

@@ -168,6 +168,7 @@ def _copy_run(saved, tmp_path):
         ("list_line", ["metrics.jsonl:2: not a metrics row"]),
         ("wrong_type", ["config.json: num_generations is 'eight'", "--num-generations"]),
         ("bad_choice", ["config.json: loss_agg is 'mean'", "token-mean"]),
+        ("bad_optional", ["config.json: data_path is 7", "--data-path"]),
     ],
 )
 def test_resume_checks_what_the_run_files_hold(saved, tmp_path, damage, words):
@@ -181,7 +182,8 @@ def test_resume_checks_what_the_run_files_hold(saved, tmp_path, damage, words):
         metrics.write_text("\n".join(rows) + "\n")
     else:
         config = json.loads((d / "config.json").read_text())
-        config |= {"num_generations": "eight"} if damage == "wrong_type" else {"loss_agg": "mean"}
+        bad = {"wrong_type": {"num_generations": "eight"}, "bad_choice": {"loss_agg": "mean"}}
+        config |= bad.get(damage, {"data_path": 7})
         (d / "config.json").write_text(json.dumps(config))
     _one_line(_run("grpo.py", "--resume", str(d), "--total-steps", "2", timeout=120), *words)
 

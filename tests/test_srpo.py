@@ -327,6 +327,9 @@ def test_protocol_cut_keeps_whole_thoughts_within_the_token_budget(tiny):
         chains.protocol_cut(tok, cut, text[:20], "\n", truncated=True, budget=48), skip_special_tokens=True
     ) == ("12+3=15\n15-4=11")
     assert chains.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0) == ids[:3]  # nothing whole fits
+    # a continuation whose prefix left too little: nothing whole fits, so it adds nothing (the official loop's cut)
+    assert chains.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0, continuation=True) == []
+    assert chains.protocol_cut(tok, ids, text, "\n", budget=4, reserve=5, continuation=True) == []  # no room to start
 
 
 @pytest.mark.slow

@@ -60,7 +60,8 @@ def first_wrong_line(row: dict) -> int | None:
     m = re.search(r"Solve:\s*([0-9+\-\s]+?)\s*$", row["prompt"], re.M)
     if row["reward"] >= 1 or m is None:
         return None
-    return arith.arith_first_error(m.group(1), "".join(row["tokens"]))
+    text = "".join(t for t in row["tokens"] if not re.fullmatch(r"<\|?[A-Za-z_]+\|?>", t))  # no <eos>
+    return arith.arith_first_error(m.group(1), text)
 
 
 def row_html(row: dict, scale: float) -> str:

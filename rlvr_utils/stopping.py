@@ -18,6 +18,8 @@ def stop_while_loading() -> None:
     not a traceback from inside the model loading: nothing has been trained, so nothing is saved."""
 
     def handler(signum, frame):
+        for sig in SIGNALS:  # a second Ctrl-C must not interrupt the exit itself (an atexit traceback)
+            signal.signal(sig, signal.SIG_IGN)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"\n{name} before the first step: stopped, nothing was saved", file=sys.stderr, flush=True)
         raise SystemExit(130)
@@ -46,6 +48,8 @@ class GracefulStop:
     def _handler(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.flag:
+            for sig in SIGNALS:  # a third signal must not interrupt the exit itself
+                signal.signal(sig, signal.SIG_IGN)
             print(f"\n{name} again: stopping now, without a checkpoint of this step", file=sys.stderr, flush=True)
             raise SystemExit(130)
         self.flag = True

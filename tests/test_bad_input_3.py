@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import ROOT, TINY_MODEL
-from test_bad_input import TINY, _one_line, _run
+from test_bad_input import TINY, _interrupt_while_loading, _one_line, _run
 
 
 def _copy_model(tmp_path, name="m"):
@@ -229,20 +229,4 @@ def test_a_save_that_cannot_be_written_is_one_line_and_the_last_checkpoint_stays
 
 def test_two_ctrl_c_while_loading_are_one_line(tmp_path):
     """A second Ctrl-C right after the first (while the process exits) prints no traceback."""
-    p = subprocess.Popen(
-        [sys.executable, str(ROOT / "grpo.py"), "--output-dir", str(tmp_path / "r"), *TINY],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    buf = ""
-    while "Loading weights" not in buf and p.poll() is None:  # the model is loading: Run() has set the handler
-        buf += p.stderr.read(1)
-    p.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-    _, stderr = p.communicate(timeout=300)
-    assert p.returncode == 130 and "Traceback" not in buf + stderr, (buf + stderr)[-2000:]
+    _interrupt_while_loading(tmp_path, signals=2)

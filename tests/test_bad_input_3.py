@@ -59,7 +59,8 @@ def test_a_half_copied_model_directory_is_one_line_before_the_run_directory_exis
         (["--success-threshold", "0"], ["--success-threshold must be > 0"]),
         (["--exp-name", "rün"], ["--exp-name", "ASCII letters"]),
         (["--max-new-tokens", "600"], ["--max-new-tokens 600 leaves no room for a prompt", "512 positions"]),
-        (["--vllm-is-min", "3", "--vllm-is-cap", "2"], ["--vllm-is-min must be below --vllm-is-cap"]),
+        (["--vllm-is-min", "3", "--vllm-is-cap", "2", "--vllm-is-mode", "token-mask"], ["--vllm-is-min must be below"]),
+        (["--vllm-is-min", "0.5"], ["--vllm-is-min acts only with a mask mode", "token-truncate"]),
         (["--thought-reserve", "-1"], ["--thought-reserve must be >= 0"]),
     ],
 )

@@ -238,15 +238,7 @@ if __name__ == "__main__":
                     per_token_loss = -surrogate
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
                     per_token_loss = per_token_loss * engines.engine_correction(
-                        ro,
-                        mb,
-                        old,
-                        m,
-                        args.vllm_is_cap,
-                        stats.engine(it),
-                        stats.tokens,
-                        args.vllm_is_mode,
-                        args.vllm_is_min,
+                        ro, mb, old, m, args, stats.engine(it), stats.tokens
                     )
                     kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
                     if kl is not None:

@@ -255,15 +255,7 @@ if __name__ == "__main__":
                     per_token_loss = -surrogate * weights[mb]  # ALGO LOGIC: times the token's weight f
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
                     per_token_loss = per_token_loss * engines.engine_correction(
-                        ro,
-                        mb,
-                        old,
-                        m,
-                        args.vllm_is_cap,
-                        stats.engine(it),
-                        stats.tokens,
-                        args.vllm_is_mode,
-                        args.vllm_is_min,
+                        ro, mb, old, m, args, stats.engine(it), stats.tokens
                     )
                     if kl_grad:  # ALGO LOGIC: the additive baseline: distill toward the teacher
                         per_token_loss = per_token_loss + args.kl_loss_coef * D * active[mb]

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -49,11 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own directory)
 from harness import read_metrics  # noqa: E402
 
-from rlvr_utils.arith import arith_first_error, parse_arith_problem  # noqa: E402
-from rlvr_utils.credit import token_lines  # noqa: E402  (the line of each token: the definition's rule)
-
-PROBLEM_RE = re.compile(r"Solve:\s*([0-9+\-\s]+?)\s*$", re.M)
-SPECIAL = re.compile(r"<\|?[A-Za-z_]+\|?>")  # a recorded special token (<eos>, <|endoftext|>): not the answer's text
+from rlvr_utils.credit import first_wrong_line, token_lines  # noqa: E402  (the definition's rules)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,12 +64,8 @@ def completion_scores(row: dict) -> dict | None:
     """auc and lift of one recorded completion (None when the definition leaves it out)."""
     if row["reward"] >= 1:
         return None
-    m = PROBLEM_RE.search(row["prompt"])
-    if m is None:
-        return None  # not an arith prompt
+    k = first_wrong_line(row)  # None: not an arith prompt, or no wrong line
     tokens, credit = row["tokens"], np.asarray(row["credit"], dtype=np.float64)
-    text = "".join(t for t in tokens if not SPECIAL.fullmatch(t))  # the text the verifier saw (no <eos>)
-    k = arith_first_error(parse_arith_problem(m.group(1)), text)
     lines = np.asarray(token_lines(tokens))
     if k is None or k < 2 or not (lines == k).any():
         return None
@@ -231,10 +222,8 @@ def cmd_calibrate(a) -> None:
         mixed += [1 - r["frac_reward_zero_std"] for r in early]
         gz = f.with_name(f.name.replace(".jsonl", ".credit.jsonl.gz"))
         for row in read_credit(gz) if gz.exists() else []:
-            m = PROBLEM_RE.search(row["prompt"])
-            if row["reward"] < 1 and m:
-                k = arith_first_error(parse_arith_problem(m.group(1)), "".join(row["tokens"]))
-                first += [k] if k is not None else []
+            k = first_wrong_line(row) if row["reward"] < 1 else None
+            first += [k] if k is not None else []
     out = {
         "setting": a.setting,
         "seeds": len(runs),

@@ -13,6 +13,7 @@ with their decoded tokens, reward and the method's own per-token signals; tools/
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -100,6 +101,22 @@ def token_lines(tokens: list[str]) -> list[int]:
         out.append(number[text.count("\n", 0, pos)] if t else 0)
         pos += len(t)
     return out
+
+
+ARITH_PROMPT = re.compile(r"Solve:\s*([0-9+\-\s]+?)\s*$", re.M)  # the built-in task's problem, in a recorded prompt
+SPECIAL = re.compile(r"<\|?[A-Za-z_]+\|?>")  # a recorded special token (<eos>, <|endoftext|>): not the answer's text
+
+
+def first_wrong_line(row: dict) -> int | None:
+    """A recorded arith rollout's first wrong line (arith.arith_first_error over the text its verifier saw: the recorded
+    tokens without special tokens), or None for a non-arith prompt or a rollout with no wrong line."""
+    m = ARITH_PROMPT.search(row["prompt"])
+    if m is None:
+        return None
+    from rlvr_utils import arith
+
+    text = "".join(t for t in row["tokens"] if not SPECIAL.fullmatch(t))
+    return arith.arith_first_error(arith.parse_arith_problem(m.group(1)), text)
 
 
 def as_text(rows: list[dict]) -> str:

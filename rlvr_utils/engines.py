@@ -187,11 +187,9 @@ def engine_correction(
     rows,
     old_logp: torch.Tensor,
     mask: torch.Tensor,
-    cap: float,
+    flags,
     stats: dict | None,
     num_tokens: float,
-    mode: str = "token-truncate",
-    floor: float = 0.0,
 ) -> torch.Tensor | float:
     """Importance weights toward the engine's sampling distribution for rows `rows` of the rollouts (1.0 without an
     engine or with cap 0), detached, [b, T] (or [b, 1] per sequence), and the engine-vs-trainer mismatch accumulated
@@ -199,7 +197,9 @@ def engine_correction(
     share of masked tokens (pass `stats=None` on later passes over the same batch: the metrics describe the rollouts,
     once). mode: token-* use each token's ratio pi_old / pi_engine, sequence-* one ratio per row, exp(sum over its
     tokens of the log-ratios); *-truncate: min(ratio, cap); *-mask: the ratio where it is <= cap (and >= `floor`),
-    else 0 (TRL's four vllm_importance_sampling_mode values)."""
+    else 0 (TRL's four vllm_importance_sampling_mode values). `flags`: the run's --vllm-is-cap (cap), --vllm-is-mode
+    (mode) and --vllm-is-min (floor): the script's Args, or any object with those three attributes."""
+    cap, mode, floor = flags.vllm_is_cap, flags.vllm_is_mode, flags.vllm_is_min
     if ro.engine_logp is None:
         return 1.0
     log_ratio = (old_logp.detach() - ro.engine_logp[rows]) * mask

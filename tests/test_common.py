@@ -517,11 +517,14 @@ def test_engine_correction_truncates_the_engine_ratio_at_the_default_cap():
     old = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
     ro = types.SimpleNamespace(engine_logp=torch.log(torch.tensor([[0.1, 0.9, 0.4]])), engine_released_gb=0.0)
     mask, stats = torch.ones(1, 3), {}
-    w = engines.engine_correction(ro, torch.tensor([0]), old, mask, 2.0, stats, 3.0)
+    flags = cli.BaseArgs()  # --vllm-is-cap 2, --vllm-is-mode token-truncate
+    w = engines.engine_correction(ro, torch.tensor([0]), old, mask, flags, stats, 3.0)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.5]]), atol=1e-6)  # ratios 5 (capped), 1, 0.5
     assert stats["vllm/is_ratio_max"] == pytest.approx(5.0, rel=1e-5)
-    assert engines.engine_correction(ro, torch.tensor([0]), old, mask, 0.0, None, 3.0) == 1.0
-    assert engines.engine_correction(types.SimpleNamespace(engine_logp=None), None, old, mask, 2.0, None, 3.0) == 1.0
+    off = types.SimpleNamespace(vllm_is_cap=0.0, vllm_is_mode="token-truncate", vllm_is_min=0.0)
+    assert engines.engine_correction(ro, torch.tensor([0]), old, mask, off, None, 3.0) == 1.0
+    no_engine = types.SimpleNamespace(engine_logp=None)
+    assert engines.engine_correction(no_engine, None, old, mask, flags, None, 3.0) == 1.0
 
 
 def test_engine_correction_modes_by_hand():
@@ -538,7 +541,8 @@ def test_engine_correction_modes_by_hand():
     mask, rows = torch.ones(2, 3), torch.tensor([0, 1])
 
     def w(mode, cap=2.0, floor=0.0, stats=None):
-        return engines.engine_correction(ro, rows, old, mask, cap, stats, 6.0, mode, floor)
+        flags = types.SimpleNamespace(vllm_is_cap=cap, vllm_is_mode=mode, vllm_is_min=floor)
+        return engines.engine_correction(ro, rows, old, mask, flags, stats, 6.0)
 
     assert torch.allclose(w("token-truncate"), torch.tensor([[2.0, 1.0, 0.5], [1.0, 1.0, 1.0]]), atol=1e-6)
     stats = {}

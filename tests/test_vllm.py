@@ -9,7 +9,7 @@ import torch
 from helpers import read_metrics, run_script
 
 import common
-from rlvr_utils import engines, tasks
+from rlvr_utils import cli, engines, tasks
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MEM = 0.1  # of host memory on CPU
@@ -68,7 +68,8 @@ def test_greedy_outputs_and_logprobs_match_generate(engine_and_model):
     m = ro.completion_mask.bool()
     assert (lp[m] - ro.engine_logp[m]).abs().max() < 1e-3  # the engine's sampled-token log-probs
     stats = {}
-    w = engines.engine_correction(ro, slice(None), lp, ro.completion_mask.float(), 2.0, stats, m.sum().item())
+    flags = cli.BaseArgs()  # --vllm-is-cap 2, token-truncate
+    w = engines.engine_correction(ro, slice(None), lp, ro.completion_mask.float(), flags, stats, m.sum().item())
     assert stats["vllm/logp_abs_diff"] < 1e-3 and abs(stats["vllm/is_ratio_mean"] - 1) < 1e-3 and (w <= 2.0).all()
 
 

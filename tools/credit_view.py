@@ -19,12 +19,11 @@ import gzip
 import html
 import importlib.util
 import json
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rlvr_utils import arith, credit  # noqa: E402
+from rlvr_utils import credit  # noqa: E402
 
 
 def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
@@ -57,11 +56,7 @@ def robust_scale(rows: list[dict], q: float = 0.95) -> float:
 
 def first_wrong_line(row: dict) -> int | None:
     """arith rows with reward below 1: the first wrong line (1-based over non-empty lines), else None."""
-    m = re.search(r"Solve:\s*([0-9+\-\s]+?)\s*$", row["prompt"], re.M)
-    if row["reward"] >= 1 or m is None:
-        return None
-    text = "".join(t for t in row["tokens"] if not re.fullmatch(r"<\|?[A-Za-z_]+\|?>", t))  # no <eos>
-    return arith.arith_first_error(m.group(1), text)
+    return credit.first_wrong_line(row) if row["reward"] < 1 else None
 
 
 def row_html(row: dict, scale: float) -> str:

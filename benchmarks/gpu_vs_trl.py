@@ -149,6 +149,7 @@ def main() -> None:
         "--build", metavar="DIR", help="only save the first --shapes model to DIR (for running any script on it)"
     )
     a = ap.parse_args()
+    a.micro_batch_size = min(a.micro_batch_size, a.prompts * a.generations)  # TRL needs accum x micro = the batch
     if a.build:
         print(f"saved a random-init {a.shapes[0]} model to {build_model(a.shapes[0], Path(a.build), a.vocab)}")
         return

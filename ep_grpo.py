@@ -16,13 +16,21 @@ With --gate-alpha 0 --process-coef 0 --outcome-std unbiased it is grpo.py --beta
 import copy
 import dataclasses
 import os
-from typing import Literal, get_args, get_origin
+from typing import Literal, get_args
 
 import torch
 
 import common
 from rlvr_utils import cli, engines, ep_ablations, ep_diagnostics
-from rlvr_utils.masked_stats import cell_zscore, row_quantile
+
+Gate = Literal["soft", "hard", "gtpo", "zsig", "none"]  # the flags with choices, by name (Args and ep_advantages)
+PivotScope = Literal["batch", "group", "response"]
+GateNorm = Literal["response", "none"]
+Granularity = Literal["window", "token", "cumulative"]
+Polarity = Literal["outcome", "none"]
+AnchorForm = Literal["additive", "multiplicative"]
+Progress = Literal["entropy", "position"]
+AdvantageForm = Literal["A", "B"]
 
 
 @dataclasses.dataclass
@@ -36,33 +44,23 @@ class Args(cli.BaseArgs):
     outcome_std: Literal["population", "unbiased"] = "population"
     """(c) std of the outcome advantage: population + 1e-6 (ours; verl: unbiased + 1e-6) or unbiased + 1e-4 (grpo.py,
     TRL)"""
-    # ALGO LOGIC: EP-GRPO's own flags; every one but the anchor's three reaches ep_advantages under its own name
-    gate: Literal["soft", "hard", "gtpo", "zsig", "none"] = "soft"
+    # ALGO LOGIC: EP-GRPO's own flags, at the defaults the method runs with; each reaches ep_advantages by name
+    gate: Gate = "soft"
     """(c) soft 1 + alpha*sigmoid((H - tau)/gate-temp); hard 1[H > tau]; gtpo H; none 1; (a) zsig sigmoid(gamma*z(H))"""
-    gate_gamma: float = 1.0
-    """(c) gamma of --gate zsig, > 0 (the authors' value is not known)"""
     pivot_quantile: float = 0.8
     """(b) pivots, (c) 0.8: the pivot threshold tau is this quantile (in [0, 1]) of the token entropies"""
-    pivot_scope: Literal["batch", "group", "response"] = "batch"
+    pivot_scope: PivotScope = "batch"
     """(c) batch, (a) group: over which tokens tau (or zsig's z-score) is taken"""
     gate_alpha: float = 1.0
     """(c) alpha >= 0: extra weight of a pivot under the soft gate (0 turns the gate off)"""
     gate_temp: float = 0.1
     """(c) T_g: softness of the soft gate (nats, > 0)"""
-    gate_norm: Literal["response", "none"] = "response"
+    gate_norm: GateNorm = "response"
     """(c) response: the gate over its mean per response (each keeps its advantage mass); (a) none"""
-    process_anchor: Literal["ref", "ema", "lagged"] = "ref"
-    """delta = log pi_old - log pi_anchor against (a) ref, the frozen initial policy, or (c) ema, lagged (ablations)"""
-    anchor_ema_decay: float = 0.99
-    """(c) --process-anchor ema: anchor <- decay * anchor + (1 - decay) * policy after every step (in [0, 1])"""
-    anchor_lag: int = 10
-    """(c) --process-anchor lagged: the anchor is reset to the policy every this many steps (>= 1)"""
-    process_granularity: Literal["window", "token", "cumulative"] = "token"
+    process_granularity: Granularity = "token"
     """(a) token: delta z-scored over the group's tokens in its window; (c) window: window sums; (c) prefix sums"""
-    process_polarity: Literal["outcome", "none"] = "outcome"
+    process_polarity: Polarity = "outcome"
     """(a) outcome: P times d = sign(A_out); in all-equal groups +1 if r >= --success-threshold, else -1; none: 1"""
-    anchor_form: Literal["additive", "multiplicative"] = "additive"
-    """(a) additive gate*(A_out + lambda*d*P); (c) multiplicative gate*A_out*(1 + lambda*tanh(sign(A_out)*P))"""
     process_coef: float = 0.2
     """(c) lambda >= 0 (the authors' eta): weight of P in groups with mixed rewards (0 turns it off)"""
     process_coef_zero_var: float | None = None
@@ -71,18 +69,57 @@ class Args(cli.BaseArgs):
     """(c) c: P is clipped to [-c, c] (> 0)"""
     process_std_min: float = 1e-3
     """(c) sigma_min: a (group, window) cell whose std is below this (>= 0) gets P = 0"""
-    progress: Literal["entropy", "position"] = "entropy"
+    progress: Progress = "entropy"
     """progress coordinate: (a) cumulative entropy share, (c) taken at the token's midpoint (C_t - H_t/2) / C_T
     (the recovered form is S_t / S_T) (entropy), or (c) token share (position)"""
     num_buckets: int = 10
     """(a) K: number of progress windows (>= 1)"""
-    advantage_form: Literal["A", "B"] = "A"
+    process_anchor: Literal["ref", "ema", "lagged"] = "ref"
+    """delta = log pi_old - log pi_anchor against (a) ref, the frozen initial policy, or (c) ema, lagged (ablations)"""
+    # Ablations (docs/ep_grpo.md, Ablations): the other forms, in rlvr_utils/ep_ablations.py
+    gate_gamma: float = 1.0
+    """(c) gamma of --gate zsig, > 0 (the authors' value is not known)"""
+    anchor_form: AnchorForm = "additive"
+    """(a) additive gate*(A_out + lambda*d*P); (c) multiplicative gate*A_out*(1 + lambda*tanh(sign(A_out)*P))"""
+    advantage_form: AdvantageForm = "A"
     """(a) A: gate * (A_out + lambda * d * P); (c) B: gate * z-score of r + implicit-beta * cumsum(delta) per cell"""
     implicit_beta: float = 0.05
     """(c) beta of the implicit reward in --advantage-form B (no effect in form A)"""
+    anchor_ema_decay: float = 0.99
+    """(c) --process-anchor ema: anchor <- decay * anchor + (1 - decay) * policy after every step (in [0, 1])"""
+    anchor_lag: int = 10
+    """(c) --process-anchor lagged: the anchor is reset to the policy every this many steps (>= 1)"""
 
 
 # ALGO LOGIC: EP-GRPO's credit assignment at its defaults, as pure tensor functions (docs/ep_grpo.md, each equation)
+def row_quantile(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
+    """The gate's pivot threshold: the q-quantile (linear interpolation, as torch.quantile) of each row's valid
+    entries; x, valid: [R, L] -> [R]. Rows without valid entries give 0. Sort-based, so it has no size limit."""
+    s = x.float().masked_fill(~valid, float("inf")).sort(dim=1).values  # valid entries first, ascending
+    n = valid.sum(1)
+    pos = q * (n - 1).clamp(min=0).float()  # the quantile's fractional rank
+    lo, hi = pos.floor().long()[:, None], pos.ceil().long()[:, None]
+    val = s.gather(1, lo) + (pos[:, None] - lo) * (s.gather(1, hi) - s.gather(1, lo))
+    return torch.where(n > 0, val.squeeze(1), torch.zeros_like(pos))
+
+
+def cell_zscore(x, valid, cell, num_cells, clip=3.0, std_min=1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The process signal's normalization: z = (x - mean_cell) / std_cell within cells (population std), clipped to
+    [-clip, clip]. x, valid, cell: same shape (cell: long ids < num_cells, a cell is a (group, window) pair). Entries
+    that are not valid, or whose cell has fewer than 2 members or a std below std_min, get 0. Returns (z like x,
+    members per cell [num_cells], ok [num_cells])."""
+    v = valid.float()
+    c, xv = cell.reshape(-1), (x.float() * v).reshape(-1)
+    zeros = torch.zeros(num_cells, device=x.device)
+    n = zeros.index_add(0, c, v.reshape(-1))  # members per cell
+    mean = zeros.index_add(0, c, xv) / n.clamp(min=1)
+    dev = (x.float() - mean[cell]) * v
+    std = (zeros.index_add(0, c, (dev**2).reshape(-1)) / n.clamp(min=1)).sqrt()
+    ok = (n >= 2) & (std > 0) & (std >= std_min)
+    z = (dev / torch.where(ok, std, torch.ones_like(std))[cell]).clamp(-clip, clip)
+    return torch.where(ok[cell] & valid, z, torch.zeros_like(z)), n, ok
+
+
 def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="response", eps=1e-6) -> torch.Tensor:
     """Token weights g_hat [B, T] = g / (g's mean over the response), g = 1 + alpha * sigmoid((H - tau) / temp): each
     response keeps its mean weight 1 (all ~0: 1), pads get 0. entropy: [B, T], tau (a scalar or [B, 1]): nats."""
@@ -118,10 +155,12 @@ def ep_advantages(
     """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * d * P), 0 at pads (the authors' Eq. 18-25 as
     reported second-hand; docs/ep_grpo.md). entropy: [B, T] rollout entropy (nats); logp_old, logp_ref: [B, T] log-probs
     of the sampled tokens under pi_old and the anchor; mask: [B, T]; rewards: [B]; groups: rows sharing group_ids
-    (default: blocks of group_size). Keywords: Args' flags. Pure. return_parts: also the pieces, for ep_metrics."""
-    flags = dict(locals())  # the arguments; a direct call gets the command line's checks (Args' choices, K, rho)
-    choices = {f.name: get_args(f.type) for f in dataclasses.fields(Args) if get_origin(f.type) is Literal}
-    bad = [f"{k}={v!r} (one of {choices[k]})" for k, v in flags.items() if k in choices and v not in choices[k]]
+    (default: blocks of group_size). Keywords: the flags of the same names. Pure. return_parts: also the pieces."""
+    chosen = dict(gate=(gate, Gate), pivot_scope=(pivot_scope, PivotScope), gate_norm=(gate_norm, GateNorm))
+    chosen |= dict(process_granularity=(process_granularity, Granularity), progress=(progress, Progress))
+    chosen |= dict(process_polarity=(process_polarity, Polarity), anchor_form=(anchor_form, AnchorForm))
+    chosen |= dict(advantage_form=(advantage_form, AdvantageForm))
+    bad = [f"{k}={v!r} (one of {get_args(t)})" for k, (v, t) in chosen.items() if v not in get_args(t)]
     if bad or num_buckets < 1 or not 0 <= pivot_quantile <= 1:
         raise ValueError(f"{bad}; need num_buckets >= 1, pivot_quantile in [0, 1]: {num_buckets}, {pivot_quantile}")
     B, dev, valid, m, H = mask.shape[0], entropy.device, mask.bool(), mask.float(), entropy.float()
@@ -140,19 +179,25 @@ def ep_advantages(
     # entropy gate around tau, the rho-quantile of the batch's token entropies [B, 1] (other scopes and zsig: ablations)
     tau, temp = row_quantile(H.reshape(1, -1), valid.reshape(1, -1), pivot_quantile).repeat(B, 1), gate_temp
     if pivot_scope != "batch" or gate == "zsig":
-        tau, temp = ep_ablations.pooled_threshold(H, mask, inv, pivot_scope, pivot_quantile, gate, temp, gate_gamma)
+        tau, temp = ep_ablations.pooled_threshold(H, mask, inv, pivot_scope, pivot_quantile, gate, temp, gate_gamma,
+                                                  quantile=row_quantile)  # fmt: skip
     g_hat = entropy_gate(H, mask, tau, gate, gate_alpha, temp, gate_norm)
     # process signal P: delta, the implicit-PRM log-ratio per token, z-scored over the group's tokens in each window
     b, zero_entropy = progress_windows(H, mask, K, progress)
     delta = (logp_old.float() - logp_ref.float()) * m
     P, n_cell, ok = cell_zscore(delta, valid, inv[:, None] * K + b, n_groups * K, process_clip, process_std_min)
     if process_granularity != "token":  # ablations: window sums or prefix sums of delta, z-scored per cell
-        P, n_cell, ok = ep_ablations.window_process(delta, b, inv, **flags)
+        P, n_cell, ok = ep_ablations.window_process(
+            delta, b, inv, mask, K, process_granularity, process_clip, process_std_min, zscore=cell_zscore
+        )
     lam0 = process_coef if process_coef_zero_var is None else process_coef_zero_var
     lam = torch.where(zero_var, lam0, process_coef)[:, None]
     A = g_hat * (a_out[:, None] + lam * polarity[:, None] * P) * m
     if anchor_form != "additive" or advantage_form != "A":  # ablations: the multiplicative form, form B
-        A, P, n_cell, ok = ep_ablations.other_forms(g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, **flags)
+        A, P, n_cell, ok = ep_ablations.other_forms(
+            g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, mask, advantage_form, K, implicit_beta, process_clip,
+            process_std_min, zscore=cell_zscore,
+        )  # fmt: skip
     parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv)
     parts.update(zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok, polarity=polarity, delta=delta)
     return (A, dict(parts, above_threshold=solved)) if return_parts else A
@@ -183,7 +228,14 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     run.start(model, tokenizer, optimizer, task, state={} if anchor is ref_model else {"anchor": anchor})
     dist, G = run.dist, args.num_generations
-    flags = dict({k: getattr(args, k) for k in ep_advantages.__kwdefaults__ if hasattr(args, k)}, return_parts=True)
+    flags = dict(scale_rewards=args.scale_rewards, outcome_std=args.outcome_std, gate=args.gate)  # ALGO LOGIC: by name
+    flags |= dict(pivot_quantile=args.pivot_quantile, pivot_scope=args.pivot_scope, gate_alpha=args.gate_alpha)
+    flags |= dict(gate_temp=args.gate_temp, gate_norm=args.gate_norm, gate_gamma=args.gate_gamma)
+    flags |= dict(process_granularity=args.process_granularity, process_polarity=args.process_polarity)
+    flags |= dict(success_threshold=args.success_threshold, anchor_form=args.anchor_form)
+    flags |= dict(process_coef=args.process_coef, process_coef_zero_var=args.process_coef_zero_var)
+    flags |= dict(process_clip=args.process_clip, process_std_min=args.process_std_min, progress=args.progress)
+    flags |= dict(num_buckets=args.num_buckets, advantage_form=args.advantage_form, implicit_beta=args.implicit_beta)
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
@@ -207,7 +259,7 @@ if __name__ == "__main__":
         #    torchrun: over the global batch (tau is the quantile of the whole batch's entropies), each rank its rows
         token_adv, parts = dist.over_global_batch(
             ep_advantages, old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores,
-            keep_whole=("cell_members", "cell_ok"),  # per (group, window) cell, not per row: the metrics take them all
+            return_parts=True, keep_whole=("cell_members", "cell_ok"),  # per (group, window) cell: all for the metrics
         )  # fmt: skip
         parts["group_index"] = torch.unique(gid.cpu(), return_inverse=True)[1].to(token_adv.device)  # this rank's
         ep_stats = ep_diagnostics.ep_metrics(token_adv, parts, old_H, mask)  # the ep/* metrics, from its pieces

@@ -7,21 +7,22 @@ and calls these for the other values of its flags: --pivot-scope group / respons
 
 import torch
 
-from rlvr_utils.masked_stats import cell_zscore, row_quantile
 
-
-def pooled_threshold(H, mask, inv, scope, q, gate, temp, gamma) -> tuple[torch.Tensor, float | torch.Tensor]:
+def pooled_threshold(
+    H, mask, inv, scope, q, gate, temp, gamma, *, quantile
+) -> tuple[torch.Tensor, float | torch.Tensor]:
     """The gate's threshold tau [B, 1] (nats) and temperature, per pool of rows: --pivot-scope batch (one pool), group
     (rows with the same inv; equal group sizes) or response (each row). tau is the q-quantile of the pool's token
     entropies; with --gate zsig (a) it is their mean and the temperature their population std / gamma, so that
-    sigmoid((H - tau) / temp) is the authors' W = sigmoid(gamma * z(H)) (EP-GRPO Eq. 18-19). H, mask: [B, T]."""
+    sigmoid((H - tau) / temp) is the authors' W = sigmoid(gamma * z(H)) (EP-GRPO Eq. 18-19). H, mask: [B, T].
+    quantile: ep_grpo.row_quantile."""
     B, dev, m = H.shape[0], H.device, mask.float()
     owner = {"batch": torch.zeros_like(inv), "group": inv, "response": torch.arange(B, device=dev)}[scope]
     pools = int(owner.max()) + 1
     if gate != "zsig":
         order = torch.argsort(owner, stable=True)  # rows of a pool together
         valid = mask.bool()
-        return row_quantile(H[order].reshape(pools, -1), valid[order].reshape(pools, -1), q)[owner][:, None], temp
+        return quantile(H[order].reshape(pools, -1), valid[order].reshape(pools, -1), q)[owner][:, None], temp
     n = torch.zeros(pools, device=dev).index_add(0, owner, m.sum(1)).clamp(min=1)
     tau = (torch.zeros(pools, device=dev).index_add(0, owner, (H * m).sum(1)) / n)[owner][:, None]
     var = torch.zeros(pools, device=dev).index_add(0, owner, (((H - tau) * m) ** 2).sum(1)) / n
@@ -37,26 +38,31 @@ def gate_weights(H, tau, temp, gate) -> torch.Tensor:
     return {"hard": (H > tau).float(), "gtpo": H.clamp(min=0), "none": torch.ones_like(H)}[gate]
 
 
-def window_process(delta, windows, inv, *, mask, num_buckets, process_granularity, process_clip, process_std_min, **_):
+def window_process(
+    delta, windows, inv, mask, num_buckets, process_granularity, process_clip, process_std_min, *, zscore
+):
     """--process-granularity window (c: the first reconstruction's form) and cumulative (c: SPRO-like). window: S[i, k]
     = the sum of delta over response i's window k, z-scored across the group's responses that reach window k;
     cumulative: the prefix sums S[i, 0..k], every response counted in every window. Each token gets its window's
-    value. delta, windows: [B, T]; inv: [B] group index; the keywords: ep_advantages' flags. Returns (P [B, T],
-    members per cell, ok per cell) as cell_zscore."""
+    value. delta, windows, mask: [B, T]; inv: [B] group index; the others: ep_advantages' flags of the same names;
+    zscore: ep_grpo.cell_zscore. Returns (P [B, T], members per cell, ok per cell) as cell_zscore."""
     B, K, m = delta.shape[0], num_buckets, mask.float()
     S = torch.zeros(B, K, device=delta.device).scatter_add_(1, windows, delta)
     present = torch.zeros(B, K, device=delta.device).scatter_add_(1, windows, m) > 0
     if process_granularity == "cumulative":
         S, present = S.cumsum(1), mask.bool().any(1, keepdim=True).expand(-1, K)
     cells = inv[:, None] * K + torch.arange(K, device=delta.device)
-    P_win, n_cell, ok = cell_zscore(S, present, cells, (int(inv.max()) + 1) * K, process_clip, process_std_min)
+    P_win, n_cell, ok = zscore(S, present, cells, (int(inv.max()) + 1) * K, process_clip, process_std_min)
     return P_win.gather(1, windows) * m, n_cell, ok
 
 
-def other_forms(g_hat, a_out, lam, P, n_cell, ok, r, delta, windows, inv, *, mask, advantage_form, **flags):
+def other_forms(
+    g_hat, a_out, lam, P, n_cell, ok, r, delta, windows, inv, mask, advantage_form, num_buckets, implicit_beta,
+    process_clip, process_std_min, *, zscore,
+):  # fmt: skip
     """The token advantage A [B, T] (0 at pads) of --advantage-form B or --anchor-form multiplicative, with the process
     signal and cells it used: (A, P, members per cell, ok per cell). g_hat, P, delta, windows: [B, T]; a_out, r, inv:
-    [B]; lam: [B, 1]; the keywords: ep_advantages' flags.
+    [B]; lam: [B, 1]; the others: ep_advantages' flags of the same names; zscore: ep_grpo.cell_zscore.
 
     B (c: the alternative reading, SPRO's Masked Step Advantage over entropy progress): the dense token reward
     R = r + implicit_beta * cumsum(delta), z-scored over the tokens of each (group, window) cell, times g_hat; no
@@ -64,10 +70,10 @@ def other_forms(g_hat, a_out, lam, P, n_cell, ok, r, delta, windows, inv, *, mas
     its own sign (no outcome polarity), never flips a token's sign and is 0 where A_out is 0 (all-equal groups)."""
     m = mask.float()
     if advantage_form == "B":
-        K = flags["num_buckets"]
-        R = r[:, None] + flags["implicit_beta"] * delta.cumsum(1)
+        K = num_buckets
+        R = r[:, None] + implicit_beta * delta.cumsum(1)
         cells, n_cells = inv[:, None] * K + windows, (int(inv.max()) + 1) * K
-        P, n_cell, ok = cell_zscore(R, mask.bool(), cells, n_cells, flags["process_clip"], flags["process_std_min"])
+        P, n_cell, ok = zscore(R, mask.bool(), cells, n_cells, process_clip, process_std_min)
         return g_hat * P * m, P, n_cell, ok
     return g_hat * a_out[:, None] * (1 + lam * torch.tanh(torch.sign(a_out)[:, None] * P)) * m, P, n_cell, ok
 

@@ -12,10 +12,9 @@ import torch
 from helpers import read_metrics, run_inprocess, run_script
 
 import common
-from ep_grpo import entropy_gate, ep_advantages, progress_windows
+from ep_grpo import cell_zscore, entropy_gate, ep_advantages, progress_windows, row_quantile
 from rlvr_utils import tasks
 from rlvr_utils.ep_diagnostics import ep_metrics
-from rlvr_utils.masked_stats import cell_zscore, row_quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ the direction, f the magnitude). Solve-none groups (n_c = 0): one rollout is eve
 alpha * zscore(mean f) to their advantage.
 Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no official code). Docs: docs/sc_grpo.md.
 
-Differences from grpo.py (the teacher's prompt and forward: rlvr_utils/teacher.py):
-1. step 3 routes the groups and builds each routed row's teacher prompt
+Differences from grpo.py (the teacher's memory-bounded forward: rlvr_utils/teacher.py):
+1. step 3 routes the groups and builds each routed row's teacher prompt (its text and construction: teacher_prompt)
 2. f and the solve-none bonus need D: per micro-batch in step 5, in step 4 with --kl-threshold-scope batch
 3. step 5: micro-batches of whole groups (--micro-batch-size enters the algorithm), the surrogate times f
 4. the advantage's std: population + 1e-6 (--outcome-std; grpo.py's: unbiased + 1e-4); no shared default changes
@@ -21,14 +21,14 @@ Differences from grpo.py (the teacher's prompt and forward: rlvr_utils/teacher.p
 
 import copy
 import dataclasses
+import enum
 import functools
 from typing import Literal
 
 import torch
 
 import common
-from rlvr_utils import cli, engines, teacher
-from rlvr_utils.teacher import Role, logprobs_and_kl
+from rlvr_utils import cli, engines, tasks, teacher
 
 
 @dataclasses.dataclass
@@ -64,17 +64,93 @@ class Args(cli.BaseArgs):
 
 
 # ALGO LOGIC: SC-GRPO's own functions (pure; the equations are in docs/sc_grpo.md, the paper's §5.1)
+class Role(enum.IntEnum):
+    """How a row's teacher enters its loss (build_teachers sets it, weights_and_advantages reads it; paper §5.1)."""
+
+    PLAIN = 0  # no teacher: plain GRPO, weight f = 1
+    WEIGHTED = 1  # partial-solve (and the single / all ablations): f = D / (D + c) times the GRPO surrogate
+    DIVERSITY = 2  # solve-none: weighted as above, plus the bonus alpha * zscore(mean f) on its advantage
+    REFERENCE = 3  # solve-none's reference o_r: no loss (weight 0, advantage 0)
+
+
+GUIDE = (
+    "Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
+    "the problem.\n\nReference solution:\n"
+)  # chat models: the teacher's system message, then tau (paper App. E.1; docs/sc_grpo.md)
+
+
+def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
+    """Token ids of the teacher's prompt: the student's context plus the reference tau (paper §1.2). Chat: the system
+    message is the student's own (or the template's default) + GUIDE + tau, the user turns the student's. Plain text:
+    "Reference solution:\\n<tau>\\n" + the student's prompt (arith: the block the tiny model was trained on)."""
+    tau, default = tau.strip(), teacher.default_system_message
+    if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its own system message
+        msgs = list(example.meta["prompt"])
+        own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
+        base = own or (default(tokenizer) + "\n\n" if default(tokenizer) else "")
+        system = [{"role": "system", "content": base + GUIDE + tau}]
+        text = tokenizer.apply_chat_template(system + msgs, add_generation_prompt=True, tokenize=False)
+    elif "chat" in example.meta:  # a custom task's plain string prompt, seen as it is
+        text = f"Reference solution:\n{tau}\n{example.prompt}"
+    elif tasks.has_chat_template(tokenizer):
+        if not example.user:
+            raise ValueError(f"example {example.id} has no user turn (Example.user): the chat teacher repeats it")
+        base = default(tokenizer)
+        system = (base + "\n\n" if base else "") + GUIDE + tau
+        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=system)
+    elif task == "arith":
+        from rlvr_utils import arith
+
+        text = arith.arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
+    else:
+        text = f"Reference solution:\n{tau}\n{example.prompt}"
+    return tasks.encode_prompt(tokenizer, text)
+
+
+def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int, generator):
+    """Each row's teacher prompt ids (None: no teacher), Role, weighted length wlen and the bad-input counts (paper
+    §5.1). examples: each group's Example by group id; tau_row [N]: each row's tau / o_r (route_groups). A tau whose
+    prompt exceeds `limit` tokens (the context minus the completions) or `max_ref_tokens` is replaced by another
+    correct sibling (never the row itself), drawn uniformly, else its middle is cut, else the row is PLAIN
+    (teacher.fit_reference). wlen [N]: |o_i|, or min(|o_i|, |o_r|) in solve-none groups. role, wlen on the rows'
+    device."""
+    lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
+    counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
+    prompts, role, wlen = [None] * len(ro), torch.zeros(len(ro), dtype=torch.long), lengths.clone()
+    role[(tau_row < 0) & ~correct & torch.isin(torch.arange(len(ro)), tau_row)] = Role.REFERENCE  # solve-none's o_r
+    for i in (tau_row >= 0).nonzero().flatten().tolist():
+        j, same = int(tau_row[i]), (gids == gids[i]).nonzero().flatten().tolist()
+        sibs = [k for k in same if correct[j] and correct[k] and k not in (i, j)]  # a partial group's other taus
+        taus = [ro.texts[k] for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]]
+        make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
+        prompts[i], how = teacher.fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
+        counts.update({f"sc/{how}": counts[f"sc/{how}"] + 1} if how != "drawn" else {})
+        if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
+            role[i] = Role.WEIGHTED
+        elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|) tokens
+            role[i], wlen[i] = Role.DIVERSITY, min(lengths[i], lengths[j])
+    return prompts, role.to(ro.completion_mask.device), wlen.to(ro.completion_mask.device), counts
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full vocabulary, fp32
+    (paper §5.1). Logits [.., V] already divided by the temperature; returns [..]. teacher.logprobs_and_kl computes
+    this a few positions at a time, or fused through the lm_head (FusedLinearKL) so no [b, T, V] tensor exists."""
+    lt, ls = torch.log_softmax(teacher_logits.float(), -1), torch.log_softmax(student_logits.float(), -1)
+    return (lt.exp() * (lt - ls)).sum(-1)
+
+
 def route_groups(correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"), scores=None):
-    """Each group's mode by n_c, its number of correct rollouts, and each rollout's reference ref [N] (paper §5.1).
+    """Each group's mode by n_c, its number of correct rollouts, and each rollout's reference row tau_row [N] (§5.1).
     correct [N] bool; groups share a group_ids value (default: blocks of group_size); modes: one per group, in order of
     first appearance. partial (2 <= n_c < G): each rollout draws a correct one other than itself, uniformly. none (n_c
     = 0, all scores equal): one rollout o_r, drawn uniformly, is every other one's reference. A group with n_c = 0 whose
     graded `scores` differ (the code task), a kind not in `weighted` (single: n_c = 1 and all: n_c = G, ablations,
-    follow the partial rule) or a group of one is plain (f = 1). ref -1: no teacher. Draws: `generator` only."""
+    follow the partial rule) or a group of one is plain (f = 1). tau_row -1: no teacher. Draws: `generator` only."""
     correct, modes = correct.bool().cpu(), []
     gids = torch.arange(len(correct)) // group_size if group_ids is None else group_ids.cpu()
     scores = correct.float() if scores is None else scores.float().cpu()
-    ref, ids = torch.full((len(correct),), -1, dtype=torch.long), gids.tolist()
+    tau_row, ids = torch.full((len(correct),), -1, dtype=torch.long), gids.tolist()
     for u in dict.fromkeys(ids):  # the groups in order of first appearance
         rows = torch.tensor([i for i, g in enumerate(ids) if g == u])
         if len(rows) != group_size:
@@ -85,13 +161,13 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
         modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
         if modes[-1] == "none":
             r = rows[torch.randint(len(rows), (1,), generator=generator)]
-            ref[rows], ref[r] = r, -1
+            tau_row[rows], tau_row[r] = r, -1
         elif modes[-1] != "plain":
             good = rows[correct[rows]]
             for i in rows.tolist():
                 if len(others := good[good != i]):
-                    ref[i] = others[torch.randint(len(others), (1,), generator=generator)]
-    return modes, ref
+                    tau_row[i] = others[torch.randint(len(others), (1,), generator=generator)]
+    return modes, tau_row
 
 
 def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) -> torch.Tensor:
@@ -131,8 +207,7 @@ def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_
     weights = torch.where((role == Role.PLAIN)[:, None], 1.0, f)  # [n, T]
     adv, div = adv.clone(), role == Role.DIVERSITY
     if div.any():
-        s_div = (f * active).sum(-1) / active.sum(-1).clamp(min=1)
-        eps = 1e-4 if unbiased else 1e-6
+        s_div, eps = (f * active).sum(-1) / active.sum(-1).clamp(min=1), 1e-4 if unbiased else 1e-6
         adv[div] = adv[div] + diversity_advantage(s_div[div], group_ids[div.cpu()], alpha, eps, unbiased)[:, None]
     adv[role == Role.REFERENCE] = 0.0
     return weights, adv, f
@@ -140,9 +215,8 @@ def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_
 
 def signed_logratio(delta: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
     """--divergence sampled-logratio (ours, an ablation): D = relu(sign(A) * delta), delta [n, T] = log pi_teacher(o_t)
-    - log pi(o_t), adv [n] the rows' GRPO advantages: A < 0 weighs the tokens the teacher finds less likely than the
-    student does (where a failed rollout left the verified path), A > 0 those it finds more likely; A = 0 (solve-none
-    rows, the diversity bonus) |delta|. Returns [n, T] >= 0, in place of the paper's KL in f = D / (D + c)."""
+    - log pi(o_t), adv [n] the GRPO advantages: A < 0 weighs the tokens the teacher finds less likely than the student
+    (where a failed rollout left the verified path), A > 0 the more likely, A = 0 (solve-none) |delta|. [n, T] >= 0."""
     sign = torch.sign(adv).to(delta)[:, None]
     return torch.where(sign == 0, delta.abs(), torch.relu(sign * delta))
 
@@ -152,10 +226,8 @@ def validate(args: Args) -> Args:
     ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0", max_reference_tokens=">= 1")
     cli.need_ranges(args, **ranges)
     cli.need(len(args.weighted_groups) > 0, "--weighted-groups needs at least one of partial, none, single, all")
-    cli.need(
-        args.divergence == "kl" or args.kl_loss_coef == 0,
-        "--kl-loss-coef needs --divergence kl (the sampled log-ratio has no gradient)",
-    )
+    no_grad = "--kl-loss-coef needs --divergence kl (the sampled log-ratio has no gradient)"
+    cli.need(args.divergence == "kl" or args.kl_loss_coef == 0, no_grad)
     return args
 
 
@@ -179,9 +251,10 @@ if __name__ == "__main__":
     per_batch = multiply and args.kl_threshold_scope == "batch"  # f in step 4 (else in step 5)
     unbiased, eps = args.outcome_std == "unbiased", {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std]  # A, bonus
     flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
-    credit = functools.partial(weights_and_advantages, **flags)  # ALGO LOGIC: f, and the solve-none bonus
+    f_and_bonus = functools.partial(weights_and_advantages, **flags)  # ALGO LOGIC: f, and the solve-none bonus
     sampled = args.divergence == "sampled-logratio"  # ALGO LOGIC (ablation, ours): D from the sampled token
-    logprobs_and_kl = functools.partial(logprobs_and_kl, pad_id=pad, kl_grad=kl_grad, dist=dist, sampled=sampled)
+    kw = dict(pad_id=pad, kl_grad=kl_grad, dist=dist, sampled=sampled, kl_fn=token_kl)
+    with_teacher = functools.partial(teacher.logprobs_and_kl, **kw)  # ALGO LOGIC: the student's log-probs and D
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
@@ -191,21 +264,20 @@ if __name__ == "__main__":
         T = mask.shape[1]
         run.lap("generation")
 
-        # 3. ALGO LOGIC: credit assignment. Groups are routed by their number of correct rollouts, each routed row gets
-        #    a teacher prompt (paper §5.1). f and the solve-none bonus need D: `credit` runs per micro-batch in step 5
-        #    (c is the micro-batch's percentile, §5.1), in step 4 with --kl-threshold-scope batch. `advantages` [N]:
-        #    GRPO's; `token_adv` [N, T]: what reaches the loss; `weights` [N, T]: f.
+        # 3. ALGO LOGIC: credit assignment. Groups are routed by n_c, each routed row gets a teacher prompt (§5.1). f,
+        #    the bonus need D: `f_and_bonus` runs per micro-batch in step 5 (c: the micro-batch's percentile, §5.1), in
+        #    step 4 with --kl-threshold-scope batch. token_adv [N, T]: what reaches the loss; weights [N, T]: f.
         gid = ro.group_ids.cpu()
         advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, eps, gid, unbiased)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T]
         correct = ro.scores >= args.success_threshold  # a verified success (not the shaped reward)
-        modes, ref = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
-        teachers, role, wlen, bad = teacher.build_teachers(
-            tokenizer, args.task, ro, examples, correct, ref, context - T, args.max_reference_tokens, routing
+        modes, tau_row = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
+        teachers, role, wlen, bad = build_teachers(
+            tokenizer, args.task, ro, examples, correct, tau_row, context - T, args.max_reference_tokens, routing
         )
         active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (and c's percentile is over)
         weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f: 1 on plain rows
-        log = teacher.TeacherLog()  # D, f and the teacher's cost, for the sc/* metrics
+        sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, for the sc/* metrics
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
@@ -216,11 +288,13 @@ if __name__ == "__main__":
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
             if per_batch:  # ALGO LOGIC: --kl-threshold-scope batch: D of every row first, then f with c over the batch
                 D = teacher.kl_of_every_row(
-                    model, ro, teachers, args.temperature, pad, G, args.micro_batch_size, log, sampled
+                    model, ro, teachers, args.temperature, pad, G, args.micro_batch_size, sc_log, sampled, token_kl
                 )
                 D = signed_logratio(D, advantages.to(D.device)) if sampled else D  # ablation (ours)
-                weights, token_adv, f = dist.over_global_batch(credit, D, active, role, gid, token_adv)  # [N, T] each
-                log.add(D, f, active)
+                weights, token_adv, f = dist.over_global_batch(
+                    f_and_bonus, D, active, role, gid, token_adv
+                )  # [N, T] each
+                sc_log.add(D, f, active)
         run.lap("logprobs")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
@@ -236,15 +310,17 @@ if __name__ == "__main__":
                     m = mask[mb].float()
                     first = it == 0 and multiply and not per_batch  # f from pass 1 (the teacher is the current policy)
                     prompts = [teachers[i] for i in mb.tolist()] if first or kl_grad else None
-                    logp, entropy, D, cost = logprobs_and_kl(  # ALGO LOGIC: and D to each row's teacher
+                    logp, entropy, D, cost = with_teacher(  # ALGO LOGIC: and D to each row's teacher
                         train_model, input_ids[mb], attn[mb], T, args.temperature, prompts, with_entropy=it == 0
                     )
                     if first and sampled:  # ablation (ours): D from the sampled token, signed by the advantage
                         D = signed_logratio(D, advantages.to(D.device)[mb])
                     if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
-                        weights[mb], token_adv[mb], f = credit(D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb])
+                        weights[mb], token_adv[mb], f = f_and_bonus(
+                            D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb]
+                        )
                     seen = it == 0 and prompts is not None and not per_batch  # D, once per row, for the sc/* metrics
-                    log.add(D if seen else None, f if first else None, active[mb], cost)
+                    sc_log.add(D if seen else None, f if first else None, active[mb], cost)
                     run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
@@ -276,6 +352,6 @@ if __name__ == "__main__":
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
         run.credit_signals(f=weights, role=role)  # --log-credit: the token weight f and the row's role
-        run.end_step(step, ro, rewards, stats, sampling | log.metrics(modes, bad, ro.texts, run.device))  # + sc/*
+        run.end_step(step, ro, rewards, stats, sampling | sc_log.metrics(modes, bad, ro.texts, run.device))  # + sc/*
 
     run.finish()

@@ -1,9 +1,10 @@
-"""SC-GRPO's self-conditioned teacher: its prompt and its forward (sc_grpo.py; docs/sc_grpo.md; arXiv 2606.18810).
+"""The plumbing of SC-GRPO's self-conditioned teacher (sc_grpo.py holds its prompt, its roles and the per-token KL;
+docs/sc_grpo.md; arXiv 2606.18810).
 
-Role                    what a row's teacher does to its loss: PLAIN, WEIGHTED, DIVERSITY (solve-none), REFERENCE (o_r)
-GUIDE, teacher_prompt   the teacher's prompt: the student's context plus a verified solution tau (paper §1.2, App. E.1)
-build_teachers          each routed row's teacher prompt, role and weighted length; bad references resampled or cut
+default_system_message  the system message a chat template adds by itself (the teacher's prompt keeps it)
+fit_reference           the first reference whose teacher prompt fits the context, else one with its middle cut
 logprobs_and_kl         the student's log-probs with D = KL(teacher || student) per token from one extra no-grad forward
+                        (memory-bounded: fused through the lm_head, or sc_grpo.token_kl a few positions at a time)
 kl_of_every_row         D of the whole batch before the update (--kl-threshold-scope batch)
 micro_batches_of_groups whole groups per micro-batch (c is a micro-batch's percentile, paper §5.1)
 TeacherLog              the step's D, f, teacher time and memory, as the sc/* metrics
@@ -11,30 +12,15 @@ TeacherLog              the step's D, f, teacher time and memory, as the sc/* me
 
 from __future__ import annotations
 
-import enum
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
-from rlvr_utils import arith, logprob_kernels, tasks
+from rlvr_utils import logprob_kernels
 from rlvr_utils.rollouts import Rollouts, pad_left
-
-
-class Role(enum.IntEnum):
-    """How a row's teacher enters its loss (build_teachers sets it; sc_grpo.weights_and_advantages reads it)."""
-
-    PLAIN = 0  # no teacher: plain GRPO, weight f = 1
-    WEIGHTED = 1  # partial-solve (and the single / all ablations): f = D / (D + c) times the GRPO surrogate
-    DIVERSITY = 2  # solve-none: weighted as above, plus the bonus alpha * zscore(mean f) on its advantage
-    REFERENCE = 3  # solve-none's reference o_r: no loss (weight 0, advantage 0)
-
-
-GUIDE = (
-    "Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
-    "the problem.\n\nReference solution:\n"
-)  # chat models: the teacher's system message, then tau (docs/sc_grpo.md)
 
 
 def default_system_message(tokenizer) -> str:
@@ -51,89 +37,21 @@ def default_system_message(tokenizer) -> str:
     return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
 
 
-def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
-    """Token ids of the teacher's prompt: the student's full context plus the reference tau (paper §1.2). Chat models:
-    the system message is the student's base system message (the template's default, if it has one) + GUIDE + tau,
-    and the user turn is the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's prompt (for
-    arith, arith_reference_prompt: the block the tiny model was trained on). A custom task's chat prompt keeps its own
-    messages, its system message (or the template's default) followed by GUIDE + tau."""
-    tau = tau.strip()
-    if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its own system message
-        msgs = list(example.meta["prompt"])
-        own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
-        base = own or (default_system_message(tokenizer) + "\n\n" if default_system_message(tokenizer) else "")
-        system = [{"role": "system", "content": base + GUIDE + tau}]
-        text = tokenizer.apply_chat_template(system + msgs, add_generation_prompt=True, tokenize=False)
-    elif "chat" in example.meta:  # a custom task's plain string prompt, seen as it is
-        text = f"Reference solution:\n{tau}\n{example.prompt}"
-    elif tasks.has_chat_template(tokenizer):
-        if not example.user:
-            raise ValueError(
-                f"example {example.id} has no user turn (Example.user): the chat teacher repeats the student's"
-            )
-        base = default_system_message(tokenizer)
-        text = tasks.render_prompt(
-            tokenizer, example.user, example.prompt, system=(base + "\n\n" if base else "") + GUIDE + tau
-        )
-    elif task == "arith":
-        text = arith.arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
-    else:
-        text = f"Reference solution:\n{tau}\n{example.prompt}"
-    return tasks.encode_prompt(tokenizer, text)
-
-
-def build_teachers(
-    tokenizer,
-    task: str,
-    ro: Rollouts,
-    examples,
-    correct,
-    ref,
-    limit: int,
-    max_ref_tokens: int,
-    generator: torch.Generator,
-):
-    """Each row's teacher prompt ids (None: no teacher), role, weighted length, and the bad-input counts.
-    examples: each group's Example, by group id (Example.id); ref [N]: each row's reference (sc_grpo.route_groups).
-
-    A reference whose teacher prompt exceeds `limit` tokens (the context window minus the completions) or that has
-    more than `max_ref_tokens` tokens is replaced by another correct sibling that fits (never the row itself), drawn
-    uniformly; failing that, its middle is cut; a row that still does not fit gets no teacher (plain GRPO).
-    role [N] (Role): PLAIN (f = 1), WEIGHTED, DIVERSITY (weighted + the solve-none bonus), REFERENCE (o_r: no loss).
-    wlen [N]: how many tokens get a weight, |o_i|, or min(|o_i|, |o_r|) in solve-none groups (later tokens get 0).
-    role and wlen are on the completions' device.
-    """
+def fit_reference(tokenizer, make_prompt: Callable, taus: list[str], limit: int, max_ref_tokens: int):
+    """(teacher prompt ids or None, what happened) for the first reference in `taus` whose prompt, make_prompt(tau),
+    has at most `limit` tokens and which itself has at most `max_ref_tokens`: "drawn" (the first one), "tau_resampled"
+    (another); else the first one with its middle cut to fit ("tau_truncated", 8 tokens spare for the "..." marker),
+    or None ("no_reference") when even that does not fit."""
     n_tok = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-    lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
-    counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
-    prompts, role, wlen = [None] * len(ro), torch.zeros(len(ro), dtype=torch.long), lengths.clone()
-    role[(ref < 0) & ~correct & torch.isin(torch.arange(len(ro)), ref)] = Role.REFERENCE  # the solve-none o_r
-    for i in (ref >= 0).nonzero().flatten().tolist():
-        j = int(ref[i])
-        sibs = [
-            k for k in (gids == gids[i]).nonzero().flatten().tolist() if correct[j] and correct[k] and k not in (i, j)
-        ]
-        for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]:
-            ids = teacher_prompt(tokenizer, task, examples[int(gids[i])], ro.texts[k])
-            if len(ids) <= limit and n_tok(ro.texts[k]) <= max_ref_tokens:
-                prompts[i] = ids
-                counts["sc/tau_resampled"] += k != j
-                break
-        else:  # nothing fits: keep the head and tail of the drawn reference (8 tokens spare for the "..." marker)
-            tau = tokenizer(ro.texts[j], add_special_tokens=False).input_ids
-            over = len(teacher_prompt(tokenizer, task, examples[int(gids[i])], ro.texts[j])) - limit
-            keep = min(max_ref_tokens, len(tau) - max(over, 0)) - 8
-            cut = (
-                tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2) :])
-            )
-            ids = teacher_prompt(tokenizer, task, examples[int(gids[i])], cut) if keep > 0 else None
-            prompts[i] = ids if ids is not None and len(ids) <= limit else None
-            counts["sc/tau_truncated" if prompts[i] is not None else "sc/no_reference"] += 1
-        if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
-            role[i] = Role.WEIGHTED
-        elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|) tokens
-            role[i], wlen[i] = Role.DIVERSITY, min(lengths[i], lengths[j])
-    return prompts, role.to(ro.completion_mask.device), wlen.to(ro.completion_mask.device), counts
+    for k, tau in enumerate(taus):
+        ids = make_prompt(tau)
+        if len(ids) <= limit and n_tok(tau) <= max_ref_tokens:
+            return ids, "tau_resampled" if k else "drawn"
+    tau = tokenizer(taus[0], add_special_tokens=False).input_ids  # nothing fits: keep the head and tail of the first
+    keep = min(max_ref_tokens, len(tau) - max(len(make_prompt(taus[0])) - limit, 0)) - 8
+    cut = tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2) :])
+    ids = make_prompt(cut) if keep > 0 else None
+    return (ids, "tau_truncated") if ids is not None and len(ids) <= limit else (None, "no_reference")
 
 
 def micro_batches_of_groups(
@@ -147,13 +65,6 @@ def micro_batches_of_groups(
     units = [rows[[i for i, g in enumerate(ids) if g == u]] for u in dict.fromkeys(ids)]
     per = max(1, micro_batch_size // group_size)
     return [torch.cat(units[u : u + per]) for u in range(0, len(units), per)]
-
-
-def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full vocabulary, fp32.
-    Logits [.., V] already divided by the temperature; returns [..]."""
-    lt, ls = torch.log_softmax(teacher_logits.float(), -1), torch.log_softmax(student_logits.float(), -1)
-    return (lt.exp() * (lt - ls)).sum(-1)
 
 
 def logprobs_and_kl(
@@ -171,6 +82,7 @@ def logprobs_and_kl(
     fused: bool | None = None,
     dist=None,
     sampled: bool = False,
+    kl_fn: Callable | None = None,
 ):
     """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
@@ -179,12 +91,13 @@ def logprobs_and_kl(
     fused (default: logprob_kernels.fused_logprobs_ok(model)): no [b, T, V] tensor exists. The student's final hidden
     states feed FusedLinearLogProb, and the same states and the teacher's go through the lm_head a few positions at
     a time in FusedLinearKL (extra memory O(positions x V); with `kl_grad` its backward recomputes them the same way).
-    fused=False: the fp32 logits [b, T, V] of each row chunk, with gradient, and the teacher's, log-softmaxed
-    `time_chunk` positions at a time (models whose logits are not lm_head(h)). `dist` (FSDP): a chunk where any
-    rank has a teacher row runs a teacher forward on every rank (an idle one, discarded, where it has none). Returns
-    logp, entropy (or None), D, and the teacher pass's {"seconds", "peak_bytes": the step's peak GPU memory so far
-    when the last teacher pass ended (CUDA; 0 on CPU)}. `sampled` (sc_grpo.py's --divergence sampled-logratio, an
-    ablation): D is instead the sampled token's log pi_teacher(o_t) - log pi(o_t), detached (no KL is computed).
+    fused=False: the fp32 logits [b, T, V] of each row chunk, with gradient, and the teacher's, through `kl_fn`
+    (sc_grpo.token_kl: D from logits) `time_chunk` positions at a time (models whose logits are not lm_head(h)).
+    `dist` (FSDP): a chunk where any rank has a teacher row runs a teacher forward on every rank (an idle one,
+    discarded, where it has none). Returns logp, entropy (or None), D, and the teacher pass's {"seconds",
+    "peak_bytes": the step's peak GPU memory so far when the last teacher pass ended (CUDA; 0 on CPU)}. `sampled`
+    (sc_grpo.py's --divergence sampled-logratio, an ablation): D is instead the sampled token's log pi_teacher(o_t)
+    - log pi(o_t), detached (no KL is computed).
     """
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
@@ -240,9 +153,11 @@ def logprobs_and_kl(
                     )
                     kl = kl.view(len(rows), T)
                 else:
+                    if kl_fn is None:
+                        raise ValueError("logprobs_and_kl: the unfused path needs kl_fn (sc_grpo.token_kl)")
                     kl = torch.cat(
                         [
-                            token_kl(zt[:, t : t + time_chunk].float() / temperature, zs[:, t : t + time_chunk])
+                            kl_fn(zt[:, t : t + time_chunk].float() / temperature, zs[:, t : t + time_chunk])
                             for t in range(0, T, time_chunk)
                         ],
                         1,
@@ -266,6 +181,7 @@ def kl_of_every_row(
     micro_batch_size: int,
     log: TeacherLog,
     sampled: bool = False,
+    kl_fn: Callable | None = None,
 ) -> torch.Tensor:
     """D [N, T] of every row under torch.no_grad (--kl-threshold-scope batch: before the update, so that c can be
     taken over the whole batch), in micro-batches of whole groups as the update's; the teacher's cost goes to `log`.
@@ -276,7 +192,15 @@ def kl_of_every_row(
         for mb in micro_batches_of_groups(rows, ro.group_ids.cpu(), G, micro_batch_size):
             prompts = [teachers[i] for i in mb.tolist()]
             _, _, D[mb], cost = logprobs_and_kl(
-                model, ro.input_ids[mb], ro.attention_mask[mb], T, temperature, prompts, pad_id, sampled=sampled
+                model,
+                ro.input_ids[mb],
+                ro.attention_mask[mb],
+                T,
+                temperature,
+                prompts,
+                pad_id,
+                sampled=sampled,
+                kl_fn=kl_fn,
             )
             log.add(cost=cost)
     return D

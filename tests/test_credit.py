@@ -13,8 +13,8 @@ import torch
 from conftest import ROOT
 from helpers import run_dir, run_script
 
-from rlvr_utils.teacher import Role
 from rlvr_utils.trace_diagnostics import trace_multipliers
+from sc_grpo import Role
 
 FLAGS = [
     "--total-steps",

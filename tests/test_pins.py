@@ -13,7 +13,7 @@ import ep_grpo
 import sc_grpo
 import srpo
 from rlvr_utils import engines, teacher
-from rlvr_utils.teacher import Role
+from sc_grpo import Role
 
 
 def test_ep_grpo_polarity_is_the_verifiers_not_the_shaped_reward():

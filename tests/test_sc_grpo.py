@@ -3,6 +3,7 @@ inputs) and its real entry point."""
 
 import copy
 import dataclasses
+import functools
 import itertools
 
 import pytest
@@ -12,7 +13,9 @@ from helpers import read_metrics, run_inprocess, run_script
 import common
 import sc_grpo
 from rlvr_utils import arith, tasks, teacher
-from rlvr_utils.teacher import Role
+from sc_grpo import Role
+
+logprobs_and_kl = functools.partial(teacher.logprobs_and_kl, kl_fn=sc_grpo.token_kl)  # as sc_grpo.py calls it
 
 REAL_LOAD_TASK, REAL_CLIP = tasks.load_task, torch.nn.utils.clip_grad_norm_
 NEW_METRICS = (
@@ -134,8 +137,8 @@ def test_solve_none_rows_add_the_bonus_to_their_grpo_advantage():
 def test_token_kl_is_the_full_vocabulary_kl():
     zt, zs = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
     want = torch.nn.functional.kl_div(zs.log_softmax(-1), zt.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    assert torch.allclose(teacher.token_kl(zt, zs), want, atol=1e-6)
-    assert (teacher.token_kl(zt, zt) == 0).all()
+    assert torch.allclose(sc_grpo.token_kl(zt, zs), want, atol=1e-6)
+    assert (sc_grpo.token_kl(zt, zt) == 0).all()
 
 
 # --- the teacher pass on the bundled model ------------------------------------------------------------
@@ -160,9 +163,7 @@ def test_logprobs_and_kl_without_teacher_equals_token_logprobs(tiny, fused):
     (want.sum()).backward()
     want_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    got, got_ent, D, _ = teacher.logprobs_and_kl(
-        model, ids, attn, T, 0.7, with_entropy=True, fused=None if fused else False
-    )
+    got, got_ent, D, _ = logprobs_and_kl(model, ids, attn, T, 0.7, with_entropy=True, fused=None if fused else False)
     (got.sum()).backward()
     assert torch.equal(got, want) and torch.equal(got_ent, want_ent) and (D == 0).all()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want_grad))
@@ -175,13 +176,13 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     prompts = ["Solve: 12+3-4\n"]
     prompt_ids, ids, attn, T = _batch(tok, comps, prompts)
     with torch.no_grad():
-        _, _, D_same, _ = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
+        _, _, D_same, _ = logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
         teach = [
             tasks.encode_prompt(tok, arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))
         ] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
-        _, _, D, cost = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
+        _, _, D, cost = logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
         # direct: one unpadded forward each, full log-softmax
         comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
         L = len(comp)
@@ -202,7 +203,7 @@ def test_sampled_logratio_ablation_is_the_teacher_minus_student_log_prob_of_the_
     teach = [tasks.encode_prompt(tok, ref), None]
     with torch.no_grad():
         kw = dict(fused=None if fused else False, sampled=True)
-        _, _, D, _ = teacher.logprobs_and_kl(model, ids, attn, T, 0.8, teach, tok.pad_token_id, **kw)
+        _, _, D, _ = logprobs_and_kl(model, ids, attn, T, 0.8, teach, tok.pad_token_id, **kw)
         comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
         L, tgt = len(comp), torch.tensor(comp)[:, None]
         s_log = (model(torch.tensor([prompt_ids[0] + comp])).logits[0, -L - 1 : -1] / 0.8).log_softmax(-1)
@@ -237,7 +238,7 @@ def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad)
     out = {}
     for fused in (True, False):
         m64.zero_grad()
-        logp, ent, D, _ = teacher.logprobs_and_kl(
+        logp, ent, D, _ = logprobs_and_kl(
             m64,
             ids,
             attn,
@@ -275,13 +276,13 @@ def test_f_carries_no_gradient(tiny, fused):
     teach = [None] + [tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, comps[0]))] * 2
     m = attn[:, -T:].float()
     model.zero_grad()
-    logp, _, D, _ = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
+    logp, _, D, _ = logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
     f = sc_grpo.kl_weights(D, m * torch.tensor([0.0, 1, 1])[:, None])
     assert not D.requires_grad and not f.requires_grad and f[1:].sum() > 0
     (-(f * logp * m).sum()).backward()
     with_teacher = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logp2, _, D2, _ = teacher.logprobs_and_kl(model, ids, attn, T, 1.0, None, tok.pad_token_id, fused=fused)
+    logp2, _, D2, _ = logprobs_and_kl(model, ids, attn, T, 1.0, None, tok.pad_token_id, fused=fused)
     (-(f.clone() * logp2 * m).sum()).backward()
     assert (D2 == 0).all() and torch.equal(logp.detach(), logp2.detach())
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), with_teacher))
@@ -309,7 +310,7 @@ def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
 def test_teacher_prompt_plain_and_chat(tiny):
     _, tok = tiny
     ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], arith.ARITH_INSTRUCTION + "12+3-4")
-    got = teacher.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
+    got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
     assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
     chat = copy.deepcopy(tok)
     chat.chat_template = (
@@ -317,11 +318,11 @@ def test_teacher_prompt_plain_and_chat(tiny):
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     student = tasks.render_prompt(chat, arith.ARITH_INSTRUCTION + ex.question, ex.prompt)
-    teacher_ids = teacher.teacher_prompt(chat, "arith", ex, "12+3=15")
-    want = "<system>" + teacher.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
+    teacher_ids = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
+    want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
     assert teacher_ids == tasks.encode_prompt(chat, want)
     with pytest.raises(ValueError, match="user turn"):  # an example without its user turn cannot be rebuilt
-        teacher.teacher_prompt(chat, "arith", dataclasses.replace(ex, user=""), "12+3=15")
+        sc_grpo.teacher_prompt(chat, "arith", dataclasses.replace(ex, user=""), "12+3=15")
 
 
 def _rollouts(tok, texts, group_size):
@@ -340,12 +341,12 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     texts = [short, long_, "oops", ""]  # n_c = 2 (rows 0, 1); row 3 is an empty completion
     ro = _rollouts(tok, texts, 4)
     correct = torch.tensor([True, True, False, False])
-    room = len(teacher.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
+    room = len(sc_grpo.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
     ref = torch.tensor([1, 0, 1, 1])  # as if every row drew the long reference (row 1 cannot draw itself)
-    prompts, role, wlen, counts = teacher.build_teachers(
+    prompts, role, wlen, counts = sc_grpo.build_teachers(
         tok, "arith", ro, {0: ex}, correct, ref, room, 8192, torch.Generator()
     )
-    assert prompts[2] == prompts[3] == teacher.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
+    assert prompts[2] == prompts[3] == sc_grpo.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
     assert prompts[1] == prompts[2]  # row 1 drew row 0, which fits
     assert tok.decode(prompts[0]).count("...") == 1 and len(prompts[0]) <= room  # no other correct one: middle cut
     assert counts == {"sc/tau_resampled": 2, "sc/tau_truncated": 1, "sc/no_reference": 0}
@@ -353,7 +354,7 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     # solve-none: o_r (row 0) is the REFERENCE; the others are weighted up to min(|o_i|, |o_r|); no room at all: counted
     ro = _rollouts(tok, ["ab", "abcdef", "", "x"], 4)
     wrong = torch.zeros(4, dtype=torch.bool)
-    prompts, role, wlen, counts = teacher.build_teachers(
+    prompts, role, wlen, counts = sc_grpo.build_teachers(
         tok, "arith", ro, {0: ex}, wrong, torch.tensor([-1, 0, 0, 0]), 10**6, 8192, torch.Generator()
     )
     assert (
@@ -361,7 +362,7 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
         and wlen.tolist() == [3, 3, 1, 2]
         and prompts[0] is None
     )
-    prompts, role, _, counts = teacher.build_teachers(
+    prompts, role, _, counts = sc_grpo.build_teachers(
         tok, "arith", ro, {0: ex}, wrong, torch.tensor([-1, 0, 0, 0]), 5, 8192, torch.Generator()
     )
     assert (
@@ -567,15 +568,15 @@ def test_teacher_keeps_the_students_default_system_message(tiny):
     user = "What is 1+1?"
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
     student = ex.prompt
-    teacher_text = tok.decode(teacher.teacher_prompt(tok, "gsm8k", ex, " 1+1=2, so \\boxed{2} "))
-    inserted = "\n\n" + teacher.GUIDE + "1+1=2, so \\boxed{2}"
+    teacher_text = tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, " 1+1=2, so \\boxed{2} "))
+    inserted = "\n\n" + sc_grpo.GUIDE + "1+1=2, so \\boxed{2}"
     head = "<|im_start|>system\nYou are a careful assistant."
     assert student.startswith(head) and teacher_text == student.replace(head, head + inserted, 1)
     tok.chat_template = TEMPLATE_WITHOUT_DEFAULT
     assert teacher.default_system_message(tok) == ""
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
-    assert tok.decode(teacher.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith(
-        "<|im_start|>system\n" + teacher.GUIDE + "tau<|im_end|>"
+    assert tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith(
+        "<|im_start|>system\n" + sc_grpo.GUIDE + "tau<|im_end|>"
     )
 
 

@@ -5,8 +5,7 @@ Of each prompt's 8 trajectories, 4 are fresh chains (the base group); the other 
 thought was first wrong (`--reset self`), RRPO picks it uniformly (`--reset random`), and
 `--reset oracle` uses the task's exact first wrong step (the built-in arith task has one). Each group
 is z-scored on its own; the loss is REINFORCE on suffix tokens only (the shared prefix is masked).
-Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md. The chain protocol (thoughts, the official
-stopping rules applied to a whole generated response, the localization prompt and its reply): rlvr_utils/chains.py.
+Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md. Its generate calls: rlvr_utils/chains.py.
 
 Differences from grpo.py:
   1. Rollouts: fresh chains, a parent search, reset points (self / random / oracle) and continuations, in at most
@@ -21,15 +20,19 @@ Differences from grpo.py:
     python srpo.py --reset random         # RRPO
 """
 
+import collections
 import copy
 import dataclasses
+import functools
 import random
+import re
 from typing import Literal
 
 import torch
 
 import common
-from rlvr_utils import arith, chains, cli, engines
+from rlvr_utils import arith, chains, cli, engines, tasks
+from rlvr_utils.rewards import last_boxed
 
 
 @dataclasses.dataclass
@@ -54,8 +57,7 @@ class Args(cli.BaseArgs):
     localization_temperature: float = 0.3
     """sampling temperature of the self-localization call (the official code's default; the paper does not state it)"""
     localization_max_new_tokens: int | None = None
-    """token cap (>= 1) of the localization reply (default: 4096; on arith max(192, 20 x (operations + 2)), enough for
-    the tiny models' reply, which copies each step)"""
+    """token cap (>= 1) of the localization reply (default: 4096; arith: max(192, 20 x (operations + 2)))"""
     clip: bool = False
     """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official ablation also used
     --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch, so the ratio leaves 1)"""
@@ -64,18 +66,123 @@ class Args(cli.BaseArgs):
 
 
 DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (a negative A's token loss <= 3|A|)
+Chain = collections.namedtuple("Chain", "ids text reward")  # a sampled response: kept token ids (never re-tokenized)
+Reset = collections.namedtuple("Reset", "example parent prefix k n oracle")  # a parent cut before thought k of its n
+Row = collections.namedtuple("Row", "example ids suffix_start group reward")  # a trained trajectory and its group key
+
+
+@dataclasses.dataclass
+class Search:
+    """A prompt's parent search: parents, base chains, every chain assigned (seen), spares, chains tried."""
+
+    parents: list = dataclasses.field(default_factory=list)
+    base: list = dataclasses.field(default_factory=list)
+    seen: list = dataclasses.field(default_factory=list)
+    spare: list = dataclasses.field(default_factory=list)
+    tried: int = 0
+
+
+# ALGO LOGIC: the chain protocol (docs/srpo.md, "The chain protocol"): a chain is a list of thoughts separated by a
+# delimiter; it ends after the thought that holds `\boxed{` and after 20 thoughts (a continuation's prefix included)
+MAX_THOUGHTS, THOUGHT_TOKENS = 20, 256  # the official chain: at most 20 thoughts; thoughts over 256 tokens are counted
+LOCALIZATION_PROMPT = (
+    "Your task is to localize the first erroneous step in your own previous solution to a problem.\n\n"
+    "Problem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
+    "The final answer of this chain is incorrect, so at least one step is wrong. Find the step where the error "
+    "originates, not the step where the failure becomes visible: misreadings, unjustified assumptions and logical "
+    "flaws can look fine for several steps. A step is erroneous if its claims cannot be justified from the problem "
+    "statement and the earlier steps alone.\nDo not re-solve the problem; your only task is the step number.\n"
+    "Requirements: commit to exactly one step number between 1 and {n}; stop at the first step you cannot justify; "
+    "end your response with \\boxed{{N}} on its own line, where N is the step number (not the problem's answer), "
+    "with nothing after it."
+)  # the official code's "originating step" prompt (docs/srpo.md, self-localization)
+
+
+def split_thoughts(text: str, delimiter: str) -> list[str]:
+    """The thoughts of a response: pieces between delimiters, whitespace-stripped, empty ones dropped."""
+    if not delimiter:
+        raise ValueError("the thought delimiter must be a non-empty string")
+    return [piece.strip() for piece in text.split(delimiter) if piece.strip()]
+
+
+def thought_starts(text: str, delimiter: str) -> list[int]:
+    """Character offset where each thought of `split_thoughts(text, delimiter)` starts."""
+    starts, pos = [], 0
+    for piece in text.split(delimiter):
+        if piece.strip():
+            starts.append(pos + len(piece) - len(piece.lstrip()))
+        pos += len(piece) + len(delimiter)
+    return starts
+
+
+def localization_prompt(tokenizer, task_name: str, question: str, thoughts: list[str]) -> list[int]:
+    """The prompt ids asking the policy for the first wrong thought of its own chain: LOCALIZATION_PROMPT (in the chat
+    template when the tokenizer has one); on arith without a chat template, the format the bundled tiny model was
+    trained to answer (arith.arith_localization_prompt)."""
+    if task_name == "arith" and not tasks.has_chat_template(tokenizer):
+        plain = arith.arith_localization_prompt(arith.parse_arith_problem(question), thoughts)
+    else:
+        steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(thoughts, 1))
+        plain = LOCALIZATION_PROMPT.format(question=question, steps=steps, n=len(thoughts))
+    return tasks.encode_prompt(tokenizer, tasks.render_prompt(tokenizer, plain, plain))
+
+
+def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
+    """The 1-based first wrong step a localization reply names, in [1, num_thoughts], and the reply's kind (ok, empty,
+    no_error, out_of_range, unparsable; for the logs): the last `\\boxed{N}` with N in range, else the last "Step N" in
+    range, else 1 (a reset to the start). A boxed 0 ("no error") also gives 1, as in the official code."""
+    if num_thoughts < 1:
+        raise ValueError("a parent needs at least one thought")
+    boxed = last_boxed(text := text or "")
+    v = int(boxed) if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed) else None
+    kind = "unparsable" if v is None else "ok" if 1 <= v <= num_thoughts else "no_error" if v == 0 else "out_of_range"
+    kind = "empty" if not text.strip() else kind
+    steps = [int(n) for n in re.findall(r"[Ss]tep\s+(\d+)", text)]
+    return v if kind == "ok" else steps[-1] if v != 0 and steps and 1 <= steps[-1] <= num_thoughts else 1, kind
+
+
+def protocol_cut(
+    tokenizer, ids, text, delimiter, max_thoughts=MAX_THOUGHTS, budget=None, reserve=0, truncated=False,
+    continuation=False,
+) -> list[int]:  # fmt: skip
+    """The official chain's stops applied after the fact (docs/srpo.md, "The chain protocol"): the chain ends after the
+    first thought holding `\\boxed{`, after `max_thoughts` thoughts, and before a thought that would start with fewer
+    than `reserve` of the `budget` tokens left; a thought the budget or the cap (`truncated`) cut short is dropped (the
+    official safety truncation). No whole thought fits: a `continuation` adds nothing, a fresh chain keeps its first
+    `budget` tokens. Returns the kept token ids, a prefix of `ids` (never re-tokenized)."""
+    starts = thought_starts(text, delimiter)
+    ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
+    last = next((i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]), len(starts) - 1)
+    last = min(last, max_thoughts - 1)
+    over = budget is not None and len(ids) > budget
+    if budget is not None:
+        room = len(tokenizer.decode(ids[:budget], skip_special_tokens=True)) if over else len(text)
+        whole = [(e < len(text) or not truncated) and e <= room for e in ends]  # ended by a delimiter or EOS, in budget
+        opens = [chains.tokens_before(tokenizer, ids, s) + reserve <= budget for s in starts]  # a prefix counts
+        last = min(last, next((k - 1 for k in range(len(starts)) if not (whole[k] and opens[k])), len(starts) - 1))
+        if last < 0 and starts:  # nothing whole fits: a continuation adds nothing (official); a fresh chain keeps
+            return [] if continuation else ids[:budget]  # its first `budget` tokens (a response is never empty)
+    if last < 0 or (last == len(starts) - 1 and not over):
+        return ids  # nothing after the last kept thought but its own end
+    return ids[: chains.tokens_before(tokenizer, ids, ends[last])]
+
+
+def thought_budget(tokenizer, prefix_ids: list[int], args) -> tuple[int, int]:
+    """(thoughts, tokens) a response may add after `prefix_ids` (a continuation's kept prefix; [] for a fresh chain):
+    the official chain stops at 20 thoughts and at --max-new-tokens, the response's budget, the prefix's included."""
+    prefix = tokenizer.decode(prefix_ids, skip_special_tokens=True)
+    thoughts = max(MAX_THOUGHTS - len(split_thoughts(prefix, args.thought_delimiter)), 1)
+    return thoughts, max(args.max_new_tokens - len(prefix_ids), 1)
 
 
 def reset_index(
     mode: str, num_thoughts: int, rng: random.Random | None = None, reply: str | None = None, oracle_step=None
 ) -> int:
-    """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1; the paper's reset state s_k).
-
-    self: chains.parse_error_step(reply) (SRPO); random: uniform on 1..num_thoughts (RRPO); oracle: the task's first
-    wrong step (None, i.e. no wrong thought found, gives the last thought). Clamped to [1, num_thoughts].
-    """
+    """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1; the paper's reset state s_k):
+    self: parse_reply(reply) (SRPO); random: uniform on 1..num_thoughts (RRPO); oracle: the task's first wrong step
+    (None, i.e. no wrong thought found, gives the last thought). Clamped to [1, num_thoughts]."""
     if mode == "self":
-        return chains.parse_error_step(reply or "", num_thoughts)
+        return parse_reply(reply or "", num_thoughts)[0]
     if mode == "random":
         return (rng or random).randint(1, num_thoughts)
     if mode == "oracle":
@@ -103,71 +210,70 @@ def split_sizes(args) -> tuple[int, int, int]:
     return n_parents, K, args.num_generations - n_parents * K
 
 
-def assign(st: dict, found: list, args) -> None:
+def assign(st: Search, found: list[Chain], args) -> None:
     """The official order: a failed chain with >= 1 thought is a parent while parents are missing, any other chain
     fills the base group while it has room; a chain drawn after the prompt is settled is surplus."""
     n_parents, _, n_base = split_sizes(args)
-    failed = lambda r: r < args.success_threshold  # noqa: E731 (a parent failed: its reward is below it)
-    for ids, text, r in found:
-        if len(st["parents"]) == n_parents and len(st["base"]) == n_base or st["tried"] >= args.max_fresh_attempts:
+    for chain in found:
+        if len(st.parents) == n_parents and len(st.base) == n_base or st.tried >= args.max_fresh_attempts:
             break
-        st["tried"] += 1
-        st["seen"].append((ids, text, r))
-        if chains.split_thoughts(text, args.thought_delimiter) and failed(r) and len(st["parents"]) < n_parents:
-            st["parents"].append((ids, text, r))
-        elif len(st["base"]) < n_base:
-            st["base"].append((ids, text, r))
+        st.tried += 1
+        st.seen.append(chain)
+        failed = chain.reward < args.success_threshold  # a parent failed: its reward is below the threshold
+        if split_thoughts(chain.text, args.thought_delimiter) and failed and len(st.parents) < n_parents:
+            st.parents.append(chain)
+        elif len(st.base) < n_base:
+            st.base.append(chain)
 
 
-def parents(sampler, search: dict, examples, args, riders=None) -> list:
-    """Fresh chains and the parent search, one generate call. Without `riders`: the first parents + base chains of
-    every prompt. With them: the remaining attempts (up to --max-fresh-attempts) of the prompts still missing their
-    parents, plus the fresh chains their fallback groups may need ("spare"); `riders` (prompts, budgets) are
-    continuations sampled in the same call, returned. Chains are used in sampling order (`assign`)."""
+def parents(sampler, search: dict[int, Search], examples, args, riders=None) -> list:
+    """Fresh chains and the parent search, one generate call: the first parents + base chains of every prompt, or with
+    `riders` (continuations' prompts, budgets: sampled in the same call, returned) the remaining attempts of prompts
+    missing parents, plus the spare chains their fallback groups may need. Chains are used in sampling order."""
     n_parents, _, n_base = split_sizes(args)
     if riders is None:
         counts = {e.id: (n_parents + n_base, 0) for e in examples}
     else:
         spare = args.num_generations - (n_base if args.split == "1x4" else 0)  # what a fallback group may need
-        left = {e.id: args.max_fresh_attempts - search[e.id]["tried"] for e in examples}  # attempts still allowed
-        pending = [e for e in examples if len(search[e.id]["parents"]) < n_parents and left[e.id] > 0]
+        left = {e.id: args.max_fresh_attempts - search[e.id].tried for e in examples}  # attempts still allowed
+        pending = [e for e in examples if len(search[e.id].parents) < n_parents and left[e.id] > 0]
         counts = {e.id: (left[e.id], spare) for e in pending}
     prompts, budgets = riders or ([], [])
     owners = [e for e in examples if e.id in counts for _ in range(sum(counts[e.id]))]
-    out = sampler.sample(prompts + [e.prompt_ids for e in owners], budgets + [sampler.budget([])] * len(owners))
-    found = sampler.scored(out[len(prompts) :], owners)
+    fresh = thought_budget(sampler.tokenizer, [], args)
+    out = sampler.sample(prompts + [e.prompt_ids for e in owners], budgets + [fresh] * len(owners))
+    found = [Chain(*c) for c in sampler.scored(out[len(prompts) :], owners)]
     for e in (e for e in examples if e.id in counts):
         n_search, n_spare = counts[e.id]
         assign(search[e.id], found[:n_search], args)
-        search[e.id]["spare"], found = found[n_search : n_search + n_spare], found[n_search + n_spare :]
-    sampler.info["fresh_chains"] = sum(st["tried"] for st in search.values())
+        search[e.id].spare, found = found[n_search : n_search + n_spare], found[n_search + n_spare :]
+    sampler.info["fresh_chains"] = sum(st.tried for st in search.values())
     return out[: len(prompts)]
 
 
-def settled_parents(search: dict, examples, n_parents: int) -> list:
-    """(example, parent index, parent chain) of every prompt that has found all its parents, in prompt order."""
-    settled = [e for e in examples if len(search[e.id]["parents"]) == n_parents]
-    return [(e, j, p) for e in settled for j, p in enumerate(search[e.id]["parents"])]
+def settled_parents(search: dict[int, Search], examples, n_parents: int) -> list[tuple]:
+    """(example, parent index, parent Chain) of every prompt that has found all its parents, in prompt order."""
+    settled = [e for e in examples if len(search[e.id].parents) == n_parents]
+    return [(e, j, p) for e in settled for j, p in enumerate(search[e.id].parents)]
 
 
 def localization(sampler, task, todo: list, args, rng: random.Random) -> list[tuple[int, int, int | None]]:
-    """Reset points of the parents `todo` [(example, parent index, (ids, text, reward))]: SRPO asks the policy which
-    thought was first wrong (one generate call for all of them), RRPO draws it uniformly, the oracle takes the task's
-    first wrong step. Returns (k, the parent's thoughts T0, the oracle's k on arith, else None) per parent."""
+    """Reset points of the parents `todo` [(example, parent index, Chain)]: SRPO asks the policy which thought was
+    first wrong (one generate call for all of them), RRPO draws it uniformly, the oracle takes the task's first wrong
+    step. Returns (k, the parent's thoughts T0, the oracle's k on arith, else None) per parent."""
     info, tok = sampler.info, sampler.tokenizer
-    thoughts = [chains.split_thoughts(p[1], args.thought_delimiter) for _, _, p in todo]
+    thoughts = [split_thoughts(parent.text, args.thought_delimiter) for _, _, parent in todo]
     replies = [None] * len(todo)
     if args.reset == "self" and todo:
-        cap = args.localization_max_new_tokens or (
-            max(192, 20 * (args.arith_steps + 2)) if task.name == "arith" else 4096
-        )
-        prompts = [chains.localization_prompt(tok, task.name, e.question, th) for (e, _, _), th in zip(todo, thoughts)]
+        cap = max(192, 20 * (args.arith_steps + 2)) if task.name == "arith" else 4096
+        cap = args.localization_max_new_tokens or cap
+        prompts = [localization_prompt(tok, task.name, e.question, th) for (e, _, _), th in zip(todo, thoughts)]
         replies = sampler.localize(prompts, cap, max(args.localization_temperature, 1e-5))
     points = []
-    for (e, _, p), th, reply in zip(todo, thoughts, replies):
-        oracle = arith.arith_first_error(e.question, p[1]) if task.name == "arith" else None
-        kind = chains.localization_reply_kind(reply, len(th)) if reply is not None else "ok"
-        if kind != "ok":
+    for (e, _, parent), th, reply in zip(todo, thoughts, replies):
+        oracle = arith.arith_first_error(e.question, parent.text) if task.name == "arith" else None
+        kind = parse_reply(reply, len(th))[1] if reply is not None else "ok"
+        if kind != "ok":  # LOGS: the localization's failures, as reset/loc_<kind>
             info["loc_" + kind] += 1
         k = reset_index(args.reset, len(th), rng, reply, oracle)
         info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # every line right, stopped early
@@ -175,96 +281,97 @@ def localization(sampler, task, todo: list, args, rng: random.Random) -> list[tu
     return points
 
 
-def resets(sampler, todo: list, points: list, max_pos: int) -> list[tuple]:
+def resets(sampler, todo: list, points: list, max_pos: int, delimiter: str) -> list[Reset]:
     """Each parent cut just before thought k: its first tokens (the sampled ids, never re-tokenized). A prefix that
-    would fill the context window resets to the start (k = 1). Returns (example, parent index, prefix ids, k, T0,
-    oracle k) per parent."""
+    would fill the context window resets to the start (k = 1)."""
     info, cuts = sampler.info, []
-    for (e, j, p), (k, n, oracle) in zip(todo, points):
-        n_prefix = chains.prefix_token_count(sampler.tokenizer, p[0], p[1], k, sampler.delimiter)
+    for (e, j, parent), (k, n, oracle) in zip(todo, points):
+        starts = thought_starts(parent.text, delimiter)  # the prefix keeps thoughts 1..k-1
+        n_prefix = chains.tokens_before(sampler.tokenizer, parent.ids, starts[k - 1]) if 2 <= k <= len(starts) else 0
         if len(e.prompt_ids) + n_prefix >= max_pos - 1:
             info["prefix_overflow"] += 1
             k, n_prefix = 1, 0
         info["parent_one_thought"] += n == 1
-        cuts.append((e, j, p[0][:n_prefix], k, n, oracle))
+        cuts.append(Reset(e, j, parent.ids[:n_prefix], k, n, oracle))
     return cuts
 
 
-def suffixes(sampler, cuts: list, K: int) -> tuple[list, list]:
+def suffixes(sampler, cuts: list[Reset], K: int, args) -> tuple[list, list]:
     """The continuations' requests: K copies of prompt + kept prefix per reset parent (the run's sampling settings),
-    each with the thoughts it may still add (20 in all, the prefix's included). Returns (prompts, budgets)."""
-    prompts = [e.prompt_ids + pre for e, _, pre, *_ in cuts for _ in range(K)]
-    return prompts, [sampler.budget(pre) for _, _, pre, *_ in cuts for _ in range(K)]
+    each with the thoughts and tokens it may still add (thought_budget). Returns (prompts, budgets)."""
+    prompts = [c.example.prompt_ids + c.prefix for c in cuts for _ in range(K)]
+    return prompts, [thought_budget(sampler.tokenizer, c.prefix, args) for c in cuts for _ in range(K)]
 
 
-def settle(model, sampler, task, examples, search: dict, cuts: list, sfx: list, args):
+def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list[Reset], sfx: list, args):
     """The trained batch: K continuations per reset parent (prefix + suffix, cut to the response budget, trained from
     suffix_start on), then per prompt its base chains, or, with no parents found, the official fallback group (1x4:
     the base chains, 2x4: the failures found, 1x8: the chains sampled so far; topped up with spare fresh chains).
     One group id per normalization group; each prompt's rows together. Adds the reset metrics to sampler.info."""
     tok, info, max_new, solved = sampler.tokenizer, sampler.info, args.max_new_tokens, args.success_threshold
     n_parents, K, n_base = split_sizes(args)
-    new = [
-        (e, pre + s[0][: max(max_new - len(pre), 1)], len(pre), (e.id, "reset", j))
-        for i, (e, j, pre, *_) in enumerate(cuts)
-        for s in sfx[i * K : (i + 1) * K]
+    new = [  # the continuations: kept prefix + suffix, each in its reset group; rewarded below
+        Row(
+            c.example,
+            c.prefix + ids[: max(max_new - len(c.prefix), 1)],
+            len(c.prefix),
+            (c.example.id, "reset", c.parent),
+            0.0,
+        )
+        for i, c in enumerate(cuts)
+        for ids, _ in sfx[i * K : (i + 1) * K]
     ]
-    texts = [tok.decode(r[1], skip_special_tokens=True) for r in new]
-    rows = [r + (reward,) for r, reward in zip(new, task.rewards(texts, [r[0] for r in new]))]  # (e, ids, s, g, r)
+    texts = [tok.decode(r.ids, skip_special_tokens=True) for r in new]
+    rows = [r._replace(reward=x) for r, x in zip(new, task.rewards(texts, [r.example for r in new]))]
     for e in examples:
         st = search[e.id]
-        if len(st["parents"]) == n_parents:
-            rows += [(e, c[0], 0, (e.id, "base"), c[2]) for c in st["base"]]
+        if len(st.parents) == n_parents:
+            rows += [Row(e, c.ids, 0, (e.id, "base"), c.reward) for c in st.base]
             continue
         if args.split == "1x8":
-            kept = st["seen"][: args.num_generations]
+            kept = st.seen[: args.num_generations]
         else:
-            kept = st["base"][:n_base] if args.split == "1x4" else st["parents"]
-        kept = kept + st["spare"][: args.num_generations - len(kept)]
-        rows += [(e, c[0], 0, (e.id, "fresh"), c[2]) for c in kept]
+            kept = st.base[:n_base] if args.split == "1x4" else st.parents
+        kept = kept + st.spare[: args.num_generations - len(kept)]
+        rows += [Row(e, c.ids, 0, (e.id, "fresh"), c.reward) for c in kept]
     keys, device, order = {}, next(model.parameters()).device, [e.id for e in examples]
-    rows.sort(key=lambda r: order.index(r[0].id))  # each prompt's rows together (stable)
-    group_ids = [keys.setdefault(r[3], len(keys)) for r in rows]  # one per normalization group
-    prompts, responses, stops = [r[0].prompt_ids for r in rows], [r[1] for r in rows], common.stop_token_ids(model, tok)
-    ro = common.make_rollouts(tok, prompts, responses, group_ids, stops, device)
-    ks, oracle_ks = [(c[3], c[4]) for c in cuts], [c[5] for c in cuts if c[5] is not None]
-    reset_rewards = [r[4] for r in rows if r[3][1] == "reset"]
-    info.update(
-        normalized_position=sum((k - 1) / n for k, n in ks) / len(ks) if ks else 0.0,
-        correction_rate=sum(reset_rewards) / len(reset_rewards) if reset_rewards else 0.0,
-        suffix_pass_at_k=sum(max(r[4] for r in rows if r[3] == g) >= solved for g in keys if g[1] == "reset")
-        / max(1, len(cuts)),
-        fallback_share=sum(any(r[3] == (e.id, "fresh") for r in rows) for e in examples) / len(examples),
-        num_parents=len(cuts),
+    rows.sort(key=lambda r: order.index(r.example.id))  # each prompt's rows together (stable)
+    group_ids = [keys.setdefault(r.group, len(keys)) for r in rows]  # one per normalization group
+    prompts, responses, stops = (
+        [r.example.prompt_ids for r in rows],
+        [r.ids for r in rows],
+        common.stop_token_ids(model, tok),
     )
-    if oracle_ks:
-        info["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
-        info["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)
-        info["oracle_after"] = sum(k > o for (k, _), o in zip(ks, oracle_ks)) / len(ks)  # the prefix holds the error
-    rewards = torch.tensor([r[4] for r in rows], dtype=torch.float32)
-    suffix_start = torch.tensor([r[2] for r in rows], device=device)
-    return ro, rewards, suffix_start, torch.tensor([r[0].id for r in rows], device=device)
+    ro = common.make_rollouts(tok, prompts, responses, group_ids, stops, device)
+    info.update(chains.reset_metrics(cuts, rows, examples, solved))  # LOGS: reset/* (docs/srpo.md, Logs)
+    rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
+    suffix_start = torch.tensor([r.suffix_start for r in rows], device=device)
+    return ro, rewards, suffix_start, torch.tensor([r.example.id for r in rows], device=device)
 
 
 def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
     """One step's trajectories in at most four generate calls, each batched over the step's prompts (docs/srpo.md,
     "Batched stages"): (1) the first fresh chains; (2) the remaining search with (random, oracle: reset points need no
     model call) the continuations of the parents found so far; (3) SRPO's localization; (4) the other continuations.
-    Chains are used in sampling order, so the result is the sequential protocol's.
-
-    Returns common.Rollouts of the trained trajectories (group_ids = normalization groups; never a parent), rewards
-    [N], suffix_start [N] (response tokens), prompt_of_row [N] (example ids) and the reset metrics (a dict)."""
-    sampler = chains.Sampler(model, tokenizer, task, args)  # generate calls under the chain protocol, counted
+    Returns common.Rollouts of the trained rows (group_ids: normalization groups; never a parent), rewards [N],
+    suffix_start [N] (response tokens), prompt_of_row [N] (example ids) and the reset metrics (a dict)."""
+    delim, max_new = args.thought_delimiter, args.max_new_tokens
+    reserve = min(THOUGHT_TOKENS, max_new // 20) if args.thought_reserve is None else args.thought_reserve
+    cut = lambda ids, text, budget, truncated: protocol_cut(  # noqa: E731 (the official stops, after the fact)
+        tokenizer, ids, text, delim, *budget, reserve, truncated, continuation=budget[1] < max_new
+    )
+    split = functools.partial(split_thoughts, delimiter=delim)
+    sampler = chains.Sampler(model, tokenizer, task, args, cut, split, THOUGHT_TOKENS)  # generate calls, counted
     n_parents, K, _ = split_sizes(args)
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
-    search = {e.id: {"parents": [], "base": [], "tried": 0, "seen": [], "spare": []} for e in examples}
+    search = {e.id: Search() for e in examples}
     parents(sampler, search, examples, args)  # (1)
     early = settled_parents(search, examples, n_parents) if args.reset != "self" else []  # k needs no model call
-    cuts = resets(sampler, early, localization(sampler, task, early, args, rng), max_pos)
-    sfx = parents(sampler, search, examples, args, riders=suffixes(sampler, cuts, K))  # (2)
+    cuts = resets(sampler, early, localization(sampler, task, early, args, rng), max_pos, delim)
+    sfx = parents(sampler, search, examples, args, riders=suffixes(sampler, cuts, K, args))  # (2)
     todo = settled_parents(search, [e for e in examples if all(e is not x for x, *_ in early)], n_parents)
-    later = resets(sampler, todo, localization(sampler, task, todo, args, rng), max_pos)  # (3) with --reset self
-    sfx += sampler.sample(*suffixes(sampler, later, K))  # (4)
+    later = resets(sampler, todo, localization(sampler, task, todo, args, rng), max_pos, delim)  # (3) --reset self
+    sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
     return (*settle(model, sampler, task, examples, search, cuts + later, sfx, args), sampler.info)
 
 
@@ -278,19 +385,15 @@ def validate(args: Args) -> Args:
         flag = "--" + name.replace("_", "-")
         cli.need(getattr(args, name) == getattr(cli.BaseArgs, name), f"{flag} does not apply to srpo.py: {why}")
     need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[args.split]  # ALGO LOGIC: the split's groups must each hold >= 2
+    bad_g = f"--num-generations must be a multiple of {need_g} (at least {need_g}) for --split {args.split}"
     cli.need(
-        args.num_generations >= need_g and args.num_generations % need_g == 0,
-        f"--num-generations must be a multiple of "
-        f"{need_g} (at least {need_g}) for --split {args.split}, got {args.num_generations}",
+        args.num_generations >= need_g and args.num_generations % need_g == 0, f"{bad_g}, got {args.num_generations}"
     )
     ranges = dict(max_fresh_attempts=">= 1", localization_temperature=">= 0", localization_max_new_tokens=">= 1")
-    ranges |= dict(thought_reserve=">= 0")
-    cli.need_ranges(args, **ranges)
+    cli.need_ranges(args, **ranges, thought_reserve=">= 0")
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
-    cli.need(
-        args.reset != "oracle" or args.task == "arith",
-        f"--reset oracle needs a task with a first-wrong-step oracle (arith), not --task {args.task}",
-    )
+    no_oracle = f"--reset oracle needs a task with a first-wrong-step oracle (arith), not --task {args.task}"
+    cli.need(args.reset != "oracle" or args.task == "arith", no_oracle)
     default = "\n" if args.task == "arith" else "\n\n"
     return dataclasses.replace(args, thought_delimiter=args.thought_delimiter or default)
 

@@ -98,7 +98,7 @@ def test_srpo_paper_defaults():
     assert (d["temperature"], d["top_p"]) == (1.0, 1.0)  # rollouts: this project's choice (official 0.7 / 0.95)
     assert (d["beta"], d["clip"], d["no_mask"]) == (0.0, False, False)
     assert (d["num_iterations"], d["num_minibatches"], d["num_generations"]) == (1, 1, 8)
-    assert (srpo.chains.MAX_THOUGHTS, srpo.chains.THOUGHT_TOKENS) == (20, 256)  # rlvr_utils/chains.py
+    assert (srpo.MAX_THOUGHTS, srpo.THOUGHT_TOKENS) == (20, 256)  # srpo.py
 
 
 def test_ep_grpo_defaults():

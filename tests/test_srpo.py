@@ -1,7 +1,10 @@
-"""srpo.py and its chain protocol (rlvr_utils/chains.py): thought splitting, localization parsing, reset indices,
-suffix masking through the real training step, the oracle, the fallback path, and subprocess runs of each reset mode."""
+"""srpo.py, its chain protocol and its generate calls (rlvr_utils/chains.py): thought splitting, localization parsing,
+reset indices, suffix masking through the real training step, the oracle, the fallback path, and subprocess runs of
+each reset mode."""
 
+import collections
 import random
+import types
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import srpo
-from rlvr_utils import arith, chains, rollouts, tasks
+from rlvr_utils import arith, rollouts, tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
 
@@ -30,8 +33,8 @@ FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
     ],
 )
 def test_split_thoughts(text, delim, expected):
-    assert chains.split_thoughts(text, delim) == expected
-    starts = chains.thought_starts(text, delim)
+    assert srpo.split_thoughts(text, delim) == expected
+    starts = srpo.thought_starts(text, delim)
     assert [text[s : s + len(t)] for s, t in zip(starts, expected)] == expected
 
 
@@ -54,13 +57,12 @@ def test_split_thoughts(text, delim, expected):
     ],
 )
 def test_parse_error_step(reply, n, expected, kind):
-    assert chains.parse_error_step(reply, n) == expected
-    assert chains.localization_reply_kind(reply, n) == kind
+    assert srpo.parse_reply(reply, n) == (expected, kind)
 
 
 def test_parse_error_step_rejects_empty_parent():
     with pytest.raises(ValueError):
-        chains.parse_error_step("\\boxed{1}", 0)
+        srpo.parse_reply("\\boxed{1}", 0)
 
 
 def test_reset_index_modes():
@@ -83,7 +85,7 @@ def test_oracle_picks_true_first_error_on_arith():
         k = rng.randint(1, len(lines))
         lines[k - 1] = lines[k - 1] + "1"  # corrupt line k
         parent = "\n".join(lines)
-        th = chains.split_thoughts(parent, "\n")
+        th = srpo.split_thoughts(parent, "\n")
         assert srpo.reset_index("oracle", len(th), oracle_step=arith.arith_first_error(p, parent)) == k
 
 
@@ -97,9 +99,10 @@ def test_prefix_token_count_cuts_before_thought_k(tiny):
     _, tok = tiny
     text = "23+7=30\n30-5=25\n25+9=34\n#### 34"
     ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    sampler, ex = types.SimpleNamespace(tokenizer=tok, info=collections.Counter()), _task(tok)[0].train[0]
     for k, expected in ((1, ""), (2, "23+7=30\n"), (3, "23+7=30\n30-5=25\n"), (4, "23+7=30\n30-5=25\n25+9=34\n")):
-        n = chains.prefix_token_count(tok, ids, text, k, "\n")
-        assert tok.decode(ids[:n]) == expected
+        (cut,) = srpo.resets(sampler, [(ex, 0, srpo.Chain(ids, text, 0.0))], [(k, 4, None)], 10**9, "\n")
+        assert tok.decode(cut.prefix) == expected and cut.k == k
 
 
 def _args(**kw):
@@ -132,7 +135,7 @@ def test_collect_rollouts_oracle_batch(tiny):
                 e = next(
                     x
                     for x in examples
-                    if arith.arith_first_error(x.question, prefix) == len(chains.split_thoughts(prefix, "\n")) + 1
+                    if arith.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1
                 )
                 assert e is not None
     groups = torch.unique(ro.group_ids, return_counts=True)[1]
@@ -297,14 +300,14 @@ def test_protocol_cut_ends_after_the_boxed_thought_and_at_twenty_thoughts(tiny):
     _, tok = tiny
     text = "First step.\n\nSo x = 4, \\boxed{4}.\n\nBut also 5.\n\nDone."
     ids = tok(text, add_special_tokens=False).input_ids
-    assert tok.decode(chains.protocol_cut(tok, ids, text, "\n\n")) == "First step.\n\nSo x = 4, \\boxed{4}."
+    assert tok.decode(srpo.protocol_cut(tok, ids, text, "\n\n")) == "First step.\n\nSo x = 4, \\boxed{4}."
     long = "\n".join(f"{i}+1={i + 1}" for i in range(25))
     ids = tok(long, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    kept = tok.decode(chains.protocol_cut(tok, ids, long, "\n"), skip_special_tokens=True)
+    kept = tok.decode(srpo.protocol_cut(tok, ids, long, "\n"), skip_special_tokens=True)
     assert kept == "\n".join(f"{i}+1={i + 1}" for i in range(20))
     short = "1+1=2\n#### 2"  # nothing to cut: the ids come back unchanged (the stop token included)
     ids = tok(short, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    assert chains.protocol_cut(tok, ids, short, "\n") == ids
+    assert srpo.protocol_cut(tok, ids, short, "\n") == ids
 
 
 def test_protocol_cut_keeps_whole_thoughts_within_the_token_budget(tiny):
@@ -315,21 +318,21 @@ def test_protocol_cut_keeps_whole_thoughts_within_the_token_budget(tiny):
     ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
 
     def kept(**kw):
-        return tok.decode(chains.protocol_cut(tok, ids, text, "\n", **kw), skip_special_tokens=True)
+        return tok.decode(srpo.protocol_cut(tok, ids, text, "\n", **kw), skip_special_tokens=True)
 
-    assert chains.protocol_cut(tok, ids, text, "\n", budget=40, reserve=0) == ids  # all of it fits: unchanged
+    assert srpo.protocol_cut(tok, ids, text, "\n", budget=40, reserve=0) == ids  # all of it fits: unchanged
     assert kept(budget=20, reserve=0) == "12+3=15\n15-4=11"  # the budget cuts thought 3 (16-23) short: dropped
     assert kept(budget=40, reserve=10) == text  # 40 - 24 = 16 >= 10 tokens left when thought 4 starts
     assert kept(budget=32, reserve=10) == "12+3=15\n15-4=11\n11+2=13"  # 32 - 24 = 8 < 10 left: no 4th thought
     assert kept(budget=33, reserve=8) == text  # 33 - 24 = 9 >= 8 left: it starts (and ends at the EOS)
     cut = ids[:20]  # the generation cap stopped it mid-thought (no EOS): the partial third line goes
     assert tok.decode(
-        chains.protocol_cut(tok, cut, text[:20], "\n", truncated=True, budget=48), skip_special_tokens=True
+        srpo.protocol_cut(tok, cut, text[:20], "\n", truncated=True, budget=48), skip_special_tokens=True
     ) == ("12+3=15\n15-4=11")
-    assert chains.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0) == ids[:3]  # nothing whole fits
+    assert srpo.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0) == ids[:3]  # nothing whole fits
     # a continuation whose prefix left too little: nothing whole fits, so it adds nothing (the official loop's cut)
-    assert chains.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0, continuation=True) == []
-    assert chains.protocol_cut(tok, ids, text, "\n", budget=4, reserve=5, continuation=True) == []  # no room to start
+    assert srpo.protocol_cut(tok, ids[:5], text[:5], "\n", budget=3, reserve=0, continuation=True) == []
+    assert srpo.protocol_cut(tok, ids, text, "\n", budget=4, reserve=5, continuation=True) == []  # no room to start
 
 
 @pytest.mark.slow
@@ -390,8 +393,8 @@ def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(ti
     counts = []
     for i in range(len(ro)):
         ids = ro.completion_ids[i][ro.completion_mask[i].bool()].tolist()
-        n = len(chains.split_thoughts(tok.decode(ids, skip_special_tokens=True), "\n"))
-        prefix = len(chains.split_thoughts(tok.decode(ids[: int(suffix_start[i])], skip_special_tokens=True), "\n"))
+        n = len(srpo.split_thoughts(tok.decode(ids, skip_special_tokens=True), "\n"))
+        prefix = len(srpo.split_thoughts(tok.decode(ids[: int(suffix_start[i])], skip_special_tokens=True), "\n"))
         counts.append((prefix, n))
     assert all(n == min(20, prefix + 15) for prefix, n in counts), counts
     assert any(prefix > 5 for prefix, _ in counts)  # the case that used to overflow is exercised
@@ -402,5 +405,5 @@ def test_localization_cap_help_matches_the_code():
 
     doc = inspect.getsource(srpo).split("localization_max_new_tokens:")[1].split('"""')[1]
     code = inspect.getsource(srpo.localization)
-    assert "default: 4096; on arith max(192, 20 x (operations + 2))" in " ".join(doc.split())
+    assert "default: 4096; arith: max(192, 20 x (operations + 2))" in " ".join(doc.split())
     assert "max(192, 20 * (args.arith_steps + 2)) if task.name" in code and "else 4096" in code

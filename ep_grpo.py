@@ -46,11 +46,11 @@ class Args(cli.BaseArgs):
     TRL)"""
     # ALGO LOGIC: EP-GRPO's own flags, at the defaults the method runs with; each reaches ep_advantages by name
     gate: Gate = "soft"
-    """(c) soft 1 + alpha*sigmoid((H - tau)/gate-temp); hard 1[H > tau]; gtpo H; none 1; (a) zsig sigmoid(gamma*z(H))"""
+    """(c) soft 1 + alpha*sigmoid((H - pivot)/gate-temp); hard 1[H > pivot]; gtpo H; none 1; (a) zsig sigmoid(g*z(H))"""
     pivot_quantile: float = 0.8
-    """(b) pivots, (c) 0.8: the pivot threshold tau is this quantile (in [0, 1]) of the token entropies"""
+    """(b) pivots, (c) 0.8: the pivot threshold is this quantile (in [0, 1]) of the token entropies"""
     pivot_scope: PivotScope = "batch"
-    """(c) batch, (a) group: over which tokens tau (or zsig's z-score) is taken"""
+    """(c) batch, (a) group: over which tokens the pivot threshold (or zsig's z-score) is taken"""
     gate_alpha: float = 1.0
     """(c) alpha >= 0: extra weight of a pivot under the soft gate (0 turns the gate off)"""
     gate_temp: float = 0.1
@@ -73,7 +73,7 @@ class Args(cli.BaseArgs):
     """progress coordinate: (a) cumulative entropy share, (c) taken at the token's midpoint (C_t - H_t/2) / C_T
     (the recovered form is S_t / S_T) (entropy), or (c) token share (position)"""
     num_buckets: int = 10
-    """(a) K: number of progress windows (>= 1)"""
+    """(a) the number of progress windows (>= 1; the authors' K)"""
     process_anchor: Literal["ref", "ema", "lagged"] = "ref"
     """delta = log pi_old - log pi_anchor against (a) ref, the frozen initial policy, or (c) ema, lagged (ablations)"""
     # Ablations (docs/ep_grpo.md, Ablations): the other forms, in rlvr_utils/ep_ablations.py
@@ -120,20 +120,24 @@ def cell_zscore(x, valid, cell, num_cells, clip=3.0, std_min=1e-3) -> tuple[torc
     return torch.where(ok[cell] & valid, z, torch.zeros_like(z)), n, ok
 
 
-def entropy_gate(entropy, mask, tau, gate="soft", alpha=1.0, temp=0.1, norm="response", eps=1e-6) -> torch.Tensor:
-    """Token weights g_hat [B, T] = g / (g's mean over the response), g = 1 + alpha * sigmoid((H - tau) / temp): each
-    response keeps its mean weight 1 (all ~0: 1), pads get 0. entropy: [B, T], tau (a scalar or [B, 1]): nats."""
+def entropy_gate(entropy, mask, pivot, gate="soft", alpha=1.0, temp=0.1, norm="response", eps=1e-6) -> torch.Tensor:
+    """Token weights g_hat [B, T] = g / (g's mean over the response), g = 1 + alpha * sigmoid((H - pivot) / temp): each
+    response keeps its mean weight 1 (all ~0: 1), pads get 0. entropy: [B, T], pivot (a scalar or [B, 1]): nats."""
     m, H = mask.float(), entropy.float()
-    g = 1 + alpha * torch.sigmoid((H - tau) / temp) if gate == "soft" else ep_ablations.gate_weights(H, tau, temp, gate)
+    g = (
+        1 + alpha * torch.sigmoid((H - pivot) / temp)
+        if gate == "soft"
+        else ep_ablations.gate_weights(H, pivot, temp, gate)
+    )
     g = g * m
     mean = g.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
     return g if norm == "none" else torch.where(mean > eps, g / mean.clamp(min=eps), m)
 
 
 def progress_windows(entropy, mask, num_buckets=10, progress="entropy", eps=1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window b = min(K - 1, floor(K * u)) [B, T] of each token (pads: 0), u = (C_t - H_t/2) / C_T (ours: the authors'
-    coordinate S_t / S_T taken at the token's midpoint), C the cumulative entropy [B, T] (nats); zero_entropy [B]:
-    C_T <= eps, where (as with --progress position) u = (t - 1/2) / T."""
+    """Window b = min(n - 1, floor(n * u)) [B, T] of each token (n = num_buckets; pads: 0), u = (C_t - H_t/2) / C_T
+    (ours: the authors' coordinate S_t / S_T taken at the token's midpoint), C the cumulative entropy [B, T] (nats);
+    zero_entropy [B]: C_T <= eps, where (as with --progress position) u = (t - 1/2) / T."""
     m, H = mask.float(), entropy.float().clamp(min=0) * mask.float()
     pos = (m.cumsum(1) - 0.5) / m.sum(1, keepdim=True).clamp(min=1)
     C = H.cumsum(1)
@@ -170,35 +174,35 @@ def ep_advantages(
     a_out = common.group_advantages(
         rewards.float().cpu(), group_size, scale_rewards, 1e-4 if unbiased else 1e-6, group_ids=gid, unbiased=unbiased
     ).to(dev)
-    inv, r, n_groups, K = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
+    inv, r, n_groups, n_win = inv.to(dev), rewards.float().to(dev), int(inv.max()) + 1, num_buckets
     zero_var = common.constant_groups(r, inv)[1][inv]  # all-equal-reward groups
     # outcome polarity d: the verifier signs the process credit (all-wrong groups: -1, back towards the reference)
     solved = (r if scores is None else scores.float().to(dev)) >= success_threshold  # [B] the verifier's success
     polarity = torch.where(zero_var, torch.where(solved, 1.0, -1.0), torch.sign(a_out))
     polarity = polarity if process_polarity == "outcome" else torch.ones_like(r)
-    # entropy gate around tau, the rho-quantile of the batch's token entropies [B, 1] (other scopes and zsig: ablations)
-    tau, temp = row_quantile(H.reshape(1, -1), valid.reshape(1, -1), pivot_quantile).repeat(B, 1), gate_temp
+    # entropy gate around the pivot threshold, the rho-quantile of the token entropies [B, 1] (others: ablations)
+    pivot, temp = row_quantile(H.reshape(1, -1), valid.reshape(1, -1), pivot_quantile).repeat(B, 1), gate_temp
     if pivot_scope != "batch" or gate == "zsig":
-        tau, temp = ep_ablations.pooled_threshold(H, mask, inv, pivot_scope, pivot_quantile, gate, temp, gate_gamma,
+        pivot, temp = ep_ablations.pooled_threshold(H, mask, inv, pivot_scope, pivot_quantile, gate, temp, gate_gamma,
                                                   quantile=row_quantile)  # fmt: skip
-    g_hat = entropy_gate(H, mask, tau, gate, gate_alpha, temp, gate_norm)
+    g_hat = entropy_gate(H, mask, pivot, gate, gate_alpha, temp, gate_norm)
     # process signal P: delta, the implicit-PRM log-ratio per token, z-scored over the group's tokens in each window
-    b, zero_entropy = progress_windows(H, mask, K, progress)
+    b, zero_entropy = progress_windows(H, mask, n_win, progress)
     delta = (logp_old.float() - logp_ref.float()) * m
-    P, n_cell, ok = cell_zscore(delta, valid, inv[:, None] * K + b, n_groups * K, process_clip, process_std_min)
+    P, n_cell, ok = cell_zscore(delta, valid, inv[:, None] * n_win + b, n_groups * n_win, process_clip, process_std_min)
     if process_granularity != "token":  # ablations: window sums or prefix sums of delta, z-scored per cell
         P, n_cell, ok = ep_ablations.window_process(
-            delta, b, inv, mask, K, process_granularity, process_clip, process_std_min, zscore=cell_zscore
+            delta, b, inv, mask, n_win, process_granularity, process_clip, process_std_min, zscore=cell_zscore
         )
     lam0 = process_coef if process_coef_zero_var is None else process_coef_zero_var
     lam = torch.where(zero_var, lam0, process_coef)[:, None]
     A = g_hat * (a_out[:, None] + lam * polarity[:, None] * P) * m
     if anchor_form != "additive" or advantage_form != "A":  # ablations: the multiplicative form, form B
         A, P, n_cell, ok = ep_ablations.other_forms(
-            g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, mask, advantage_form, K, implicit_beta, process_clip,
-            process_std_min, zscore=cell_zscore,
+            g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, mask, advantage_form, n_win, implicit_beta,
+            process_clip, process_std_min, zscore=cell_zscore,
         )  # fmt: skip
-    parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, tau=tau, zero_var=zero_var, group_index=inv)
+    parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, pivot=pivot, zero_var=zero_var, group_index=inv)
     parts.update(zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok, polarity=polarity, delta=delta)
     return (A, dict(parts, above_threshold=solved)) if return_parts else A
 
@@ -256,14 +260,15 @@ if __name__ == "__main__":
 
         # 3. ALGO LOGIC: credit assignment, per token [N, T]: A = gate * (A_out + lambda * d * P), every flag by name
         gid, scores = ro.group_ids, ro.scores  # d's success is the verifier's (rewards: shaped by --overlong-buffer)
-        #    torchrun: over the global batch (tau is the quantile of the whole batch's entropies), each rank its rows
+        #    torchrun: over the global batch (the pivot is the whole batch's entropy quantile), each rank its rows
         token_adv, parts = dist.over_global_batch(
             ep_advantages, old_H, old_logp, anchor_logp, mask, rewards, G, gid, **flags, scores=scores,
             return_parts=True, keep_whole=("cell_members", "cell_ok"),  # per (group, window) cell: all for the metrics
         )  # fmt: skip
         parts["group_index"] = torch.unique(gid.cpu(), return_inverse=True)[1].to(token_adv.device)  # this rank's
-        ep_stats = ep_diagnostics.ep_metrics(token_adv, parts, old_H, mask)  # the ep/* metrics, from its pieces
-        run.credit_signals(outcome=parts["outcome"], gate=parts["gate"], P=parts["process"], window=parts["windows"])
+        ep_stats = ep_diagnostics.ep_metrics(token_adv, parts, old_H, mask)  # LOGS: the ep/* metrics, from its pieces
+        signals = dict(outcome=parts["outcome"], gate=parts["gate"], P=parts["process"], window=parts["windows"])
+        run.credit_signals(**signals)  # LOGS: --log-credit's outcome advantage, gate, process signal and window
         run.lap("advantages")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
@@ -280,7 +285,7 @@ if __name__ == "__main__":
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
                     )
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
                     log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
@@ -300,7 +305,7 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()

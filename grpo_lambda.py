@@ -197,7 +197,7 @@ if __name__ == "__main__":
         gid = ro.group_ids.cpu()
         advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid)
         advantages = clamp_negative_advantages(advantages, adv_floor)  # [N]
-        run.credit_signals(advantage=advantages)  # --log-credit: credit / advantage is the trace multiplier c_k
+        run.credit_signals(advantage=advantages)  # LOGS: --log-credit (credit / advantage: the trace multiplier c_k)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
@@ -212,7 +212,7 @@ if __name__ == "__main__":
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
         #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         stats = common.UpdateStats(mask, args.num_iterations)
-        trace = TraceStats(args.max_log_ratio, args.num_iterations, stats.tokens)  # ALGO LOGIC: trace/* metrics
+        trace_log = TraceStats(args.max_log_ratio, args.num_iterations, stats.tokens)  # LOGS: the trace/* metrics
         for it in range(args.num_iterations):
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
@@ -224,7 +224,7 @@ if __name__ == "__main__":
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
                     )
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the traced ratio exp(z_t) (ϵ-trace; or ϵ-weight), Eq. 2
                     A = token_adv[mb]
@@ -241,7 +241,7 @@ if __name__ == "__main__":
                         epsilon_high=args.epsilon_high,
                         max_log_ratio=args.max_log_ratio,
                     )  # [n, T] each
-                    trace.add(per_token_loss, logp, A, m, z, it == 0)  # ALGO LOGIC: trace/* (before backward)
+                    trace_log.add(per_token_loss, logp, A, m, z, it == 0)  # LOGS: trace/* (an extra autograd.grad)
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
                     per_token_loss = per_token_loss * engines.engine_correction(
                         ro, mb, old, m, args, stats.engine(it), stats.tokens
@@ -254,7 +254,7 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
@@ -262,6 +262,6 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.end_step(step, ro, rewards, stats, {**sampling, **trace.metrics()})  # ALGO LOGIC: + trace/*
+        run.end_step(step, ro, rewards, stats, {**sampling, **trace_log.metrics()})  # LOGS: + trace/*
 
     run.finish()

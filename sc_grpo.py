@@ -294,7 +294,7 @@ if __name__ == "__main__":
                 weights, token_adv, f = dist.over_global_batch(
                     f_and_bonus, D, active, role, gid, token_adv
                 )  # [N, T] each
-                sc_log.add(D, f, active)
+                sc_log.add(D, f, active)  # LOGS
         run.lap("logprobs")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
@@ -319,9 +319,9 @@ if __name__ == "__main__":
                         weights[mb], token_adv[mb], f = f_and_bonus(
                             D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb]
                         )
-                    seen = it == 0 and prompts is not None and not per_batch  # D, once per row, for the sc/* metrics
-                    sc_log.add(D if seen else None, f if first else None, active[mb], cost)
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
+                    seen = it == 0 and prompts is not None and not per_batch  # LOGS: D once per row, for sc/*
+                    sc_log.add(D if seen else None, f if first else None, active[mb], cost)  # LOGS
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
                     log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
@@ -343,7 +343,7 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
@@ -351,7 +351,7 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.credit_signals(f=weights, role=role)  # --log-credit: the token weight f and the row's role
+        run.credit_signals(f=weights, role=role)  # LOGS: --log-credit's token weight f and the row's role
         run.end_step(step, ro, rewards, stats, sampling | sc_log.metrics(modes, bad, ro.texts, run.device))  # + sc/*
 
     run.finish()

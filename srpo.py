@@ -427,7 +427,7 @@ if __name__ == "__main__":
         advantages = srpo_advantages(rewards, ro.group_ids.cpu())  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
         mask = mask if args.no_mask else suffix_mask(mask, suffix_start)  # [N, T]
-        run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # --log-credit: suffix start, the prompts
+        run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # LOGS: --log-credit's suffix starts
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
@@ -457,7 +457,7 @@ if __name__ == "__main__":
                     logp, entropy = common.token_logprobs(
                         train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
                     )
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # --log-credit: record dL/dlog p
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate, dual-clip 3 (verl)
                     log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
@@ -479,14 +479,14 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
                 stats.step(grad_norm)
         run.lap("update")
 
-        # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C; ALGO LOGIC: the reset metrics
+        # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C; LOGS: the reset metrics
         extra = {f"reset/{k}": v for k, v in info.items() if k != "time_localization"}
         extra |= {"time/localization": info["time_localization"], "sampling/generated_tokens": info["generated_tokens"]}
         run.end_step(step, ro, rewards, stats, extra)

@@ -11,10 +11,10 @@ import torch
 def pooled_threshold(
     H, mask, inv, scope, q, gate, temp, gamma, *, quantile
 ) -> tuple[torch.Tensor, float | torch.Tensor]:
-    """The gate's threshold tau [B, 1] (nats) and temperature, per pool of rows: --pivot-scope batch (one pool), group
-    (rows with the same inv; equal group sizes) or response (each row). tau is the q-quantile of the pool's token
+    """The gate's threshold pivot [B, 1] (nats) and temperature, per pool of rows: --pivot-scope batch (one pool), group
+    (rows with the same inv; equal group sizes) or response (each row). pivot is the q-quantile of the pool's token
     entropies; with --gate zsig (a) it is their mean and the temperature their population std / gamma, so that
-    sigmoid((H - tau) / temp) is the authors' W = sigmoid(gamma * z(H)) (EP-GRPO Eq. 18-19). H, mask: [B, T].
+    sigmoid((H - pivot) / temp) is the authors' W = sigmoid(gamma * z(H)) (EP-GRPO Eq. 18-19). H, mask: [B, T].
     quantile: ep_grpo.row_quantile."""
     B, dev, m = H.shape[0], H.device, mask.float()
     owner = {"batch": torch.zeros_like(inv), "group": inv, "response": torch.arange(B, device=dev)}[scope]
@@ -24,18 +24,18 @@ def pooled_threshold(
         valid = mask.bool()
         return quantile(H[order].reshape(pools, -1), valid[order].reshape(pools, -1), q)[owner][:, None], temp
     n = torch.zeros(pools, device=dev).index_add(0, owner, m.sum(1)).clamp(min=1)
-    tau = (torch.zeros(pools, device=dev).index_add(0, owner, (H * m).sum(1)) / n)[owner][:, None]
-    var = torch.zeros(pools, device=dev).index_add(0, owner, (((H - tau) * m) ** 2).sum(1)) / n
-    return tau, (var.sqrt()[owner][:, None] / gamma).clamp(min=1e-6)
+    pivot = (torch.zeros(pools, device=dev).index_add(0, owner, (H * m).sum(1)) / n)[owner][:, None]
+    var = torch.zeros(pools, device=dev).index_add(0, owner, (((H - pivot) * m) ** 2).sum(1)) / n
+    return pivot, (var.sqrt()[owner][:, None] / gamma).clamp(min=1e-6)
 
 
-def gate_weights(H, tau, temp, gate) -> torch.Tensor:
+def gate_weights(H, pivot, temp, gate) -> torch.Tensor:
     """Token weights [B, T] of the gates other than soft, before the mask and the per-response normalization: hard
-    1[H > tau] (c: the 80/20 mask), gtpo H (c: GTPO's entropy weight), none 1, zsig sigmoid((H - tau) / temp) (a: with
-    pooled_threshold's tau and temp, the authors' W)."""
+    1[H > pivot] (c: the 80/20 mask), gtpo H (c: GTPO's entropy weight), none 1, zsig sigmoid((H - pivot) / temp)
+    (a: with pooled_threshold's pivot and temp, the authors' W)."""
     if gate == "zsig":
-        return torch.sigmoid((H - tau) / temp)
-    return {"hard": (H > tau).float(), "gtpo": H.clamp(min=0), "none": torch.ones_like(H)}[gate]
+        return torch.sigmoid((H - pivot) / temp)
+    return {"hard": (H > pivot).float(), "gtpo": H.clamp(min=0), "none": torch.ones_like(H)}[gate]
 
 
 def window_process(
@@ -46,13 +46,13 @@ def window_process(
     cumulative: the prefix sums S[i, 0..k], every response counted in every window. Each token gets its window's
     value. delta, windows, mask: [B, T]; inv: [B] group index; the others: ep_advantages' flags of the same names;
     zscore: ep_grpo.cell_zscore. Returns (P [B, T], members per cell, ok per cell) as cell_zscore."""
-    B, K, m = delta.shape[0], num_buckets, mask.float()
-    S = torch.zeros(B, K, device=delta.device).scatter_add_(1, windows, delta)
-    present = torch.zeros(B, K, device=delta.device).scatter_add_(1, windows, m) > 0
+    B, n_win, m = delta.shape[0], num_buckets, mask.float()
+    S = torch.zeros(B, n_win, device=delta.device).scatter_add_(1, windows, delta)
+    present = torch.zeros(B, n_win, device=delta.device).scatter_add_(1, windows, m) > 0
     if process_granularity == "cumulative":
-        S, present = S.cumsum(1), mask.bool().any(1, keepdim=True).expand(-1, K)
-    cells = inv[:, None] * K + torch.arange(K, device=delta.device)
-    P_win, n_cell, ok = zscore(S, present, cells, (int(inv.max()) + 1) * K, process_clip, process_std_min)
+        S, present = S.cumsum(1), mask.bool().any(1, keepdim=True).expand(-1, n_win)
+    cells = inv[:, None] * n_win + torch.arange(n_win, device=delta.device)
+    P_win, n_cell, ok = zscore(S, present, cells, (int(inv.max()) + 1) * n_win, process_clip, process_std_min)
     return P_win.gather(1, windows) * m, n_cell, ok
 
 
@@ -70,9 +70,9 @@ def other_forms(
     its own sign (no outcome polarity), never flips a token's sign and is 0 where A_out is 0 (all-equal groups)."""
     m = mask.float()
     if advantage_form == "B":
-        K = num_buckets
+        n_win = num_buckets
         R = r[:, None] + implicit_beta * delta.cumsum(1)
-        cells, n_cells = inv[:, None] * K + windows, (int(inv.max()) + 1) * K
+        cells, n_cells = inv[:, None] * n_win + windows, (int(inv.max()) + 1) * n_win
         P, n_cell, ok = zscore(R, mask.bool(), cells, n_cells, process_clip, process_std_min)
         return g_hat * P * m, P, n_cell, ok
     return g_hat * a_out[:, None] * (1 + lam * torch.tanh(torch.sign(a_out)[:, None] * P)) * m, P, n_cell, ok

@@ -30,8 +30,8 @@ def ep_metrics(adv, parts, entropy, mask) -> dict:
         "ep/frac_zero_var_groups": zv_g.mean().item(),  # waste: groups GRPO gives no gradient
         "ep/zero_var_groups_with_grad": ratio((zv_g * grad_g).sum(), zv_g.sum()),  # ... that EP-GRPO still trains
         "ep/entropy_top20_share": ratio(top, H.sum()),  # non-uniformity: entropy mass of the top-20% tokens
-        "ep/pivot_frac": ratio(((entropy.float() > parts["tau"]) & valid).sum(), valid.sum()),
-        "ep/pivot_threshold": parts["tau"].float().mean().item(),
+        "ep/pivot_frac": ratio(((entropy.float() > parts["pivot"]) & valid).sum(), valid.sum()),
+        "ep/pivot_threshold": parts["pivot"].float().mean().item(),
         "ep/polarity_flip_rate": ratio(((adv * a_out < 0) & valid).sum(), (valid & (a_out != 0)).sum()),
         "ep/process_abs_mixed": ratio(P[~zv].sum(), m[~zv].sum()),
         "ep/process_abs_zero_var": ratio(P[zv].sum(), m[zv].sum()),

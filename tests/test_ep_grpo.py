@@ -222,7 +222,7 @@ def test_entropy_top20_share(entropy, share):
     a, parts = ep_advantages(H, torch.zeros(2, 10), torch.zeros(2, 10), mask, torch.zeros(2), 2, return_parts=True)
     m = ep_metrics(a, parts, H, mask)
     assert m["ep/entropy_top20_share"] == pytest.approx(share)
-    assert m["ep/pivot_frac"] == pytest.approx((torch.tensor(entropy) > parts["tau"][0]).float().sum().item() / 10)
+    assert m["ep/pivot_frac"] == pytest.approx((torch.tensor(entropy) > parts["pivot"][0]).float().sum().item() / 10)
 
 
 VARIANTS = [

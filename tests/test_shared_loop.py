@@ -3,8 +3,11 @@ change to the shared loop is made in every algorithm file"): every line of grpo.
 comments dropped) appears, in order, in each other script's, except the lines listed below, each one a documented
 difference of that method. A shared line edited in one script, or in grpo.py alone, fails here."""
 
+import difflib
 import io
 import re
+import shutil
+import subprocess
 import tokenize
 from pathlib import Path
 
@@ -98,3 +101,25 @@ def test_the_shared_loop_is_grpo_py_s_but_for_the_method_s_lines(script):
     drifted = [line for line, w in zip(got, matched) if w is None]
     assert not drifted, f"{script}: shared lines of grpo.py's loop missing or out of order: {drifted}"
     assert matched == want, f"{script}: documented differences that are gone: {sorted(set(want) - set(matched))}"
+
+
+def changed_lines(a: str, b: str) -> int:
+    """Lines removed plus lines added between two files: what `diff a b | grep -c '^[<>]'` counts (difflib, where
+    there is no diff, finds a diff a line or two shorter)."""
+    if shutil.which("diff"):
+        out = subprocess.run(["diff", a, b], cwd=ROOT, capture_output=True, text=True).stdout
+        return sum(line[:1] in "<>" and line[:1] != "" for line in out.splitlines())
+    x, y = (ROOT / a).read_text().splitlines(), (ROOT / b).read_text().splitlines()
+    ops = difflib.SequenceMatcher(None, x, y, autojunk=False).get_opcodes()
+    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
+
+
+# a method readable in one sitting, and `diff grpo.py X` a readable account of what it changes
+BUDGETS = {"sc_grpo.py": (450, 300), "grpo_lambda.py": (450, 220), "ep_grpo.py": (450, 300), "srpo.py": (520, 450)}
+
+
+@pytest.mark.parametrize("script", sorted(BUDGETS))
+def test_each_script_and_its_diff_from_grpo_py_stay_within_budget(script):
+    lines, diff = BUDGETS[script]
+    assert len((ROOT / script).read_text().splitlines()) <= lines
+    assert changed_lines("grpo.py", script) <= diff

@@ -9,6 +9,7 @@ script's step time to grpo.py's (targets: SC-GRPO <= 1.6, GRPO-lambda <= 1.05, E
 Writes benchmarks/out/gpu_checks.json and prints a markdown table.
 
     python benchmarks/gpu_checks.py                                   # on a GPU host, both parts
+    python benchmarks/gpu_checks.py --parts big --big-steps 2 --big-new-tokens 64   # part 2 alone, shorter
     python benchmarks/gpu_checks.py --device cpu --dtype float32 --steps 2 --seeds 1 --shape tiny \
         --big-new-tokens 8                                            # CPU smoke
 """
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--big-steps", type=int, default=3)
     ap.add_argument("--big-new-tokens", type=int, default=256)
     ap.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
+    ap.add_argument("--parts", nargs="+", default=["finite", "big"], choices=["finite", "big"], help="which parts")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_checks.json"))
     a = ap.parse_args()
     import torch
@@ -52,14 +54,14 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "CPU"
     res = {"device": device, "finite": {}, "big": {}}
     common = ["--device", a.device, "--dtype", a.dtype, "--eval-every", "0", "--num-eval", "8"]
-    for name in a.scripts:
+    for name in a.scripts if "finite" in a.parts else []:
         for seed in a.seeds:
             run = run_script([*SCRIPTS[name], *common, "--seed", str(seed), "--total-steps", str(a.steps)])
             res["finite"][f"{name}/{seed}"] = ok = run.ok and len(run.rows) == a.steps + 1
             print(f"{name} seed {seed}: {'ok' if ok else 'FAILED ' + run.tail(1500)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(a.shape, Path(tmp) / a.shape, 151936)
-        for name in a.scripts:
+        model = build_model(a.shape, Path(tmp) / a.shape, 151936) if "big" in a.parts else None
+        for name in a.scripts if "big" in a.parts else []:
             run = run_script(
                 [
                     *SCRIPTS[name],

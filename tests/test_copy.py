@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, TINY_MODEL
 
 QUICK = [
@@ -55,6 +56,7 @@ def metrics_rows(runs: Path) -> list[str]:
     return metrics.read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_a_copy_trains_with_the_bundled_model_beside_it(tmp_path):
     here = copy_method(tmp_path / "myproj")
     assert ROOT not in here.parents
@@ -86,6 +88,7 @@ def readme_package_lines() -> str:
     return code
 
 
+@pytest.mark.slow
 def test_inside_a_package_as_the_readme_says(tmp_path):
     """mypkg/algos/{sc_grpo.py, common.py, rlvr_utils/, assets/}: `python -m mypkg.algos.sc_grpo` needs the README's
     lines in mypkg/algos/__init__.py (without them `import common` fails); with them it trains, and the script's

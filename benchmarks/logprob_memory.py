@@ -157,14 +157,14 @@ if __name__ == "__main__":
         r = {x["method"]: x for x in rows if x["B"] == B and x["T"] == T}
         if len(r) < 3:
             continue
-        cell = lambda m: f"{r[m]['peak_mb']:.0f} ({r[m]['seconds']:.2f})" if "peak_mb" in r[m] else r[m]["error"]  # noqa: E731
+        cell = {m: f"{x['peak_mb']:.0f} ({x['seconds']:.2f})" if "peak_mb" in x else x["error"] for m, x in r.items()}
         ratio = (
             f"{r['ours']['peak_mb'] / r['naive']['peak_mb']:.2f}"
             if "peak_mb" in r["ours"] and "peak_mb" in r["naive"]
             else "-"
         )
         fp32 = next((x["logits_mb_fp32"] for x in r.values() if "logits_mb_fp32" in x), "-")
-        print(f"| {B} x {T} | {fp32} | {cell('ours')} | {cell('selective')} | {cell('naive')} | {ratio} |")
+        print(f"| {B} x {T} | {fp32} | {cell['ours']} | {cell['selective']} | {cell['naive']} | {ratio} |")
     Path(ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
     (
         ROOT

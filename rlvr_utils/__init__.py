@@ -1,6 +1,6 @@
 """The support package of the five scripts: one topic per module. What every script uses is in common.py; what is
 not an algorithm lives here. Layers point one way: scripts -> common.py -> this package; nothing here imports
-common.py or a script.
+common.py or a script, and no import cycle runs through the modules below (one line each; tests/test_layout.py).
 
   cli              the command line: BaseArgs (every shared flag), parsing, resume, threads
   checks           every check before anything loads: one line naming the flag or file, exit code 2
@@ -9,11 +9,14 @@ common.py or a script.
   models           loading the policy (hub id or local directory, clear errors, dropout off)
   rollouts         the Rollouts batch, batched generation (HF generate or the vLLM engine), padding, stop tokens
   tracking         TensorBoard, metrics.jsonl and wandb
-  tasks            the tasks (arith, gsm8k, math, code): datasets, prompts, rewards, held-out split
+  credit           each token's effective credit, read from the loss's gradient (--log-credit N), and credit.jsonl
+  tasks            the tasks (arith, gsm8k, math, code, custom): datasets, prompts, rewards, held-out split
+  custom           --task custom: your rows and reward functions in TRL's convention (--reward-fn PATH.py:NAME)
   rewards          answer extraction and verification (GSM8K, MATH via math-verify)
   arith            the built-in arithmetic task: problems, solutions, its first-wrong-step oracle, the tiny model's
                    prompt formats
-  sandbox          the code task's sandboxed test runner; sandbox_harness is the program it starts
+  sandbox          the code task's sandboxed test runner (not a security boundary)
+  sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, then the program and its tests
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
   engines          the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics

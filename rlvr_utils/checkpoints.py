@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rlvr_utils import sharded
+from rlvr_utils.errors import usage_error
 
 
 def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
@@ -180,12 +181,9 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                with _atomic_dir(self.path) as tmp:
+                with self.new_copy() as tmp:
                     save_model_atomic(model, tokenizer, tmp / "model")
-                    torch.save(state, tmp / "trainer.pt")
-                    for r in range(1, world):  # other ranks' sampling streams
-                        torch.save(states[r], tmp / f"trainer_rank{r}.pt")
-                    (tmp / COMPLETE).write_text(json.dumps({"step": step}))  # last: the copy is whole
+                    self.write_state(tmp, step, state, states)
             except Exception as e:  # a full disk, a read-only directory, a file-size limit (OSError or the writer's)
                 if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
                     raise  # not an I/O failure: a bug keeps its traceback
@@ -194,6 +192,18 @@ class Checkpointer:
         if self.dist is not None:
             self.dist.barrier()
         return self.path
+
+    def new_copy(self) -> _atomic_dir:
+        """`with ckpt.new_copy() as tmp:` a temporary copy that replaces the checkpoint once it is filled."""
+        return _atomic_dir(self.path)
+
+    def write_state(self, tmp: Path, step: int, state: dict, states: list, **marker) -> None:
+        """A copy's files besides the weights (rank 0): trainer.pt, the other ranks' sampling streams `states[1:]`,
+        and last the marker {"step": step, **marker} that says the copy is whole."""
+        torch.save(state, tmp / "trainer.pt")
+        for r in range(1, len(states)):
+            torch.save(states[r], tmp / f"trainer_rank{r}.pt")
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, **marker}))
 
     def failed(self, step: int, e: BaseException) -> NoReturn:
         """A save that could not be written: one line naming the directory, the cause and the checkpoint that is still
@@ -260,7 +270,7 @@ class Checkpointer:
             self.dist.barrier()
             found = self.dist.broadcast(found)
         if found is None:
-            _fail(
+            usage_error(
                 f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and "
                 "on SIGTERM)"
             )
@@ -270,20 +280,22 @@ class Checkpointer:
         else:
             files = sorted((self.path / "model").glob("*.safetensors"))
             if not files:
-                _fail(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
+                usage_error(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
             weights = {}
             for f in files:
                 try:
                     weights.update(load_file(str(f)))
                 except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
-                    _fail(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+                    usage_error(
+                        f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                    )
             if self.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
                 sharded.restore_full(model, optimizer, weights, state["optimizer"], run)
             else:
                 missing, unexpected = model.load_state_dict(weights, strict=False)
                 missing = [k for k in missing if k not in _tied(model)]
                 if missing or unexpected:
-                    _fail(
+                    usage_error(
                         f"--resume {run}: the checkpoint does not fit the model (missing {missing[:3]}, unexpected "
                         f"{unexpected[:3]}): was the run started with another --model?"
                     )
@@ -291,7 +303,7 @@ class Checkpointer:
         batches.skip_to(state["batches_drawn"])
         for k, v in (extra or {}).items():
             if k not in state["extra"]:
-                _fail(f"--resume {run}: the checkpoint holds no '{k}' state: it was made by another script")
+                usage_error(f"--resume {run}: the checkpoint holds no '{k}' state: it was made by another script")
             _load_into(v, state["extra"][k])
         own = self.path / f"trainer_rank{self.rank}.pt"
         if self.rank > 0 and not own.is_file():  # more ranks than the run had: a new stream per rank and step
@@ -344,17 +356,12 @@ def damaged(copy: Path) -> str | None:
     return None
 
 
-def _fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def _load(path: Path, run: Path) -> dict:
     try:
         return torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto the saver's GPU
     except Exception as e:  # truncated, empty or not a torch file
         reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
-        _fail(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
+        usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
 
 
 def _tied(model) -> set:

@@ -27,6 +27,13 @@ def check_model(model: str) -> None:
     reachable (one line at once, not minutes of retries)."""
     if looks_like_path(model):
         d = Path(model).expanduser()
+        if d.parts[-2:] == ("assets", "tiny-arith"):  # the default (cli.DEFAULT_MODEL), e.g. a copied script without it
+            need(
+                d.is_dir(),
+                f"--model {model}: no such directory (the default --model is the bundled tiny policy, "
+                "assets/tiny-arith beside the script): pass a Hugging Face model id or directory, e.g. "
+                "--model Qwen/Qwen2.5-0.5B-Instruct, or copy assets/tiny-arith beside the script",
+            )
         need(d.is_dir(), f"--model {model}: no such directory")
         need((d / "config.json").is_file(), f"--model {model}: the directory holds no model (no config.json)")
         weights = [*d.glob("*.safetensors"), *d.glob("*.bin"), *d.glob("*.safetensors.index.json")]

@@ -6,18 +6,18 @@ See docs/scaling.md ("Checkpoints across world sizes").
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from rlvr_utils import checkpoints
+from rlvr_utils.errors import usage_error
 
 
 def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
-    """`ckpt` (a checkpoints.Checkpointer under FSDP): every rank writes its shards into the same temporary copy
-    (sharded/), rank 0 the rest (trainer.pt without the optimizer; the ranks' random streams `states`); the copy
-    becomes the checkpoint by one rename once every rank's shards are on disk. Non-finite weights on any rank: none."""
+    """`ckpt` (a checkpoints.Checkpointer under FSDP, which calls this): every rank writes its shards into the same
+    temporary copy (sharded/), rank 0 the rest (trainer.pt without the optimizer; the ranks' random streams `states`);
+    the copy becomes the checkpoint by one rename once every rank's shards are on disk. Non-finite weights on any rank:
+    none. What a copy is and holds besides the shards is the Checkpointer's (this module does not import it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -25,7 +25,7 @@ def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     if dist.sum([float(not all(torch.isfinite(p).all() for p in local))])[0] > 0:
         raise ValueError("refusing to save a checkpoint with non-finite weights")
-    ctx = checkpoints._atomic_dir(ckpt.path) if main else None
+    ctx = ckpt.new_copy() if main else None
     if main:
         ckpt.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(dist.broadcast(str(ctx.__enter__()) if main else None))  # one temporary copy, named by rank 0
@@ -34,10 +34,7 @@ def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "sharded"))  # every rank: its shards
         dist.barrier()
         if main:
-            torch.save({**state, "sharded": True}, tmp / "trainer.pt")
-            for r in range(1, dist.world):
-                torch.save(states[r], tmp / f"trainer_rank{r}.pt")
-            (tmp / checkpoints.COMPLETE).write_text(json.dumps({"step": step, "world": dist.world}))  # last
+            ckpt.write_state(tmp, step, {**state, "sharded": True}, states, world=dist.world)
     except BaseException as e:
         if main:
             ctx.__exit__(type(e), e, None)  # the temporary copy goes; the previous checkpoint stays
@@ -61,7 +58,7 @@ def restore(path: Path, model, optimizer, run: Path) -> None:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # a missing or damaged shard, or another model's checkpoint
         reason = str(e).splitlines()[0][:200] if str(e) else "empty"
-        checkpoints._fail(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
+        usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -73,7 +70,7 @@ def restore_full(model, optimizer, weights: dict, optim: dict, run: Path) -> Non
     full = StateDictOptions(full_state_dict=True, strict=False)
     names = [n for n, _ in model.named_parameters()]  # the optimizer was built from model.parameters(), in order
     if len(names) != sum(len(g["params"]) for g in optim["param_groups"]):
-        checkpoints._fail(f"--resume {run}: the checkpoint's optimizer does not fit the model: was it another --model?")
+        usage_error(f"--resume {run}: the checkpoint's optimizer does not fit the model: was it another --model?")
     optim = {  # index-keyed, as optimizer.state_dict() writes it, to parameter names, as DCP's full state dict is
         "state": {names[i]: v for i, v in optim["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]],
@@ -81,6 +78,6 @@ def restore_full(model, optimizer, weights: dict, optim: dict, run: Path) -> Non
     missing, unexpected = set_model_state_dict(model, weights, options=full)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if [k for k in missing if k not in tied] or unexpected:
-        checkpoints._fail(f"--resume {run}: the checkpoint does not fit the model (missing {list(missing)[:3]}, "
-                          f"unexpected {list(unexpected)[:3]}): was the run started with another --model?")  # fmt: skip
+        usage_error(f"--resume {run}: the checkpoint does not fit the model (missing {list(missing)[:3]}, "
+                    f"unexpected {list(unexpected)[:3]}): was the run started with another --model?")  # fmt: skip
     set_optimizer_state_dict(model, optimizer, optim, options=full)

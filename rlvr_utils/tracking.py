@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from rlvr_utils.errors import usage_error
+
 
 def read_rows(path: Path) -> list[dict]:
     """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
@@ -21,13 +23,11 @@ def read_rows(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
             if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
-                print(f"error: {path}:{i}: not a metrics row (a JSON object with an integer step)", file=sys.stderr)
-                raise SystemExit(2)
+                usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
             rows.append(row)
         except ValueError:
             if i < len(lines):
-                print(f"error: {path}:{i}: not a JSON line; the run's metrics are damaged", file=sys.stderr)
-                raise SystemExit(2)
+                usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
             print(
                 f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
                 file=sys.stderr,

@@ -1,0 +1,114 @@
+"""One method copied into another project as README.md's "Copy one method" says: sc_grpo.py, common.py and
+rlvr_utils/ (and assets/tiny-arith for the default --model) in a folder outside the repository, run with the
+repository off sys.path. It trains there; without the bundled model it stops with one line saying what to do; and from
+inside a package it works the way the README says (and fails the way it says without the package's two lines)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_MODEL
+
+QUICK = [
+    "--total-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--num-eval",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--num-generations",
+    "2",
+    "--max-new-tokens",
+    "16",
+    "--threads",
+    "1",
+    "--output-dir",
+    "runs",
+]
+
+
+def copy_method(dest: Path, model: bool = True) -> Path:
+    """The README's copy: the script, common.py, rlvr_utils/ and (`model`) assets/tiny-arith, side by side."""
+    dest.mkdir(parents=True)
+    shutil.copy(ROOT / "sc_grpo.py", dest)
+    shutil.copy(ROOT / "common.py", dest)
+    shutil.copytree(ROOT / "rlvr_utils", dest / "rlvr_utils", ignore=shutil.ignore_patterns("__pycache__"))
+    if model:
+        shutil.copytree(TINY_MODEL, dest / "assets" / "tiny-arith")
+    return dest
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python args...` in `cwd` with no PYTHONPATH (the repository is not importable) and the hub off."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def metrics_rows(runs: Path) -> list[str]:
+    (metrics,) = runs.glob("*/metrics.jsonl")
+    return metrics.read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_a_copy_trains_with_the_bundled_model_beside_it(tmp_path):
+    here = copy_method(tmp_path / "myproj")
+    assert ROOT not in here.parents
+    out = run(["sc_grpo.py", *QUICK], cwd=here)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(metrics_rows(here / "runs")) == 3  # step 0's evaluation, then steps 1 and 2
+
+
+def test_a_copy_without_the_bundled_model_says_what_to_pass_in_one_line(tmp_path):
+    here = copy_method(tmp_path / "myproj", model=False)
+    out = run(["sc_grpo.py", "--total-steps", "2"], cwd=here)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --model "), out.stderr
+    for words in (
+        "assets/tiny-arith",
+        "--model Qwen/Qwen2.5-0.5B-Instruct",
+        "copy assets/tiny-arith beside the script",
+    ):
+        assert words in lines[0], (words, lines[0])
+    assert not (here / "runs").exists()  # stopped before anything was made
+
+
+def readme_package_lines() -> str:
+    """The `mypkg/algos/__init__.py` README.md gives under "Copy one method"."""
+    section = (ROOT / "README.md").read_text().split("## Copy one method", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    return code
+
+
+@pytest.mark.slow
+def test_inside_a_package_as_the_readme_says(tmp_path):
+    """mypkg/algos/{sc_grpo.py, common.py, rlvr_utils/, assets/}: `python -m mypkg.algos.sc_grpo` needs the README's
+    lines in mypkg/algos/__init__.py (without them `import common` fails); with them it trains, and the script's
+    functions import from the package."""
+    proj = tmp_path / "proj"
+    algos = copy_method(proj / "mypkg" / "algos")
+    (proj / "mypkg" / "__init__.py").write_text("")
+    (algos / "__init__.py").write_text("")
+    out = run(["-c", "import mypkg.algos.sc_grpo"], cwd=proj)
+    assert out.returncode == 1 and "No module named 'common'" in out.stderr, out.stderr[-3000:]
+
+    (algos / "__init__.py").write_text(readme_package_lines())
+    out = run(["-m", "mypkg.algos.sc_grpo", *QUICK], cwd=proj)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(metrics_rows(proj / "runs")) == 3
+    imports = (
+        "from mypkg.algos import sc_grpo; import common, rlvr_utils; "
+        "print(sc_grpo.__file__, common.__file__, rlvr_utils.__file__, callable(sc_grpo.Args))"
+    )
+    out = run(["-c", imports], cwd=proj)
+    assert out.returncode == 0, out.stderr[-3000:]
+    *files, ok = out.stdout.split()
+    assert ok == "True" and all(Path(f).is_relative_to(algos) for f in files), out.stdout

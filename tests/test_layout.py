@@ -1,0 +1,183 @@
+"""The package's layout (DESIGN.md): layers point one way (scripts -> common.py -> rlvr_utils; the package imports
+neither common.py nor a script and has no import cycle inside), rlvr_utils/__init__.py lists every module, the
+one-line usage error has one definition (rlvr_utils/errors.py), and no line of Python is over 120 characters
+(ruff's E501 lets a line that ends in a pragma comment run over; this does not)."""
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "rlvr_utils"
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+SCRIPTS = {p.stem for p in ROOT.glob("*.py")}  # common.py and the five algorithm scripts
+NOT_SOURCE = {"assets", "runs", "wandb", "__pycache__"}  # and every hidden directory (.git, .venv, caches)
+
+
+def _is_function(node) -> bool:
+    return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+
+
+def _nodes(tree: ast.AST, module_level: bool):
+    """Every node of `tree`; `module_level`: only those that run on import (not inside a function, not under
+    `if TYPE_CHECKING:`)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if module_level and (_is_function(child) or _type_checking(child)):
+                continue
+            todo.append(child)
+
+
+def _type_checking(node) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imported(path: Path, module_level: bool) -> set[str]:
+    """The project modules a file imports: `rlvr_utils.<module>` (absolute or relative) or a top-level name (common,
+    a script)."""
+    names = set()
+    for node in _nodes(ast.parse(path.read_text()), module_level):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x, from .x import y (inside the package)
+                base = "rlvr_utils" + (f".{node.module}" if node.module else "")
+            else:
+                base = node.module or ""
+            names.add(base)
+            if base == "rlvr_utils":  # `from rlvr_utils import cli`: a module
+                names |= {f"rlvr_utils.{a.name}" for a in node.names if a.name in MODULES}
+    return {n if n.startswith("rlvr_utils.") else n.split(".")[0] for n in names} - {"rlvr_utils"}
+
+
+def import_graph(module_level: bool = True) -> dict[str, set[str]]:
+    return {m: {n.split(".", 1)[1] for n in imported(PACKAGE / f"{m}.py", module_level) if "." in n} for m in MODULES}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (a -> b -> ... -> a) of `graph`, or None."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return stack[stack.index(n) :] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    """Module-level imports between rlvr_utils modules form no cycle (an import inside a function is lazy and may
+    point back; checkpoints <-> sharded used to import each other at the top)."""
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_the_package_imports_neither_common_nor_a_script():
+    """At any level, in a function too: the package is below common.py and the scripts."""
+    bad = {
+        f"rlvr_utils/{m}.py": sorted(imported(PACKAGE / f"{m}.py", module_level=False) & SCRIPTS)
+        for m in [*MODULES, "__init__"]
+    }
+    assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_init_lists_every_module_with_one_line_each():
+    """rlvr_utils/__init__.py's docstring: `  <module>  <what it holds>` for every module, and no module that is not
+    there."""
+    listed = re.findall(r"^  ([a-z_]+)  ", ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())), re.M)
+    assert sorted(set(MODULES) - set(listed)) == [], "not in rlvr_utils/__init__.py's list"
+    assert sorted(set(listed) - set(MODULES)) == [], "listed in rlvr_utils/__init__.py but not a module"
+    assert len(listed) == len(set(listed)), "a module listed twice"
+
+
+def python_files(root: Path = ROOT) -> list[Path]:
+    """The repository's Python files: not under assets/, runs/, a hidden directory or a virtual environment."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts[:-1]
+        if any(p.startswith(".") or p in NOT_SOURCE for p in parts):
+            continue
+        if any((root.joinpath(*parts[: i + 1]) / "pyvenv.cfg").exists() for i in range(len(parts))):
+            continue
+        out.append(path)
+    return out
+
+
+def long_lines(paths, root: Path = ROOT) -> list[str]:
+    return [
+        f"{p.relative_to(root)}:{i}: {len(line)} characters"
+        for p in paths
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if len(line) > 120
+    ]
+
+
+def test_no_line_is_over_120_characters():
+    assert len(python_files()) > 20
+    assert long_lines(python_files()) == []
+
+
+USAGE_HELPER_NAMES = {"usage_error", "_usage_error", "_usage", "usage", "_fail", "fail", "_die", "die", "_error"}
+
+
+def usage_error_copies(paths, root: Path = ROOT) -> list[str]:
+    """Functions outside errors.py that are the usage error again: named like it, or printing `error: ...` and
+    raising SystemExit(2) (exit code 1 is a run that failed, not a usage error: custom._stop, Checkpointer.failed)."""
+    found = []
+    for path in paths:
+        if path == PACKAGE / "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = ast.unparse(node)
+            prints_error = re.search(r"""print\(f?['"]\\?n?error: """, body) is not None
+            if node.name in USAGE_HELPER_NAMES or (prints_error and re.search(r"SystemExit\(2\)|exit\(2\)", body)):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: def {node.name}")
+    return found
+
+
+def test_the_usage_error_is_defined_once():
+    """What a copy carries (the scripts, common.py, the package) uses rlvr_utils.errors.usage_error; no copy of it."""
+    paths = [*ROOT.glob("*.py"), *PACKAGE.glob("*.py")]
+    assert usage_error_copies(paths) == []
+
+
+def test_the_line_and_helper_checks_find_what_they_look_for(tmp_path):
+    """A long line, a usage error named _fail and one under another name are found; a hidden directory, assets/,
+    runs/ and a virtual environment are not read; an exit code 1 error is not a usage error."""
+    (tmp_path / "a.py").write_text(
+        'def _fail(message):\n    print(f"error: {message}")\n    raise SystemExit(2)\n\n\n'
+        'def stop(m):\n    print(f"error: {m}", file=sys.stderr)\n    raise SystemExit(2)\n\n\n'
+        'def ok(m):\n    print(f"\\nerror: {m}")\n    raise SystemExit(1)\n' + "x = 1  # " + "y" * 120 + "\n"
+    )
+    for hidden in (".git", ".venv", "assets", "runs"):
+        (tmp_path / hidden).mkdir()
+        (tmp_path / hidden / "skip.py").write_text("x" * 200 + "\n")
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("")
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / "site.py").write_text("x" * 200 + "\n")
+    paths = python_files(tmp_path)
+    assert [p.name for p in paths] == ["a.py"], paths
+    assert [s.split(":")[:2] for s in long_lines(paths, tmp_path)] == [["a.py", "14"]]
+    assert [s.split(": ")[1] for s in usage_error_copies(paths, tmp_path)] == ["def _fail", "def stop"]

@@ -124,11 +124,8 @@ def entropy_gate(entropy, mask, pivot, gate="soft", alpha=1.0, temp=0.1, norm="r
     """Token weights g_hat [B, T] = g / (g's mean over the response), g = 1 + alpha * sigmoid((H - pivot) / temp): each
     response keeps its mean weight 1 (all ~0: 1), pads get 0. entropy: [B, T], pivot (a scalar or [B, 1]): nats."""
     m, H = mask.float(), entropy.float()
-    g = (
-        1 + alpha * torch.sigmoid((H - pivot) / temp)
-        if gate == "soft"
-        else ep_ablations.gate_weights(H, pivot, temp, gate)
-    )
+    soft = gate == "soft"  # the other gates: ablations
+    g = 1 + alpha * torch.sigmoid((H - pivot) / temp) if soft else ep_ablations.gate_weights(H, pivot, temp, gate)
     g = g * m
     mean = g.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
     return g if norm == "none" else torch.where(mean > eps, g / mean.clamp(min=eps), m)

@@ -24,10 +24,9 @@ common.py or a script, and no import cycle runs through the modules below (one l
   run_lock         one writer per run directory (a lock the kernel drops when the process ends)
   sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
   stopping         Ctrl-C and SIGTERM (preemption): stop after the step, every rank at the same one
-  teacher          SC-GRPO's self-conditioned teacher: its prompt, its forward (D without a [b, T, V] tensor), roles
+  teacher          SC-GRPO's teacher forward: D without a [b, T, V] tensor (sc_grpo.py has its prompt, roles and KL)
   trace_diagnostics  GRPO-lambda's trace/* diagnostics and the closed form of its credit multiplier
-  chains           SRPO's chain protocol: thoughts, the official stopping rules, the localization prompt and reply
-  masked_stats     statistics over the valid entries of padded tensors: a per-row quantile, a z-score within cells
+  chains           SRPO's generate calls under its chain protocol (srpo.py has the rules, the prompt, the parser)
   ep_ablations     EP-GRPO's alternative forms, for the ablations on docs/ep_grpo.md (ep_grpo.py has the defaults)
   ep_diagnostics   EP-GRPO's ep/* diagnostics (logged; they change nothing in the update)
 """

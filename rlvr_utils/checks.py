@@ -117,7 +117,8 @@ def check_common(args) -> None:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     for name in ("learning_rate", "max_grad_norm", "code_timeout"):
         need(a[name] > 0, f"--{name.replace('_', '-')} must be > 0, got {a[name]}")
-    for name in ("weight_decay", "beta", "vllm_is_cap", "vllm_is_min", "eval_temperature", "overlong_penalty_factor"):
+    nonneg = ("weight_decay", "beta", "vllm_is_cap", "vllm_is_min", "eval_temperature", "overlong_penalty_factor")
+    for name in (*nonneg, "reward_timeout"):
         if name in a:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     if "vllm_is_min" in a:

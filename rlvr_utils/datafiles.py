@@ -135,21 +135,30 @@ def _read_table(f: Path) -> tuple[list[dict], list[str]]:
     disable_progress_bar()  # a local file loads in a moment: no "Generating train split" bars
     kind, s = TABLE_SUFFIXES[suffix(f)], suffix(f)
     extra = {"sep": "\t"} if s == ".tsv" else {}
+    starts = _record_lines(f, extra.get("sep", ",")) if kind == "csv" else None
+    if starts is not None and len(starts) < 2:  # the header (or nothing)
+        raise DataFileError(f"{f}: the file holds no rows (expected a header line, then one row per line)")
     try:
         rows = list(load_dataset(kind, data_files=str(f), split="train", **extra))
     except Exception as e:  # not a parquet file, a ragged CSV, ...
         first = str(e).splitlines()[0] if str(e) else ""
         raise DataFileError(f"{f}: cannot be read as {s[1:]} ({type(e).__name__}: {first[:150]})") from None
-    if s in (".csv", ".tsv"):  # each record's first line (a quoted cell may span lines)
-        with f.open(newline="", encoding="utf-8") as h:
-            reader, starts, previous = csv.reader(h, delimiter=extra.get("sep", ",")), [], 0
-            for record in reader:
-                if record:  # pandas skips blank lines
-                    starts.append(previous + 1)
-                previous = reader.line_num
-        wheres = [f"{f}:{n}" for n in starts[1:]]  # the header is the first record
-    else:
-        wheres = [f"{f}: row {i}" for i in range(1, len(rows) + 1)]
     if not rows:
         raise DataFileError(f"{f}: the file holds no rows")
-    return rows, wheres[: len(rows)] + [f"{f}: row {i}" for i in range(len(wheres) + 1, len(rows) + 1)]
+    if starts is not None and len(starts) - 1 == len(rows):  # each record's first line, after the header's
+        return rows, [f"{f}:{n}" for n in starts[1:]]
+    return rows, [f"{f}: row {i}" for i in range(1, len(rows) + 1)]
+
+
+def _record_lines(f: Path, sep: str) -> list[int]:
+    """The first line of each record of a CSV/TSV file (a quoted cell may span lines; blank lines are skipped)."""
+    try:
+        with f.open(newline="", encoding="utf-8") as h:
+            reader, starts, previous = csv.reader(h, delimiter=sep), [], 0
+            for record in reader:
+                if record:
+                    starts.append(previous + 1)
+                previous = reader.line_num
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataFileError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
+    return starts

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from rlvr_utils import custom, datafiles, rewards
+from rlvr_utils import custom, datafiles, reward_calls, rewards
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB_DATASETS = {
@@ -50,13 +50,32 @@ class Task:
     skipped: dict  # why examples were dropped at load time -> count (never rewarded)
     batch_reward_fn: Callable[[Sequence[str], Sequence[Example]], list[float]] | None = None
 
-    def rewards(self, texts: Sequence[str], examples: Sequence[Example]) -> list[float]:
-        """Rewards of completions against their examples (code: verified in parallel sandboxes)."""
+    def rewards(self, texts: Sequence[str], examples: Sequence[Example], completion_ids=None, mode="train") -> list:
+        """Rewards of completions against their examples (code: verified in parallel sandboxes). --reward-fn functions
+        (custom.py) also get `completion_ids` (each completion's sampled token ids; default: its text re-encoded) and
+        log what they score under `mode` ("train", or "eval" for an evaluation)."""
         if len(texts) != len(examples):
             raise ValueError(f"{len(texts)} completions for {len(examples)} examples")
+        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
+            return self.batch_reward_fn(texts, examples, completion_ids, mode)
         if self.batch_reward_fn is not None:
             return self.batch_reward_fn(texts, examples)
         return [self.reward_fn(t, e) for t, e in zip(texts, examples)]
+
+    def begin(self, run_dir, rank: int, steps_done: int, args) -> None:
+        """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step), where
+        log_extra writes, and the steps already done."""
+        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
+            fns, n = self.batch_reward_fn, len(self.train)
+            fns.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n)
+
+    def reward_metrics(self, step: int | None = None, mode: str = "train") -> dict:
+        """What --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and /std, their
+        log_metric names; under eval/ for an evaluation); after a training step (`step`), their trainer_state moves
+        on. {} for a built-in reward."""
+        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
+            return self.batch_reward_fn.metrics(step, mode)
+        return {}
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -282,6 +301,8 @@ def load_task(
     code_timeout: float = 5.0,
     reward_fn: Sequence[str] = (),
     reward_weights: Sequence[float] = (),
+    reward_timeout: float = 0.0,
+    success_threshold: float = 1.0,
 ) -> Task:
     """Build a task's train and eval prompts and its reward function (see the module docstring).
 
@@ -289,7 +310,8 @@ def load_task(
     `data_path` (eval from `eval_data_path`, else held out from the same source); code: HumanEval or a local
     jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in a sandbox for `code_timeout` seconds;
     custom: `data_path` rows scored by `reward_fn` (custom.py). `reward_fn` given with a built-in task replaces its
-    reward (the functions then get the columns `question` and `answer`, the gold).
+    reward (the functions then get the columns `question` and `answer`, the gold); `reward_timeout`: seconds a call
+    of one may take (0: no limit); `success_threshold`: what their first evaluation is checked against.
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
@@ -307,7 +329,7 @@ def load_task(
     else:
         train, evals, reward, batch_fn = _text_task(b)
     if reward_fn:  # the user's reward functions, in TRL's convention
-        batch_fn = custom.reward_batch(reward_fn, reward_weights)
+        batch_fn = custom.reward_batch(reward_fn, reward_weights, tokenizer, reward_timeout, success_threshold)
     train, evals = [e for e in train if e is not None], [e for e in evals if e is not None]
     if not train:
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {b.skipped})")

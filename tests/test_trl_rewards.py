@@ -140,8 +140,9 @@ def test_every_script_calls_rewards_as_trl_does(user, tmp_path, tiny, script):
         for code, big, mixed, types in zip(c["code"], c["big"], c["mixed"], c["types"]):
             assert types[0] == "int" and types[1] == ("str" if code == "007" else "int") and types[2] == "int"
             assert int(big) >= 2**70 and (types[3] == "float") == (mixed == 1.5)
-    if script != "srpo.py":  # the sampled ids, stop token included (srpo.py re-encodes its texts: no stop token)
-        assert any(ids and ids[-1] == tok.eos_token_id for c in calls for ids in c["ids"])
+    if script != "srpo.py":  # the sampled ids, stop token included, in training (16 rows) as in evaluation (4 rows)
+        for c in calls:  # (srpo.py's calls do not pass the sampled ids yet: its texts are re-encoded, no stop token)
+            assert any(ids and ids[-1] == tok.eos_token_id for ids in c["ids"]), c
 
 
 # --- the failures, through the real entry point ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils import checkpoints, run_lock, tracking
+from rlvr_utils import checkpoints, datafiles, run_lock, tracking
 from rlvr_utils.checks import check_common
 from rlvr_utils.checks import need_ranges as need_ranges
 from rlvr_utils.errors import need as need
@@ -251,16 +251,26 @@ RUNTIME_FLAGS = (
 
 
 def file_hashes(args) -> dict:
-    """sha256 of the run's data and reward files by role (--data-path, --eval-data-path, each --reward-fn file),
-    recorded in config.json: a resume warns when one changed, also when the file moved and is given anew."""
+    """sha256 of the run's data (a file or a directory) and reward files by role (--data-path, --eval-data-path, each
+    --reward-fn file), recorded in config.json: a resume warns when one changed, also when it moved and is given
+    anew."""
     files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
     for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
         files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
-    return {
-        role: hashlib.sha256(Path(p).expanduser().read_bytes()).hexdigest()
-        for role, p in files.items()
-        if p and Path(p).expanduser().is_file()
-    }
+    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and Path(p).expanduser().exists()}
+
+
+def _digest(path: Path) -> str:
+    """sha256 of a file's bytes; of a data directory: of each data file's name and bytes, in name order."""
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    try:
+        for f in datafiles.data_files(path):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    except (datafiles.DataFileError, OSError):  # no data file in it: the checks say so
+        pass
+    return h.hexdigest()
 
 
 def _fits(kind, value) -> bool:

@@ -60,7 +60,8 @@ def load_reward_fn(spec: str) -> Callable:
         raise RewardFnError(f"--reward-fn {spec}: importing {where} called sys.exit({e.code!r})") from None
     except (Exception, KeyboardInterrupt) as e:  # a syntax error or an import error in the user's file
         first = (str(e).strip().splitlines() or [""])[0]
-        raise RewardFnError(f"--reward-fn {spec}: cannot import {where} ({type(e).__name__}: {first})") from None
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        raise RewardFnError(f"--reward-fn {spec}: cannot import {where} ({why})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardFnError(f"--reward-fn {spec}: {where} has no function {name}")

@@ -119,22 +119,22 @@ class RewardFunctions:
             "log_extra": functools.partial(self._log_extra, batch),
             "log_metric": functools.partial(self._log_metric, mode),
         }
-        outs, waits = {}, []
-        for (spec, fn), name in zip(self.fns, self.names):
+        outs, waits = {}, []  # by the function's position (a function may be named twice)
+        for k, (spec, fn) in enumerate(self.fns):
             call = functools.partial(fn, **_accepted(fn, kwargs))
             if is_async(fn):
-                waits.append((spec, call))
+                waits.append((k, spec, call))
                 continue
             out = self._guard(spec, examples, call)
             if inspect.isawaitable(out):  # a plain function that returned a coroutine
-                waits.append((spec, lambda out=out: out))
+                waits.append((k, spec, lambda out=out: out))
             else:
-                outs[spec] = out
+                outs[k] = out
         if waits:
             outs.update(self._await_all(waits, examples))
         total, scored = [0.0] * len(texts), [False] * len(texts)
-        for (spec, _), name, w in zip(self.fns, self.names, self.weights):
-            values = _as_rewards(outs[spec], len(texts), spec, examples)
+        for k, ((spec, _), name, w) in enumerate(zip(self.fns, self.names, self.weights)):
+            values = _as_rewards(outs[k], len(texts), spec, examples)
             batch["values"][name] = values
             p.values[name] += values
             for i, v in enumerate(values):
@@ -156,25 +156,25 @@ class RewardFunctions:
     def _await_all(self, waits, examples) -> dict:
         """The async functions' results, all awaited at once on one event loop (TRL: asyncio.gather)."""
 
-        async def one(spec, make):
+        async def one(k, spec, make):
             try:
                 coro = make()
-                return spec, await (asyncio.wait_for(coro, self.timeout) if self.timeout else coro), None
+                return k, spec, await (asyncio.wait_for(coro, self.timeout) if self.timeout else coro), None
             except asyncio.TimeoutError:
-                return spec, None, stopping.RewardTimeout()
+                return k, spec, None, stopping.RewardTimeout()
             except BaseException as e:  # reported with the function's name below
-                return spec, None, e
+                return k, spec, None, e
 
         async def gather():
-            return await asyncio.gather(*(one(spec, make) for spec, make in waits))
+            return await asyncio.gather(*(one(*w) for w in waits))
 
         self.loop = self.loop or asyncio.new_event_loop()
-        names = ", ".join(spec for spec, _ in waits)  # a loop that a blocking call holds: the watchdog, a moment later
+        names = ", ".join(spec for _, spec, _ in waits)  # a loop a blocking call holds: the watchdog, a moment later
         results = self._guard(names, examples, lambda: self.loop.run_until_complete(gather()), 1.0)
-        for spec, _, error in results:
+        for _, spec, _, error in results:
             if error is not None:
                 _fail(spec, error, self.timeout, examples)
-        return {spec: out for spec, out, _ in results}
+        return {k: out for k, _, out, _ in results}
 
     def _warn_unscored(self, scored, examples, texts) -> None:
         self.warnings += 1
@@ -196,8 +196,8 @@ class RewardFunctions:
     def _log_metric(self, mode: str, name: str, value) -> None:
         try:
             v = float(value.item() if hasattr(value, "item") else value)
-        except (TypeError, ValueError, OverflowError):
-            _stop(f"log_metric({name!r}, {value!r}): the value must be a number")
+        except (TypeError, ValueError, OverflowError):  # raised inside the function: the one line names it
+            raise ValueError(f"log_metric({name!r}, {value!r}): the value must be a number") from None
         self.pending[mode].metrics[str(name)].append(v)
 
     def metrics(self, step: int | None = None, mode: str = "train") -> dict:

@@ -293,6 +293,17 @@ def test_every_bad_return_is_one_line_naming_the_function(capsys, value, words):
     assert all(w in err[0] for w in words), (words, err)
 
 
+def test_log_metric_with_a_non_number_is_one_line_naming_the_function(capsys):
+    def bad(prompts, completions, log_metric, **k):
+        log_metric("m", "high")
+        return [1.0]
+
+    with pytest.raises(SystemExit):
+        reward_calls.RewardFunctions([("my.py:bad", bad)])(["x"], _examples(1))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reward-fn my.py:bad raised ValueError: log_metric('m', 'high')" in err[0], err
+
+
 def test_good_returns_tensors_numpy_and_bools():
     import numpy as np
 

@@ -127,7 +127,8 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
             args.top_k,
             batch_size=args.gen_batch_size,
         )
-        ro.scores = torch.tensor(task.rewards(ro.texts, [e for e in examples for _ in range(G)]), dtype=torch.float32)
+        owners = [e for e in examples for _ in range(G)]  # --reward-fn also gets the sampled ids, as TRL passes them
+        ro.scores = torch.tensor(task.rewards(ro.texts, owners, ro.completion_lists()), dtype=torch.float32)
         drawn, generated = drawn + len(examples), generated + int(ro.completion_mask.sum())
         for rows in torch.arange(len(ro)).split(G):
             s = ro.scores[rows]
@@ -388,11 +389,12 @@ def evaluate(
         do_sample=temperature > 0,
         batch_size=batch_size,
     )
-    r = task.rewards(ro.texts[:counted], mine[:counted])
+    r = task.rewards(ro.texts[:counted], mine[:counted], ro.completion_lists()[:counted], mode="eval")
     correct, total, length = sum(x >= success_threshold for x in r), sum(r), ro.completion_mask[:counted].sum().item()
     if dist is not None:
         correct, total, length = dist.sum([correct, total, length])
-    return {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex), "eval/mean_length": length / len(ex)}
+    out = {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex), "eval/mean_length": length / len(ex)}
+    return out | task.reward_metrics(mode="eval")  # --reward-fn: eval/rewards/<name>/mean, ... (this rank's)
 
 
 def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict) -> None:
@@ -410,19 +412,10 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
 # ----------------------------------------------------------------------------------------------
 # 7. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
 # ----------------------------------------------------------------------------------------------
-TASK_FLAGS = (
-    "seed",
-    "num_eval",
-    "data_path",
-    "eval_data_path",
-    "max_prompt_length",
-    "arith_steps",
-    "arith_max_value",
-    "arith_max_operand",
-    "code_timeout",
-    "reward_fn",
-    "reward_weights",
-)
+TASK_FLAGS = (  # what tasks.load_task takes
+    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value arith_max_operand "
+    "code_timeout reward_fn reward_weights reward_timeout success_threshold"
+).split()
 
 
 def load_task(args, tokenizer) -> Task:
@@ -488,6 +481,7 @@ class Run:
             a.engine, model, optimizer, a.model, a.vllm_gpu_memory_utilization, seed=a.seed + dist.rank
         )
         resumed, hashes = self.first - 1, cli.file_hashes(a)  # the data and reward files, for a resume to compare
+        task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, where log_extra writes
         config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
         self.logger = Logger(self.dir, config, a.track, a.wandb_project, enabled=dist.main, resume_step=resumed)
         dist.print(
@@ -559,6 +553,7 @@ class Run:
         metrics = {
             **completion_metrics(ro, rewards, a.num_generations, a.success_threshold),
             "num_tokens": num_tokens,
+            **self.task.reward_metrics(step),  # --reward-fn: rewards/<name>/mean, /std, log_metric's (TRL's names)
             **extra,
             **stats.metrics(),
             "learning_rate": self.optimizer.param_groups[0]["lr"],

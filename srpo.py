@@ -322,7 +322,8 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
         for ids, _ in sfx[i * K : (i + 1) * K]
     ]
     texts = [tok.decode(r.ids, skip_special_tokens=True) for r in new]
-    rows = [r._replace(reward=x) for r, x in zip(new, task.rewards(texts, [r.example for r in new]))]
+    scores = task.rewards(texts, [r.example for r in new], [r.ids for r in new])  # completion_ids: prefix + suffix
+    rows = [r._replace(reward=x) for r, x in zip(new, scores)]
     for e in examples:
         st = search[e.id]
         if len(st.parents) == n_parents:

@@ -11,7 +11,9 @@ common.py or a script, and no import cycle runs through the modules below (one l
   tracking         TensorBoard, metrics.jsonl and wandb
   credit           each token's effective credit, read from the loss's gradient (--log-credit N), and credit.jsonl
   tasks            the tasks (arith, gsm8k, math, code, custom): datasets, prompts, rewards, held-out split
-  custom           --task custom: your rows and reward functions in TRL's convention (--reward-fn PATH.py:NAME)
+  datafiles        local data files read as written (JSON rows keep their types), each row's file line
+  custom           your own task: rows with a prompt, --reward-fn loading, RewardModel
+  reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None, their metrics
   rewards          answer extraction and verification (GSM8K, MATH via math-verify)
   arith            the built-in arithmetic task: problems, solutions, its first-wrong-step oracle, the tiny model's
                    prompt formats
@@ -21,9 +23,10 @@ common.py or a script, and no import cycle runs through the modules below (one l
   engines          the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
   checkpoints      atomic checkpoints and resume
+  model_card       the README.md --save-model writes beside the weights
   run_lock         one writer per run directory (a lock the kernel drops when the process ends)
   sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
-  stopping         Ctrl-C and SIGTERM (preemption): stop after the step, every rank at the same one
+  stopping         Ctrl-C and SIGTERM (preemption): stop after the step, every rank at the same one; --reward-timeout
   teacher          SC-GRPO's teacher forward: D without a [b, T, V] tensor (sc_grpo.py has its prompt, roles and KL)
   trace_diagnostics  GRPO-lambda's trace/* diagnostics and the closed form of its credit multiplier
   chains           SRPO's generate calls under its chain protocol (srpo.py has the rules, the prompt, the parser)

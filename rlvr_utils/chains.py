@@ -100,7 +100,8 @@ class Sampler:
 
     def scored(self, chains: list[tuple[list[int], str]], owners: list) -> list[tuple[list[int], str, float]]:
         """(ids, text, reward) per chain; owners: the example of each chain."""
-        return [(ids, text, r) for (ids, text), r in zip(chains, self.task.rewards([c[1] for c in chains], owners))]
+        rewards = self.task.rewards([text for _, text in chains], owners, [ids for ids, _ in chains])
+        return [(ids, text, r) for (ids, text), r in zip(chains, rewards)]
 
     def localize(self, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[str]:
         """The localization replies, one generate call (their tokens are never trained on)."""

@@ -34,10 +34,13 @@ from rlvr_utils import sharded
 from rlvr_utils.errors import usage_error
 
 
-def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
+def save_model_atomic(
+    model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None, card: str | None = None
+) -> Path:
     """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
     over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights.
-    `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state)."""
+    `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state); `card`: the
+    README.md written beside them (the model card)."""
     named = state_dict.items() if state_dict is not None else model.named_parameters()
     bad = [n for n, p in named if torch.is_floating_point(p) and not torch.isfinite(p).all()]
     if bad:
@@ -47,6 +50,8 @@ def save_model_atomic(model, tokenizer, path: str | os.PathLike, state_dict: dic
     with _atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
+        if card is not None:
+            (tmp / "README.md").write_text(card)
     return path
 
 

@@ -6,16 +6,14 @@ each script's own flags are checked in its `validate`."""
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 import math
 import os
 import re
 import sys
 from pathlib import Path
 
-from rlvr_utils import custom, tasks
+from rlvr_utils import custom, datafiles, tasks
 from rlvr_utils.errors import need as need
 from rlvr_utils.errors import usage_error as usage_error
 from rlvr_utils.model_files import check_model, need_hub
@@ -40,45 +38,18 @@ def need_ranges(args, **ranges: str) -> None:
 
 
 def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local .jsonl / .jsonl.gz / .json file, with `file:line: reason` for a line that is not a JSON
-    object, and a clear error for a missing, empty or unreadable file."""
-    p = Path(path)
-    need(p.is_file(), f"{flag} {path}: no such file")
-    if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet
+    """Every row of a local data file or directory (datafiles.py: JSON rows as written, with `file:line: reason` for a
+    line that is not a JSON object), and a clear error for a missing, empty or unreadable file."""
+    return read_rows_where(path, flag)[0]
 
-            return pyarrow.parquet.read_table(p).to_pylist()
-        except Exception as e:  # not a parquet file, or a damaged one
-            usage_error(f"{flag} {path}: cannot be read as parquet ({type(e).__name__}: {str(e)[:150]})")
-    need(p.suffix in (".jsonl", ".json", ".gz"), f"{flag} {path}: expected a .jsonl, .jsonl.gz, .json or .parquet file")
+
+def read_rows_where(path: str, flag: str) -> tuple[list[dict], list[str]]:
+    """`read_rows` and where each row came from (`file:line`)."""
+    need(Path(path).exists(), f"{flag} {path}: no such file")
     try:
-        with gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8") as f:
-            text = f.read()
-    except EOFError:
-        usage_error(f"{flag} {path}: the compressed file is cut short (an interrupted download or copy?)")
-    except (OSError, UnicodeDecodeError) as e:
-        usage_error(f"{flag} {path}: cannot be read ({type(e).__name__}: {e})")
-    if not text.strip():
-        usage_error(f"{path}: the file is empty (expected one JSON object per line)")
-    if p.suffix == ".json" and text.lstrip().startswith("["):  # a JSON array of rows
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            usage_error(f"{path}:{e.lineno}: not valid JSON ({e.msg})")
-        need(all(isinstance(r, dict) for r in rows), f"{path}: the JSON array must hold one object per row")
-        return rows
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            usage_error(f"{path}:{lineno}: not a JSON object ({e.msg} at column {e.colno})")
-        need(isinstance(row, dict), f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
+        return datafiles.read_rows(path)
+    except (datafiles.DataFileError, FileNotFoundError) as e:
+        usage_error(f"{flag} {e}")
 
 
 def check_data(task: str, path: str | None, flag: str) -> None:
@@ -92,9 +63,9 @@ def check_data(task: str, path: str | None, flag: str) -> None:
         if not dataset_cached(path):
             need_hub(f"{flag} {path} is not a local file, so it names a hub dataset", "a local .jsonl file")
         return
-    for i, row in enumerate(read_rows(path, flag), 1):
+    for i, (row, where) in enumerate(zip(*read_rows_where(path, flag)), 1):
         problem = custom.prompt_problem(row) if task == "custom" else tasks.row_problem(task, row)
-        need(problem is None, f"{path}: row {i}: {problem}")
+        need(problem is None, f"{datafiles.row_name(where, i)}: {problem}")
 
 
 def check_custom(a: dict) -> None:
@@ -146,7 +117,8 @@ def check_common(args) -> None:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     for name in ("learning_rate", "max_grad_norm", "code_timeout"):
         need(a[name] > 0, f"--{name.replace('_', '-')} must be > 0, got {a[name]}")
-    for name in ("weight_decay", "beta", "vllm_is_cap", "vllm_is_min", "eval_temperature", "overlong_penalty_factor"):
+    nonneg = ("weight_decay", "beta", "vllm_is_cap", "vllm_is_min", "eval_temperature", "overlong_penalty_factor")
+    for name in (*nonneg, "reward_timeout"):
         if name in a:
             need(a[name] >= 0, f"--{name.replace('_', '-')} must be >= 0, got {a[name]}")
     if "vllm_is_min" in a:

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils import checkpoints, run_lock, tracking
+from rlvr_utils import checkpoints, datafiles, run_lock, tracking
 from rlvr_utils.checks import check_common
 from rlvr_utils.checks import need_ranges as need_ranges
 from rlvr_utils.errors import need as need
@@ -65,17 +65,22 @@ class BaseArgs:
     """arith (built in), gsm8k, math, code (HumanEval-style unit tests run in a sandbox; reward = fraction passed), or
     custom (your rows, each with a `prompt`, scored by --reward-fn)"""
     data_path: str | None = None
-    """local jsonl/json/parquet training file instead of the hub dataset (gsm8k, math, code; code also .jsonl.gz);
-    custom: a file or a hub dataset id"""
+    """local training data instead of the hub dataset: a .jsonl/.json (also .gz), .csv, .tsv, .parquet or .arrow file
+    or a directory of them (JSON rows read as written); custom: also a hub dataset id"""
     reward_fn: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
-    """PATH.py:NAME or package.module:NAME: a reward in TRL's convention, NAME(prompts, completions, **columns) ->
-    list of floats; repeat the flag for several (they sum); with a built-in task it replaces the task's reward
-    (README: Your own task)"""
+    """PATH.py:NAME or package.module:NAME: a reward in TRL's convention, NAME(prompts, completions, completion_ids,
+    trainer_state, **columns) -> one float (or None) per completion, async def too; repeat the flag for several (they
+    sum); with a built-in task it replaces the task's reward (README: Your own task). A reward model: wrap it with
+    rlvr_utils.custom.RewardModel (README: Reward models)"""
     reward_weights: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
     """one weight per --reward-fn, the flag repeated in the same order (default: 1 each)"""
+    reward_timeout: float = 0.0
+    """seconds one call of a --reward-fn may take (the async ones of a batch: together); a call that runs longer stops
+    the run with one line naming it, exit code 1 (0: no limit)"""
     success_threshold: float = 1.0
     """a completion whose reward reaches this is a success: SC-GRPO's verified solutions, SRPO's failed parents,
-    EP-GRPO's outcome polarity, eval/accuracy (1.0: the built-in tasks' full score)"""
+    EP-GRPO's outcome polarity, eval/accuracy (1.0: the built-in tasks' full score; with summed --reward-fn: the sum a
+    correct completion gets)"""
     eval_data_path: str | None = None
     """local eval file; without it the first --num-eval training rows are held out"""
     arith_steps: int = 4
@@ -241,20 +246,31 @@ RUNTIME_FLAGS = (
     "output_dir",  # a resumed run writes into its own directory, wherever it has been moved
     "data_path",  # a data file that moved (its contents are compared with the run's: file_hashes)
     "eval_data_path",
+    "reward_timeout",  # a reward service that got slower
 )  # may differ between a run and its resumption
 
 
 def file_hashes(args) -> dict:
-    """sha256 of the run's data and reward files by role (--data-path, --eval-data-path, each --reward-fn file),
-    recorded in config.json: a resume warns when one changed, also when the file moved and is given anew."""
+    """sha256 of the run's data (a file or a directory) and reward files by role (--data-path, --eval-data-path, each
+    --reward-fn file), recorded in config.json: a resume warns when one changed, also when it moved and is given
+    anew."""
     files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
     for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
         files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
-    return {
-        role: hashlib.sha256(Path(p).expanduser().read_bytes()).hexdigest()
-        for role, p in files.items()
-        if p and Path(p).expanduser().is_file()
-    }
+    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and Path(p).expanduser().exists()}
+
+
+def _digest(path: Path) -> str:
+    """sha256 of a file's bytes; of a data directory: of each data file's name and bytes, in name order."""
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    try:
+        for f in datafiles.data_files(path):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    except (datafiles.DataFileError, OSError):  # no data file in it: the checks say so
+        pass
+    return h.hexdigest()
 
 
 def _fits(kind, value) -> bool:

@@ -2,13 +2,15 @@
 other columns, scored by reward functions written in TRL's convention, so a reward written for TRL's GRPOTrainer
 works unchanged:
 
-    def my_reward(prompts, completions, **columns) -> list[float]   # one float per completion
+    def my_reward(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]
 
 `prompts` are the rows' prompts as given; `completions` are strings for string prompts and
-`[{"role": "assistant", "content": text}]` for chat prompts; every other column of the rows comes as a keyword list.
-`--reward-fn PATH.py:NAME` (or `package.module:NAME`) names it; several sum, weighted by `--reward-weights`. A
-completion counts as a success when its reward reaches `--success-threshold` (SC-GRPO's verified solutions, SRPO's
-failed parents, EP-GRPO's outcome polarity, eval/accuracy).
+`[{"role": "assistant", "content": text}]` for chat prompts; `completion_ids`, `trainer_state`, `log_extra`,
+`log_metric` and every other column of the rows come as keywords, `async def` is awaited, None is "not this function's
+row" (reward_calls.py: the whole contract). `--reward-fn PATH.py:NAME` (or `package.module:NAME`) names it; several
+sum, weighted by `--reward-weights`. A completion counts as a success when its reward reaches `--success-threshold`
+(SC-GRPO's verified solutions, SRPO's failed parents, EP-GRPO's outcome polarity, eval/accuracy). A reward model is
+not a function: `RewardModel` wraps one (a sequence-classification model scoring prompt + completion, as TRL does).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import math
-import numbers
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
+
+from rlvr_utils import reward_calls
 
 
 class RewardFnError(ValueError):
@@ -34,7 +36,13 @@ def load_reward_fn(spec: str) -> Callable:
     `prompts` and `completions` as keywords (or **kwargs)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise RewardFnError(f"--reward-fn {spec}: expected PATH.py:NAME or package.module:NAME")
+        model = Path(spec).expanduser().is_dir() or (spec.count("/") == 1 and not spec.endswith(".py"))
+        raise RewardFnError(
+            f"--reward-fn {spec}: a reward model is not a function: wrap it with rlvr_utils.custom.RewardModel in a "
+            "file and name that (README: Reward models)"
+            if model
+            else f"--reward-fn {spec}: expected PATH.py:NAME or package.module:NAME"
+        )
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
@@ -48,8 +56,12 @@ def load_reward_fn(spec: str) -> Callable:
             module = importlib.import_module(where)
     except RewardFnError:
         raise
-    except Exception as e:  # a syntax error or an import error in the user's file
-        raise RewardFnError(f"--reward-fn {spec}: cannot import {where} ({type(e).__name__}: {e})") from e
+    except SystemExit as e:  # sys.exit() at import: the user's module must not end the run
+        raise RewardFnError(f"--reward-fn {spec}: importing {where} called sys.exit({e.code!r})") from None
+    except (Exception, KeyboardInterrupt) as e:  # a syntax error or an import error in the user's file
+        first = (str(e).strip().splitlines() or [""])[0]
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        raise RewardFnError(f"--reward-fn {spec}: cannot import {where} ({why})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardFnError(f"--reward-fn {spec}: {where} has no function {name}")
@@ -67,8 +79,9 @@ def prompt_problem(row: dict) -> str | None:
     """What is wrong with a custom row's prompt, or None."""
     if "prompt" not in row:
         return f"custom rows need a 'prompt' column; this row has {sorted(row)}"
-    if {"prompts", "completions"} & set(row):
-        return "the columns 'prompts' and 'completions' are the reward function's own arguments: rename them"
+    taken = {"prompts", "completions", *reward_calls.RESERVED} & set(row)
+    if taken:
+        return f"the column(s) {sorted(taken)} are the reward function's own arguments (TRL's): rename them"
     p = row["prompt"]
     if isinstance(p, str):
         return None if p.strip() else "the prompt is empty"
@@ -91,62 +104,56 @@ def render(tokenizer, prompt) -> tuple[str, str, bool]:
     )
 
 
-def reward_batch(specs: Sequence[str], weights: Sequence[float]) -> Callable:
-    """The batch reward of a task: sum_k weight_k * fn_k(prompts=..., completions=..., **columns), each output
-    checked (a list of one finite number per completion); a bad output stops the run with one line naming the
-    function and the row."""
+def reward_batch(
+    specs: Sequence[str],
+    weights: Sequence[float],
+    tokenizer=None,
+    timeout: float = 0.0,
+    success_threshold: float = 1.0,
+) -> reward_calls.RewardFunctions:
+    """The batch reward of a task: sum_k weight_k * fn_k(prompts=..., completions=..., completion_ids=...,
+    trainer_state=..., log_extra=..., log_metric=..., **columns), called as TRL does (reward_calls.py); a bad output
+    stops the run with one line naming the function and the row's file line."""
     fns = [(spec, load_reward_fn(spec)) for spec in specs]
-    weights = list(weights) or [1.0] * len(fns)
-
-    def batch(texts: Sequence[str], examples) -> list[float]:
-        if not texts:  # nothing to score (SRPO's step without continuations): the functions are not called
-            return []
-        prompts = [e.meta.get("prompt", e.prompt) for e in examples]
-        completions = [
-            [{"role": "assistant", "content": t}] if e.meta.get("chat") else t for t, e in zip(texts, examples)
-        ]
-        keys = dict.fromkeys(k for e in examples for k in _columns(e))
-        columns = {k: [_columns(e).get(k) for e in examples] for k in keys}
-        total, scored = [0.0] * len(texts), [False] * len(texts)
-        for (spec, fn), w in zip(fns, weights):
-            params = inspect.signature(fn).parameters.values()
-            kw = (
-                columns
-                if any(p.kind == p.VAR_KEYWORD for p in params)
-                else {k: v for k, v in columns.items() if k in {p.name for p in params}}
-            )
-            try:
-                out = fn(prompts=prompts, completions=completions, **kw)
-            except Exception as e:
-                _stop(f"--reward-fn {spec} raised {type(e).__name__}: {e}")
-            out = out.tolist() if hasattr(out, "tolist") else out  # numpy arrays, torch tensors
-            out = list(out) if out is not None and not isinstance(out, (str, bytes, dict)) else out
-            if not isinstance(out, list) or len(out) != len(texts):
-                got = f"{len(out)} values" if isinstance(out, list) else repr(out)[:80]
-                _stop(f"--reward-fn {spec} returned {got} for {len(texts)} completions (one float each)")
-            for i, v in enumerate(out):
-                if v is None:  # TRL's "this function does not apply to this row"
-                    continue
-                if not (isinstance(v, numbers.Real) and math.isfinite(float(v))):
-                    _stop(
-                        f"--reward-fn {spec} returned {v!r} for row {i} of the batch (prompt id {examples[i].id}): "
-                        "a reward must be a finite number (or None: not this function's row)"
-                    )
-                total[i], scored[i] = total[i] + w * float(v), True
-        if not all(scored):
-            i = scored.index(False)
-            _stop(f"every --reward-fn returned None for row {i} of the batch (prompt id {examples[i].id}): no reward")
-        return total
-
-    return batch
+    return reward_calls.RewardFunctions(fns, weights, tokenizer, timeout, success_threshold)
 
 
-def _columns(e) -> dict:
-    """The columns a reward function gets besides prompts and completions: a custom row's own, or a built-in
-    task's question and gold answer."""
-    return e.meta["columns"] if "columns" in e.meta else {"question": e.question, "answer": e.gold}
+class RewardModel:
+    """A sequence-classification reward model as a reward function, scored as TRL scores one it is given: the prompt
+    and the completion as one text (chat prompts through the reward tokenizer's chat template), right-padded, and
+    logit 0 as the reward. In a file of yours, `score = RewardModel("OpenAssistant/reward-model-deberta-v3-large-v2")`,
+    then `--reward-fn that_file.py:score`. `device` (default: cuda when available), `batch_size` texts per forward."""
 
+    def __init__(self, name_or_path: str, device: str | None = None, batch_size: int = 16, dtype=None):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-def _stop(message: str):
-    print(f"\nerror: {message}", file=sys.stderr, flush=True)  # a new line: a progress bar may be mid-line
-    raise SystemExit(1)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=dtype)
+        self.model.to(self.device).eval()
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size, self.__name__ = batch_size, Path(name_or_path.rstrip("/")).name
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        import torch
+
+        if isinstance(prompts[0], list):  # chat: the messages and the reply through the chat template
+            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        out = []
+        for s in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[s : s + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            ).to(self.device)
+            with torch.inference_mode():
+                out += self.model(**enc).logits[:, 0].float().cpu().tolist()
+        return out

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from rlvr_utils import checkpoints, cli
+from rlvr_utils import checkpoints, cli, model_card
 
 
 @dataclasses.dataclass
@@ -195,13 +195,15 @@ class Dist:
         return out
 
     def save(self, model, tokenizer, path) -> Path | None:
-        """`save_model_atomic` on rank 0 (FSDP: the full state dict is gathered from every rank first)."""
+        """`save_model_atomic` on rank 0 (FSDP: the full state dict is gathered from every rank first), with a model
+        card (README.md) made from the run directory `path` is in."""
         state = None
         if self.world > 1 and self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        out = checkpoints.save_model_atomic(model, tokenizer, path, state) if self.main else None
+        card = model_card.model_card(Path(path).parent) if self.main else None
+        out = checkpoints.save_model_atomic(model, tokenizer, path, state, card) if self.main else None
         self.barrier()
         return out
 

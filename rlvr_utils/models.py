@@ -11,9 +11,10 @@ import torch
 
 def load_tokenizer(name_or_path: str):
     """The policy's tokenizer, left-padded for generation, with a pad token (its EOS when it has none). AutoTokenizer,
-    except for a tokenizer saved with the generic class (the bundled character tokenizer): AutoTokenizer would rebuild
-    it from config.json's model type (Qwen2Tokenizer) and silently drop its spaces and newlines, so it is loaded as
-    exactly what was saved."""
+    except for a tokenizer saved with the generic class: AutoTokenizer rebuilds a qwen2 model's tokenizer as
+    Qwen2Tokenizer (byte-level) whatever the file says, which drops the spaces and newlines of a tokenizer that is not
+    byte-level, so it is loaded as exactly what was saved. The bundled tokenizers are byte-level (tools/
+    train_tiny_model.py): both ways read the same ids, so a saved run loads the standard way too."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg = Path(name_or_path).expanduser() / "tokenizer_config.json"

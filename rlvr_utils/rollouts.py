@@ -50,6 +50,10 @@ class Rollouts:
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
+    def completion_lists(self) -> list[list[int]]:
+        """Each completion's token ids as a list, its stop token included (what TRL passes as `completion_ids`)."""
+        return [c[m.bool()].tolist() for c, m in zip(self.completion_ids.cpu(), self.completion_mask.cpu())]
+
 
 def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids and attention mask [n, P] of token-id lists, left-padded to the longest."""

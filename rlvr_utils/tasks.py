@@ -2,9 +2,10 @@
 
 `load_task(name, tokenizer, ...)` builds a `Task` (train and eval `Example`s and a reward function) with one small
 builder per task: `arith` (built in, arith.py), `gsm8k` and `math` (rewards.py), `code` (sandbox.py), and `custom`
-(custom.py: the user's rows and reward functions). Real datasets load through `datasets.load_dataset`: the hub dataset
-by default, a local jsonl/json/parquet with `data_path` (custom: a file or a hub id). The optional parts (arith, the
-code sandbox) are imported only when a run uses them.
+(custom.py: the user's rows and reward functions). Real datasets: the hub dataset through `datasets.load_dataset` by
+default, or a local file or directory with `data_path`, read as written (datafiles.py: JSON rows keep their JSON types;
+csv/tsv/parquet/arrow through `datasets`); custom: a file, a directory or a hub id. The optional parts (arith, the code
+sandbox) are imported only when a run uses them.
 Rows whose gold answer cannot be parsed (code: without tests or entry point) and prompts longer than
 `max_prompt_length` are skipped and counted in `Task.skipped`, never rewarded.
 """
@@ -16,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from rlvr_utils import custom, rewards
+from rlvr_utils import custom, datafiles, reward_calls, rewards
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB_DATASETS = {
@@ -49,13 +50,32 @@ class Task:
     skipped: dict  # why examples were dropped at load time -> count (never rewarded)
     batch_reward_fn: Callable[[Sequence[str], Sequence[Example]], list[float]] | None = None
 
-    def rewards(self, texts: Sequence[str], examples: Sequence[Example]) -> list[float]:
-        """Rewards of completions against their examples (code: verified in parallel sandboxes)."""
+    def rewards(self, texts: Sequence[str], examples: Sequence[Example], completion_ids=None, mode="train") -> list:
+        """Rewards of completions against their examples (code: verified in parallel sandboxes). --reward-fn functions
+        (custom.py) also get `completion_ids` (each completion's sampled token ids; default: its text re-encoded) and
+        log what they score under `mode` ("train", or "eval" for an evaluation)."""
         if len(texts) != len(examples):
             raise ValueError(f"{len(texts)} completions for {len(examples)} examples")
+        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
+            return self.batch_reward_fn(texts, examples, completion_ids, mode)
         if self.batch_reward_fn is not None:
             return self.batch_reward_fn(texts, examples)
         return [self.reward_fn(t, e) for t, e in zip(texts, examples)]
+
+    def begin(self, run_dir, rank: int, steps_done: int, args) -> None:
+        """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step), where
+        log_extra writes, and the steps already done."""
+        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
+            fns, n = self.batch_reward_fn, len(self.train)
+            fns.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n)
+
+    def reward_metrics(self, step: int | None = None, mode: str = "train") -> dict:
+        """What --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and /std, their
+        log_metric names; under eval/ for an evaluation); after a training step (`step`), their trainer_state moves
+        on. {} for a built-in reward."""
+        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
+            return self.batch_reward_fn.metrics(step, mode)
+        return {}
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -76,27 +96,20 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer)).input_ids
 
 
-def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], str]:
-    """Rows of a local jsonl/json/parquet file (`data_path`) or of the task's hub dataset."""
+def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
+    """Rows of a local data file or directory (`data_path`, read as written: datafiles.py) or of the task's hub
+    dataset, and where each row came from (`file:line`, `dataset[split] row N`)."""
+    if data_path and task == "custom" and not Path(data_path).exists():  # a hub dataset id
+        name, config, split = data_path, None, "train" if split_kind == "train" else "test"
+    elif data_path:
+        return datafiles.read_rows(data_path)
+    else:
+        name, config, train_split, eval_split = HUB_DATASETS[task]
+        split = train_split if split_kind == "train" else eval_split
     from datasets import load_dataset
 
-    if data_path and task == "custom" and not Path(data_path).exists():  # a hub dataset id
-        split = "train" if split_kind == "train" else "test"
-        return list(load_dataset(data_path, split=split)), f"{data_path}[{split}]"
-    if data_path:
-        p = Path(data_path)
-        if not p.exists():
-            raise FileNotFoundError(f"--data-path {data_path}: no such file")
-        fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".gz": "json"}.get(p.suffix)
-        if fmt is None:
-            raise ValueError(f"--data-path {data_path}: expected a .jsonl, .json or .parquet file")
-        from datasets.utils.logging import disable_progress_bar
-
-        disable_progress_bar()  # a local file loads in a moment: no "Generating train split" bars
-        return list(load_dataset(fmt, data_files=str(p), split="train")), str(p)
-    name, config, train_split, eval_split = HUB_DATASETS[task]
-    split = train_split if split_kind == "train" else eval_split
-    return list(load_dataset(name, config, split=split)), f"{name}[{split}]"
+    rows = list(load_dataset(name, config, split=split))
+    return rows, [f"{name}[{split}] row {i}" for i in range(1, len(rows) + 1)]
 
 
 def row_problem(task: str, row: dict) -> str | None:
@@ -117,10 +130,10 @@ def row_problem(task: str, row: dict) -> str | None:
     return f"{task} rows need the field(s) {need}; this row has {sorted(row)}" if need else None
 
 
-def _require(row: dict, source: str, task: str) -> None:
+def _require(row: dict, where: str, task: str) -> None:
     problem = row_problem(task, row)
     if problem:
-        raise KeyError(f"{source}: {problem}")
+        raise KeyError(f"{where}: {problem}")
 
 
 class _Builder:
@@ -143,15 +156,15 @@ class _Builder:
         return Example(i, question, gold, prompt, ids, user, meta or {})
 
     def from_rows(self, convert) -> tuple[list[Example], list[Example]]:
-        """Train and eval examples of the hub dataset or local files, `convert(rows, source, id_offset)` row by row.
+        """Train and eval examples of the hub dataset or local files, `convert(rows, wheres, id_offset)` row by row.
         Eval: `eval_data_path`, else the hub's eval split, else the first `num_eval` rows of the one file (at most a
         fifth of a file smaller than 2 * num_eval)."""
-        rows, source = _load_rows(self.name, self.data_path, "train")
+        rows, wheres = _load_rows(self.name, self.data_path, "train")
         if self.eval_data_path or (not self.data_path and HUB_DATASETS.get(self.name, (0, 0, 0, None))[3]):
-            eval_rows, eval_source = _load_rows(self.name, self.eval_data_path, "eval")
-            return convert(rows, source, 0), convert(eval_rows, eval_source, 10**9)[: self.num_eval]
+            eval_rows, eval_wheres = _load_rows(self.name, self.eval_data_path, "eval")
+            return convert(rows, wheres, 0), convert(eval_rows, eval_wheres, 10**9)[: self.num_eval]
         k = self.num_eval if len(rows) >= 2 * self.num_eval else len(rows) // 5
-        return convert(rows[k:], source, 0), convert(rows[:k], source, 10**9)
+        return convert(rows[k:], wheres[k:], 0), convert(rows[:k], wheres[:k], 10**9)
 
 
 def _arith_task(b: _Builder, seed: int, steps: int, max_value: int, max_operand: int, num_train: int):
@@ -171,10 +184,10 @@ def _arith_task(b: _Builder, seed: int, steps: int, max_value: int, max_operand:
 def _text_task(b: _Builder):
     """gsm8k (question, answer with `#### N`) or math (problem, answer or solution with \\boxed{})."""
 
-    def convert(rows, source, offset):
+    def convert(rows, wheres, offset):
         out = []
-        for i, row in enumerate(rows):
-            _require(row, source, b.name)
+        for i, (row, where) in enumerate(zip(rows, wheres)):
+            _require(row, where, b.name)
             if b.name == "gsm8k":
                 q, gold = row["question"], rewards.gsm8k_gold(str(row["answer"]))
                 ok = gold is not None
@@ -202,10 +215,10 @@ def _code_task(b: _Builder, timeout: float):
     b.skipped["no_tests_or_entry_point"] = 0
     from rlvr_utils import sandbox
 
-    def convert(rows, source, offset):
+    def convert(rows, wheres, offset):
         out = []
-        for i, row in enumerate(rows):
-            _require(row, source, b.name)
+        for i, (row, where) in enumerate(zip(rows, wheres)):
+            _require(row, where, b.name)
             if "test_list" in row:  # MBPP-like: the model writes the whole function
                 text = row.get("text", row.get("prompt"))
                 tests = [str(t) for t in row["test_list"] or []]
@@ -254,19 +267,19 @@ def _code_task(b: _Builder, timeout: float):
 def _custom_task(b: _Builder):
     """The user's rows (custom.py): `prompt` a string or chat messages, every other column for the reward."""
 
-    def convert(rows, source, offset):
+    def convert(rows, wheres, offset):
         out = []
-        for i, row in enumerate(rows):
+        for i, (row, where) in enumerate(zip(rows, wheres)):
             problem = custom.prompt_problem(row)
             if problem:
-                raise KeyError(f"{source}: row {i + 1}: {problem}")
+                raise KeyError(f"{where}: {problem}")
             text, user, chat = custom.render(b.tokenizer, row["prompt"])
             ids = encode_prompt(b.tokenizer, text)
             if len(ids) > b.max_prompt_length:
                 b.skipped["prompt_too_long"] += 1
                 continue
             columns = {k: v for k, v in row.items() if k != "prompt"}
-            meta = {"prompt": row["prompt"], "chat": chat, "columns": columns}
+            meta = {"prompt": row["prompt"], "chat": chat, "columns": columns, "where": where}
             out.append(Example(offset + i, user, "", text, ids, user if chat else "", meta))
         return out
 
@@ -288,6 +301,8 @@ def load_task(
     code_timeout: float = 5.0,
     reward_fn: Sequence[str] = (),
     reward_weights: Sequence[float] = (),
+    reward_timeout: float = 0.0,
+    success_threshold: float = 1.0,
 ) -> Task:
     """Build a task's train and eval prompts and its reward function (see the module docstring).
 
@@ -295,7 +310,8 @@ def load_task(
     `data_path` (eval from `eval_data_path`, else held out from the same source); code: HumanEval or a local
     jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in a sandbox for `code_timeout` seconds;
     custom: `data_path` rows scored by `reward_fn` (custom.py). `reward_fn` given with a built-in task replaces its
-    reward (the functions then get the columns `question` and `answer`, the gold).
+    reward (the functions then get the columns `question` and `answer`, the gold); `reward_timeout`: seconds a call
+    of one may take (0: no limit); `success_threshold`: what their first evaluation is checked against.
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
@@ -313,7 +329,7 @@ def load_task(
     else:
         train, evals, reward, batch_fn = _text_task(b)
     if reward_fn:  # the user's reward functions, in TRL's convention
-        batch_fn = custom.reward_batch(reward_fn, reward_weights)
+        batch_fn = custom.reward_batch(reward_fn, reward_weights, tokenizer, reward_timeout, success_threshold)
     train, evals = [e for e in train if e is not None], [e for e in evals if e is not None]
     if not train:
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {b.skipped})")

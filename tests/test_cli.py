@@ -87,7 +87,8 @@ def _data(tmp_path, name, text):
         ("list.jsonl", "[1, 2]\n", "gsm8k", ["list.jsonl:1:", "expected a JSON object"]),
         ("missing.jsonl", '{"question": "a"}\n', "gsm8k", ["missing.jsonl: row 1", "answer"]),
         ("code.jsonl.gz", '{"prompt": "def f():", "test": "t"}\n', "code", ["row 1", "entry_point"]),
-        ("x.csv", "a,b\n", "gsm8k", ["x.csv", ".jsonl"]),
+        ("x.txt", "a,b\n", "gsm8k", ["x.txt", ".jsonl"]),
+        ("x.csv", "a,b\n", "gsm8k", ["x.csv", "no rows"]),
     ],
 )
 def test_bad_data_file_is_one_clear_line(tmp_path, name, text, task, words):

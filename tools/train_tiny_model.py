@@ -142,14 +142,18 @@ def arith_localization_target(problem: arith.ArithProblem, thoughts: list[str]) 
 
 
 def build_tokenizer():
-    """Character-level tokenizer: printable ASCII + newline, plus <pad>, <eos>, <unk>."""
-    from tokenizers import Tokenizer, decoders, models
+    """Character-level tokenizer: printable ASCII + newline, plus <pad>, <eos>, <unk>. Written in byte-level form
+    (space and newline are the vocabulary entries 'Ġ' and 'Ċ', with a ByteLevel pre-tokenizer and decoder, no merges),
+    so that AutoTokenizer, which rebuilds a qwen2 model's tokenizer as Qwen2Tokenizer (byte-level), reads the same
+    ids and decodes the same text; a character outside the vocabulary is dropped by both."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = ["<pad>", "<eos>", "<unk>"] + list(string.printable[:95]) + ["\n"]
-    vocab = {c: i for i, c in enumerate(dict.fromkeys(chars))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
+    vocab = {{" ": "\u0120", "\n": "\u010a"}.get(c, c): i for i, c in enumerate(dict.fromkeys(chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
     )

@@ -1,0 +1,164 @@
+"""Local data files, read as written: every row with the place it came from (`file:line`), for the checks before a run
+and for the tasks (a reward's error names the row's line).
+
+.jsonl, .json (an array of objects, or one object per line), either gzipped (.gz): Python's own JSON reader, row by
+row, so a reward receives each value with its JSON type whatever other rows hold (a float in one row does not turn
+another row's ints into floats, "007" stays a string, 2**70 stays exact); NaN and Infinity, which JSON does not have,
+are an error naming the line. .csv, .tsv, .parquet, .arrow: through `datasets.load_dataset` (the types TRL's users get
+from it: CSV cells typed by pandas per column). A directory: each of its data files in name order. Suffixes are
+matched in any case (.JSONL).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+from pathlib import Path
+
+JSON_SUFFIXES = (".jsonl", ".json")
+TABLE_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+READ = ".jsonl, .json (also .gz), .csv, .tsv, .parquet, .arrow, or a directory of them"
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be read as rows; the message names the file (and the line)."""
+
+
+def suffix(path: Path) -> str:
+    """The data suffix of a file, lower case, under a .gz (`rows.JSONL.gz` -> `.jsonl`); '' when it has none."""
+    name = path.name.lower().removesuffix(".gz")
+    return Path(name).suffix
+
+
+def is_data_file(path: Path) -> bool:
+    s = suffix(path)
+    gz_ok = not path.name.lower().endswith(".gz") or s in JSON_SUFFIXES
+    return path.is_file() and not path.name.startswith(".") and gz_ok and (s in JSON_SUFFIXES or s in TABLE_SUFFIXES)
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """The files a --data-path names: itself, or a directory's data files in name order."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if is_data_file(f))
+        if not files:
+            raise DataFileError(f"{path}: the directory holds no data file ({READ})")
+        return files
+    if not p.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if not is_data_file(p):
+        raise DataFileError(f"{path}: expected {READ}")
+    return [p]
+
+
+def read_rows(path: str | Path) -> tuple[list[dict], list[str]]:
+    """Every row of a data file or directory, and where each came from (`file:line`, or `file: row N` for parquet and
+    arrow). Raises DataFileError (or FileNotFoundError) naming the file and the line."""
+    rows, wheres = [], []
+    for f in data_files(path):
+        got, where = _read_json(f) if suffix(f) in JSON_SUFFIXES else _read_table(f)
+        rows += got
+        wheres += where
+    return rows, wheres
+
+
+def row_name(where: str, i: int) -> str:
+    """`rows.jsonl: row 3 (line 4)` from a row's place `rows.jsonl:4` and its 1-based number in the data."""
+    file, _, line = where.rpartition(":")
+    return f"{file}: row {i} (line {line})" if line.isdigit() else f"{where.split(': row ')[0]}: row {i}"
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value (write null, or a number)")
+
+
+def _text(f: Path) -> str:
+    try:
+        with gzip.open(f, "rt", encoding="utf-8") if f.name.lower().endswith(".gz") else f.open(encoding="utf-8") as h:
+            return h.read()
+    except EOFError:
+        raise DataFileError(f"{f}: the compressed file is cut short (an interrupted download or copy?)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataFileError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _loads(text: str, f: Path, lineno: int):
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise DataFileError(f"{f}:{lineno + e.lineno - 1}: not a JSON object ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # NaN / Infinity
+        raise DataFileError(f"{f}:{lineno}: {e}") from None
+
+
+def _read_json(f: Path) -> tuple[list[dict], list[str]]:
+    text = _text(f)
+    if not text.strip():
+        raise DataFileError(f"{f}: the file is empty (expected one JSON object per line)")
+    if suffix(f) == ".json" and text.lstrip().startswith("["):  # an array of rows: each row's first line
+        decoder, rows, wheres = json.JSONDecoder(parse_constant=_refuse_constant), [], []
+        i = text.index("[") + 1
+        while True:
+            while i < len(text) and text[i] in " \t\r\n,":
+                i += 1
+            if i >= len(text) or text[i] == "]":
+                break
+            line = text.count("\n", 0, i) + 1
+            try:
+                row, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError as e:
+                raise DataFileError(f"{f}:{e.lineno}: not valid JSON ({e.msg})") from None
+            except ValueError as e:
+                raise DataFileError(f"{f}:{line}: {e}") from None
+            if not isinstance(row, dict):
+                raise DataFileError(f"{f}:{line}: the JSON array must hold one object per row")
+            rows.append(row)
+            wheres.append(f"{f}:{line}")
+        return rows, wheres
+    rows, wheres = [], []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        row = _loads(line, f, lineno)
+        if not isinstance(row, dict):
+            raise DataFileError(f"{f}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        wheres.append(f"{f}:{lineno}")
+    return rows, wheres
+
+
+def _read_table(f: Path) -> tuple[list[dict], list[str]]:
+    from datasets import load_dataset
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # a local file loads in a moment: no "Generating train split" bars
+    kind, s = TABLE_SUFFIXES[suffix(f)], suffix(f)
+    extra = {"sep": "\t"} if s == ".tsv" else {}
+    starts = _record_lines(f, extra.get("sep", ",")) if kind == "csv" else None
+    if starts is not None and len(starts) < 2:  # the header (or nothing)
+        raise DataFileError(f"{f}: the file holds no rows (expected a header line, then one row per line)")
+    try:
+        rows = list(load_dataset(kind, data_files=str(f), split="train", **extra))
+    except Exception as e:  # not a parquet file, a ragged CSV, ...
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataFileError(f"{f}: cannot be read as {s[1:]} ({type(e).__name__}: {first[:150]})") from None
+    if not rows:
+        raise DataFileError(f"{f}: the file holds no rows")
+    if starts is not None and len(starts) - 1 == len(rows):  # each record's first line, after the header's
+        return rows, [f"{f}:{n}" for n in starts[1:]]
+    return rows, [f"{f}: row {i}" for i in range(1, len(rows) + 1)]
+
+
+def _record_lines(f: Path, sep: str) -> list[int]:
+    """The first line of each record of a CSV/TSV file (a quoted cell may span lines; blank lines are skipped)."""
+    try:
+        with f.open(newline="", encoding="utf-8") as h:
+            reader, starts, previous = csv.reader(h, delimiter=sep), [], 0
+            for record in reader:
+                if record:
+                    starts.append(previous + 1)
+                previous = reader.line_num
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataFileError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
+    return starts

@@ -1,5 +1,6 @@
 """ep_grpo.py: the advantage function's invariants on hand-made batches, and the script end to end."""
 
+import dataclasses
 import itertools
 import math
 import os
@@ -548,3 +549,18 @@ def test_moving_anchors_are_refused_under_fsdp_before_anything_loads():
             cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
         assert r.returncode == 2 and "--process-anchor ema/lagged do not support --fsdp" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_script_passes_every_flag_of_ep_advantages_by_name():
+    """ep_advantages takes its flags by name: each keyword (but the call's own, return_parts and scores) is a field of
+    Args, and the script passes it as `name=args.name` (a flag left out would silently keep the function's default)."""
+    import inspect
+
+    import ep_grpo
+
+    own = {"return_parts", "scores"}
+    names = [p.name for p in inspect.signature(ep_advantages).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    fields = {f.name for f in dataclasses.fields(ep_grpo.Args)}
+    source = (ROOT / "ep_grpo.py").read_text()
+    assert [n for n in names if n not in own and n not in fields] == []
+    assert [n for n in names if n not in own and f"{n}=args.{n}" not in source] == []

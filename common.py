@@ -40,6 +40,7 @@ from rlvr_utils.logprob_kernels import (
 from rlvr_utils.models import load_model as load_model
 from rlvr_utils.models import load_policy as load_policy
 from rlvr_utils.models import load_tokenizer as load_tokenizer
+from rlvr_utils.reward_calls import merged as merged_reward_metrics
 from rlvr_utils.rollouts import Rollouts as Rollouts
 from rlvr_utils.rollouts import generate_rollouts, make_rollouts, stop_token_ids
 from rlvr_utils.rollouts import pad_left as pad_left
@@ -394,7 +395,7 @@ def evaluate(
     if dist is not None:
         correct, total, length = dist.sum([correct, total, length])
     out = {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex), "eval/mean_length": length / len(ex)}
-    return out | task.reward_metrics(mode="eval")  # --reward-fn: eval/rewards/<name>/mean, ... (this rank's)
+    return merged_reward_metrics(out, task.reward_metrics(mode="eval"))  # --reward-fn: eval/rewards/<name>/mean, ...
 
 
 def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict) -> None:
@@ -553,7 +554,6 @@ class Run:
         metrics = {
             **completion_metrics(ro, rewards, a.num_generations, a.success_threshold),
             "num_tokens": num_tokens,
-            **self.task.reward_metrics(step),  # --reward-fn: rewards/<name>/mean, /std, log_metric's (TRL's names)
             **extra,
             **stats.metrics(),
             "learning_rate": self.optimizer.param_groups[0]["lr"],
@@ -562,6 +562,7 @@ class Run:
             "time/step": step_time,
             **peak_memory(self.device),
         }
+        metrics = merged_reward_metrics(metrics, self.task.reward_metrics(step))  # --reward-fn: rewards/<name>/...
         if self.credit.active:
             rows = self.credit.write(step, Path(sys.argv[0]).name, ro, rewards, self.tokenizer, ro.completion_mask)
             self.logger.text("credit", credit.as_text(rows), step)

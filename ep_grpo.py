@@ -31,6 +31,7 @@ Polarity = Literal["outcome", "none"]
 AnchorForm = Literal["additive", "multiplicative"]
 Progress = Literal["entropy", "position"]
 AdvantageForm = Literal["A", "B"]
+OutcomeStd = Literal["population", "unbiased"]
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class Args(cli.BaseArgs):
     """(c) k3 KL coefficient to the frozen initial policy (loaded for delta anyway): small, as verl's GRPO; grpo.py 0"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """(c) token-mean (DAPO), seq-mean-token-mean (original GRPO; grpo.py's), seq-mean-token-sum-norm (Dr. GRPO)"""
-    outcome_std: Literal["population", "unbiased"] = "population"
+    outcome_std: OutcomeStd = "population"
     """(c) std of the outcome advantage: population + 1e-6 (ours; verl: unbiased + 1e-6) or unbiased + 1e-4 (grpo.py,
     TRL)"""
     # ALGO LOGIC: EP-GRPO's own flags, at the defaults the method runs with; each reaches ep_advantages by name
@@ -160,7 +161,7 @@ def ep_advantages(
     chosen = dict(gate=(gate, Gate), pivot_scope=(pivot_scope, PivotScope), gate_norm=(gate_norm, GateNorm))
     chosen |= dict(process_granularity=(process_granularity, Granularity), progress=(progress, Progress))
     chosen |= dict(process_polarity=(process_polarity, Polarity), anchor_form=(anchor_form, AnchorForm))
-    chosen |= dict(advantage_form=(advantage_form, AdvantageForm))
+    chosen |= dict(advantage_form=(advantage_form, AdvantageForm), outcome_std=(outcome_std, OutcomeStd))
     bad = [f"{k}={v!r} (one of {get_args(t)})" for k, (v, t) in chosen.items() if v not in get_args(t)]
     if bad or num_buckets < 1 or not 0 <= pivot_quantile <= 1:
         raise ValueError(f"{bad}; need num_buckets >= 1, pivot_quantile in [0, 1]: {num_buckets}, {pivot_quantile}")

@@ -288,7 +288,7 @@ if __name__ == "__main__":
             ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
             if per_batch:  # ALGO LOGIC: --kl-threshold-scope batch: D of every row first, then f with c over the batch
                 D = teacher.kl_of_every_row(
-                    model, ro, teachers, args.temperature, pad, G, args.micro_batch_size, sc_log, sampled, token_kl
+                    model, ro, teachers, args.temperature, G, args.micro_batch_size, sc_log, with_teacher
                 )
                 D = signed_logratio(D, advantages.to(D.device)) if sampled else D  # ablation (ours)
                 weights, token_adv, f = dist.over_global_batch(

@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -128,7 +129,8 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        rank = int(os.environ.get("LOCAL_RANK", "0"))  # torchrun: each rank's own GPU (loaded before set_device)
+        self.device = device or (f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         self.model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=dtype)
         self.model.to(self.device).eval()
@@ -153,7 +155,7 @@ class RewardModel:
                 padding=True,
                 padding_side="right",
                 add_special_tokens=False,
-            ).to(self.device)
+            ).to(self.model.device)
             with torch.inference_mode():
                 out += self.model(**enc).logits[:, 0].float().cpu().tolist()
         return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import math
+import re
 from pathlib import Path
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -44,6 +46,12 @@ def data_files(path: str | Path) -> list[Path]:
         files = sorted(f for f in p.iterdir() if is_data_file(f))
         if not files:
             raise DataFileError(f"{path}: the directory holds no data file ({READ})")
+        held = [f.name for f in files if re.search(r"(^|[-_.])(test|validation|valid|eval|dev)([-_.]|$)", f.name)]
+        if held and len(held) < len(files):  # train.jsonl + test.jsonl: one training set would leak the test rows
+            raise DataFileError(
+                f"{path}: the directory holds split files ({held[0]} beside {len(files) - len(held)} other): pass the "
+                "training file with --data-path and the held-out one with --eval-data-path"
+            )
         return files
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such file")
@@ -73,6 +81,13 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value (write null, or a number)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: Python reads it as inf
+        raise ValueError(f"{text} is too large for a float (write null, or a smaller number)")
+    return value
+
+
 def _text(f: Path) -> str:
     try:
         with gzip.open(f, "rt", encoding="utf-8") if f.name.lower().endswith(".gz") else f.open(encoding="utf-8") as h:
@@ -85,7 +100,7 @@ def _text(f: Path) -> str:
 
 def _loads(text: str, f: Path, lineno: int):
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise DataFileError(f"{f}:{lineno + e.lineno - 1}: not a JSON object ({e.msg} at column {e.colno})") from None
     except ValueError as e:  # NaN / Infinity
@@ -97,7 +112,8 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
     if not text.strip():
         raise DataFileError(f"{f}: the file is empty (expected one JSON object per line)")
     if suffix(f) == ".json" and text.lstrip().startswith("["):  # an array of rows: each row's first line
-        decoder, rows, wheres = json.JSONDecoder(parse_constant=_refuse_constant), [], []
+        _loads(text, f, 1)  # the whole array is valid JSON (the scan below finds each row's line, not commas)
+        decoder, rows, wheres = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float), [], []
         i = text.index("[") + 1
         while True:
             while i < len(text) and text[i] in " \t\r\n,":
@@ -117,7 +133,7 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
             wheres.append(f"{f}:{line}")
         return rows, wheres
     rows, wheres = [], []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a JSON string
         if not line.strip():
             continue
         row = _loads(line, f, lineno)

@@ -158,10 +158,12 @@ class RewardFunctions:
 
         async def one(k, spec, make):
             try:
-                coro = make()
-                return k, spec, await (asyncio.wait_for(coro, self.timeout) if self.timeout else coro), None
-            except asyncio.TimeoutError:
-                return k, spec, None, stopping.RewardTimeout()
+                task = asyncio.ensure_future(make())
+                done, _ = await asyncio.wait({task}, timeout=self.timeout or None)
+                if not done:  # our deadline, not a TimeoutError the function raised itself
+                    task.cancel()
+                    return k, spec, None, stopping.RewardTimeout()
+                return k, spec, task.result(), None
             except BaseException as e:  # reported with the function's name below
                 return k, spec, None, e
 
@@ -237,7 +239,8 @@ class RewardFunctions:
 
     def _check_threshold(self, totals: list[float]) -> None:
         share = sum(t >= self.threshold for t in totals) / len(totals)
-        if share in (0.0, 1.0) and self.rank == 0:
+        spread = max(totals) > min(totals)  # all 0 on a hard task is normal; graded rewards that never reach it are not
+        if (share == 1.0 or share == 0.0 and spread) and self.rank == 0:
             side = "reaches" if share == 1.0 else "is below"
             print(
                 f"\nwarning: eval/accuracy {share:.3f} at the first evaluation: every held-out completion's reward "
@@ -273,7 +276,10 @@ def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
             f"--reward-fn {spec} returned {_show(out)} for {n} completions: "
             "return a list with one number (or None) per completion"
         )
-    out = list(out)
+    try:
+        out = list(out)  # a generator runs its code here: what it raises is the function's failure
+    except BaseException as e:
+        _reward_failed(spec, e, 0, examples)
     if len(out) != n:
         _stop(f"--reward-fn {spec} returned {len(out)} values for {n} completions (one number or None each)")
     values = []
@@ -341,3 +347,20 @@ def _columns(e) -> dict:
 def _stop(message: str):
     print(f"\nerror: {message}", file=sys.stderr, flush=True)  # a new line: a progress bar may be mid-line
     raise SystemExit(1)
+
+
+_CLASHED: set[str] = set()
+
+
+def merged(builtin: dict, logged: dict) -> dict:
+    """The step's (or evaluation's) metrics with what --reward-fn functions logged: a log_metric name that is already
+    one of ours (e.g. "reward", "accuracy" under eval/) does not replace ours; a warning says so, once per name."""
+    for name in sorted(set(builtin) & set(logged) - _CLASHED):
+        _CLASHED.add(name)
+        print(
+            f"\nwarning: a --reward-fn logged {name!r} with log_metric, which is one of the run's own metrics: the "
+            "run's value is kept; give the metric another name",
+            file=sys.stderr,
+            flush=True,
+        )
+    return logged | builtin

@@ -126,7 +126,7 @@ class Watchdog:
 
     def __exit__(self, *exc):
         if self.seconds:
+            self.done.set()  # first: a signal that lands while the lock is awaited must not leave the watcher armed
             with self.lock:
-                self.done.set()
                 Watchdog._firing = False
         return False

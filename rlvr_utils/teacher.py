@@ -171,37 +171,17 @@ def logprobs_and_kl(
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(kls), cost
 
 
-def kl_of_every_row(
-    model,
-    ro: Rollouts,
-    teachers,
-    temperature: float,
-    pad_id: int,
-    G: int,
-    micro_batch_size: int,
-    log: TeacherLog,
-    sampled: bool = False,
-    kl_fn: Callable | None = None,
-) -> torch.Tensor:
+def kl_of_every_row(model, ro: Rollouts, teachers, temperature: float, G: int, micro_batch_size: int, log, forward):
     """D [N, T] of every row under torch.no_grad (--kl-threshold-scope batch: before the update, so that c can be
     taken over the whole batch), in micro-batches of whole groups as the update's; the teacher's cost goes to `log`.
-    `sampled`: the sampled token's teacher-minus-student log-prob instead (logprobs_and_kl)."""
+    forward: logprobs_and_kl with the run's settings bound (sc_grpo.py's `with_teacher`: pad id, the divergence,
+    the FSDP idle passes)."""
     device, T = ro.completion_mask.device, ro.completion_mask.shape[1]
     D, rows = torch.zeros(len(ro), T, device=device), torch.arange(len(ro), device=device)  # D: [N, T]
     with torch.no_grad():
         for mb in micro_batches_of_groups(rows, ro.group_ids.cpu(), G, micro_batch_size):
             prompts = [teachers[i] for i in mb.tolist()]
-            _, _, D[mb], cost = logprobs_and_kl(
-                model,
-                ro.input_ids[mb],
-                ro.attention_mask[mb],
-                T,
-                temperature,
-                prompts,
-                pad_id,
-                sampled=sampled,
-                kl_fn=kl_fn,
-            )
+            _, _, D[mb], cost = forward(model, ro.input_ids[mb], ro.attention_mask[mb], T, temperature, prompts)
             log.add(cost=cost)
     return D
 

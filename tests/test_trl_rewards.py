@@ -564,3 +564,74 @@ def test_save_model_writes_a_card_and_loads_with_the_auto_classes(tmp_path, tiny
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, pad_token_id=0
     )
     assert tok.decode(a[0], skip_special_tokens=True) == ours_tok.decode(b[0], skip_special_tokens=True)
+
+
+# --- review fixes ---------------------------------------------------------------------------------------------------
+def test_a_log_metric_name_of_ours_keeps_ours_and_warns_once(capsys):
+    got = reward_calls.merged({"reward": 1.0, "eval/accuracy": 0.5}, {"reward": 42.0, "my/metric": 2.0})
+    assert got == {"reward": 1.0, "eval/accuracy": 0.5, "my/metric": 2.0}
+    assert capsys.readouterr().err.count("'reward'") == 1
+    reward_calls.merged({"reward": 1.0}, {"reward": 7.0})
+    assert "warning" not in capsys.readouterr().err  # once per name
+
+
+def test_a_generator_reward_that_raises_is_one_line(capsys):
+    def lazy(prompts, completions, **kw):
+        return (float(int(c)) for c in completions)  # int("x") raises while the list is built
+
+    with pytest.raises(SystemExit) as e:
+        reward_calls.RewardFunctions([("my.py:lazy", lazy)])(["x"], _examples(1))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "my.py:lazy raised ValueError" in err[0], err
+
+
+def test_an_async_reward_s_own_timeout_error_is_not_our_timeout(capsys):
+    async def upstream(prompts, completions, **kw):
+        raise TimeoutError("the judge did not answer")
+
+    for timeout in (0.0, 5.0):
+        with pytest.raises(SystemExit):
+            reward_calls.RewardFunctions([("my.py:judge", upstream)], timeout=timeout)(["x"], _examples(1))
+        err = capsys.readouterr().err
+        assert "raised TimeoutError: the judge did not answer" in err and "--reward-timeout" not in err, err
+
+
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("rows.jsonl", '{"prompt": "a", "x": 1e400}\n', ["rows.jsonl:1", "too large"]),
+        ("rows.json", '[{"prompt": "a"} {"prompt": "b"}]', ["rows.json:1", "not a JSON object"]),
+        ("rows.json", '[{"prompt": "a"},\n{"prompt": "b"}', ["rows.json"]),
+    ],
+)
+def test_values_and_arrays_json_refuses(tmp_path, capsys, name, text, words):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        checks.check_data("custom", str(tmp_path / name), "--data-path")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_a_line_separator_inside_a_json_string_is_not_a_new_row(tmp_path):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "a\u2028b", "x": 1}, ensure_ascii=False) + "\n")
+    rows, where = datafiles.read_rows(tmp_path / "rows.jsonl")
+    assert rows == [{"prompt": "a\u2028b", "x": 1}] and where[0].endswith("rows.jsonl:1")
+
+
+def test_a_directory_of_split_files_is_refused(tmp_path):
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / name).write_text('{"prompt": "a"}\n')
+    with pytest.raises(datafiles.DataFileError, match="--eval-data-path"):
+        datafiles.read_rows(tmp_path)
+    (tmp_path / "test.jsonl").unlink()
+    (tmp_path / "more.jsonl").write_text('{"prompt": "b"}\n')
+    assert len(datafiles.read_rows(tmp_path)[0]) == 2  # shards of one split are read in name order
+
+
+def test_the_first_evaluation_does_not_warn_on_a_hard_task_at_zero(tmp_path, capsys):
+    for outs, warns in (([0.0, 0.0], False), ([0.2, 0.5], True)):
+        rf = reward_calls.RewardFunctions([("f", lambda prompts, completions, o=outs, **k: o)], success_threshold=1.0)
+        rf.begin(tmp_path, 0, 0, 2, 2, 4)
+        rf(["x", "y"], _examples(2), mode="eval")
+        rf.metrics(mode="eval")
+        assert ("eval/accuracy 0.000 at the first evaluation" in capsys.readouterr().err) == warns

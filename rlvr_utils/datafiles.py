@@ -77,6 +77,9 @@ def row_name(where: str, i: int) -> str:
     return f"{file}: row {i} (line {line})" if line.isdigit() else f"{where.split(': row ')[0]}: row {i}"
 
 
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace (not str.isspace's, which U+2028 would pass)
+
+
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value (write null, or a number)")
 
@@ -112,25 +115,30 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
     if not text.strip():
         raise DataFileError(f"{f}: the file is empty (expected one JSON object per line)")
     if suffix(f) == ".json" and text.lstrip().startswith("["):  # an array of rows: each row's first line
-        _loads(text, f, 1)  # the whole array is valid JSON (the scan below finds each row's line, not commas)
-        decoder, rows, wheres = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float), [], []
-        i = text.index("[") + 1
-        while True:
-            while i < len(text) and text[i] in " \t\r\n,":
-                i += 1
-            if i >= len(text) or text[i] == "]":
-                break
-            line = text.count("\n", 0, i) + 1
+        decoder = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+        rows, wheres, line, counted = [], [], 1, 0  # line: of position `counted`, counted forward (one pass)
+        i = _JSON_SPACE.match(text, text.index("[") + 1).end()
+        closed = text.startswith("]", i)
+        while not closed:
+            line, counted = line + text.count("\n", counted, i), i
             try:
                 row, i = decoder.raw_decode(text, i)
             except json.JSONDecodeError as e:
-                raise DataFileError(f"{f}:{e.lineno}: not valid JSON ({e.msg})") from None
-            except ValueError as e:
+                raise DataFileError(f"{f}:{e.lineno}: not a JSON object ({e.msg} at column {e.colno})") from None
+            except ValueError as e:  # NaN, Infinity, 1e400
                 raise DataFileError(f"{f}:{line}: {e}") from None
             if not isinstance(row, dict):
                 raise DataFileError(f"{f}:{line}: the JSON array must hold one object per row")
             rows.append(row)
             wheres.append(f"{f}:{line}")
+            i = _JSON_SPACE.match(text, i).end()
+            closed = text.startswith("]", i)
+            if not closed and not text.startswith(",", i):
+                at = line + text.count("\n", counted, i)
+                raise DataFileError(f"{f}:{at}: not a JSON object (expected ',' or ']' after row {len(rows)})")
+            i = i if closed else _JSON_SPACE.match(text, i + 1).end()
+        if text[i + 1 :].strip():
+            raise DataFileError(f"{f}:{line + text.count(chr(10), counted, i)}: not a JSON object (data after ']')")
         return rows, wheres
     rows, wheres = [], []
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a JSON string

@@ -309,14 +309,9 @@ def _reward_failed(spec: str, e: BaseException, timeout: float, examples):
     rows = f"scoring {len(examples)} completions, the first of {_where(examples[0])}"
     if isinstance(e, stopping.RewardTimeout):
         _stop(f"--reward-fn {spec} did not return within {timeout:g} s (--reward-timeout) {rows}")
-    if isinstance(e, KeyboardInterrupt):
-        print(
-            f"\nerror: --reward-fn {spec} raised KeyboardInterrupt {rows}: stopping now, without a checkpoint of this "
-            "step (the last checkpoint is kept)",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(130)
+    if isinstance(e, KeyboardInterrupt):  # as a second Ctrl-C: exit code 130
+        why = "stopping now, without a checkpoint of this step (the last checkpoint is kept)"
+        _stop(f"--reward-fn {spec} raised KeyboardInterrupt {rows}: {why}", code=130)
     if isinstance(e, SystemExit):
         _stop(f"--reward-fn {spec} called sys.exit({e.code!r}) {rows}: a reward returns its list, it does not exit")
     if not isinstance(e, Exception):
@@ -344,9 +339,9 @@ def _columns(e) -> dict:
     return e.meta["columns"] if "columns" in e.meta else {"question": e.question, "answer": e.gold}
 
 
-def _stop(message: str):
+def _stop(message: str, code: int = 1):
     print(f"\nerror: {message}", file=sys.stderr, flush=True)  # a new line: a progress bar may be mid-line
-    raise SystemExit(1)
+    raise SystemExit(code)
 
 
 _CLASHED: set[str] = set()

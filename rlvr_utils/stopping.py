@@ -21,13 +21,17 @@ class StopNow(SystemExit):
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+def _ignore_further_signals() -> None:
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stop_while_loading() -> None:
     """Until the run's first step (GracefulStop then takes over), Ctrl-C or SIGTERM ends the process with one line,
     not a traceback from inside the model loading: nothing has been trained, so nothing is saved."""
 
     def handler(signum, frame):
-        for sig in SIGNALS:  # a second Ctrl-C must not interrupt the exit itself (an atexit traceback)
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_further_signals()  # a second Ctrl-C must not interrupt the exit itself (an atexit traceback)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"\n{name} before the first step: stopped, nothing was saved", file=sys.stderr, flush=True)
         raise StopNow(130)
@@ -56,8 +60,7 @@ class GracefulStop:
     def _handler(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.flag:
-            for sig in SIGNALS:  # a third signal must not interrupt the exit itself
-                signal.signal(sig, signal.SIG_IGN)
+            _ignore_further_signals()  # a third signal must not interrupt the exit itself
             print(f"\n{name} again: stopping now, without a checkpoint of this step", file=sys.stderr, flush=True)
             raise StopNow(130)
         self.flag = True

@@ -124,7 +124,8 @@ def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, 
         taus = [ro.texts[k] for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]]
         make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
         prompts[i], how = teacher.fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
-        counts.update({f"sc/{how}": counts[f"sc/{how}"] + 1} if how != "drawn" else {})
+        if how != "drawn":  # resampled, truncated or none fits
+            counts[f"sc/{how}"] += 1
         if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
             role[i] = Role.WEIGHTED
         elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|) tokens

@@ -1,17 +1,18 @@
-"""What every algorithm script uses: seeding, model loading, prompt batches, rollouts and their rewards (with DAPO's
-dynamic sampling and overlong penalty), token log-probs, group advantages, mini-batches, loss aggregation, update
-diagnostics, evaluation, metrics, and the run's plumbing (`Run`: set-up and the end of a step, one call each).
+"""What every algorithm script uses, in the order a step uses it: prompt batches, rollouts and their
+rewards, token log-probs, group advantages, losses and mini-batches, evaluation, and the run's
+plumbing (`Run`: set-up and the end of a step, one call each).
 
 Nothing here is an algorithm: each `<algo>.py` keeps its credit assignment and loss inline, so
-`diff grpo.py <algo>.py` shows only the method. What is neither lives in the support package `rlvr_utils/`, one
-module per topic (its __init__ lists them); nothing there imports this file.
+`diff grpo.py <algo>.py` shows the method. What is neither lives in rlvr_utils/ (its __init__
+lists the modules): a default run loads its core; each extra loads where its flag is handled.
 
-Sections: 1. seeding  2. models  3. prompt batches and rollouts  4. token log-probs  5. advantages and losses
-6. evaluation and metrics  7. the run (TRY NOT TO MODIFY)
+Sections: 1. prompt batches, rollouts, rewards  2. token log-probs  3. advantages and losses
+4. evaluation  5. the run (TRY NOT TO MODIFY)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -24,36 +25,27 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, credit, distributed, engines, model_files, run_lock, stopping, tasks
+from rlvr_utils import checkpoints, cli, logprob_kernels, models, runtime, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
 from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
-from rlvr_utils.logprob_kernels import (
-    FusedLinearLogProb,
-    SelectedLogProb,
-    completion_hidden,
-    completion_logits,
-    entropy_from_logits,
-    fused_logprobs_ok,
-    unwrap,
-)
 from rlvr_utils.models import load_model as load_model
 from rlvr_utils.models import load_policy as load_policy
 from rlvr_utils.models import load_tokenizer as load_tokenizer
-from rlvr_utils.reward_calls import merged as merged_reward_metrics
 from rlvr_utils.rollouts import Rollouts as Rollouts
-from rlvr_utils.rollouts import generate_rollouts, make_rollouts, stop_token_ids
+from rlvr_utils.rollouts import generate_rollouts as generate_rollouts
+from rlvr_utils.rollouts import make_rollouts as make_rollouts
 from rlvr_utils.rollouts import pad_left as pad_left
-from rlvr_utils.tracking import Logger, completion_metrics
-from rlvr_utils.tracking import UpdateStats as UpdateStats
+from rlvr_utils.rollouts import stop_token_ids as stop_token_ids
+from rlvr_utils.runtime import UpdateStats as UpdateStats
 
 if TYPE_CHECKING:
-    from rlvr_utils.distributed import Dist
+    from rlvr_utils.runtime import Dist
     from rlvr_utils.tasks import Example, Task
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Seeding (checkpoints and resumable runs: checkpoints.py)
+# 1. Prompt batches, rollouts and their rewards
 # ----------------------------------------------------------------------------------------------
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA)."""
@@ -64,30 +56,16 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-# ----------------------------------------------------------------------------------------------
-# 2. Models
-# ----------------------------------------------------------------------------------------------
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
-    torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
-
-
-def peak_memory(device: torch.device) -> dict:
-    """{"memory/peak_gb": peak GPU memory allocated since `reset_peak_memory`} on CUDA, {} on CPU."""
-    return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
-
-
-# ----------------------------------------------------------------------------------------------
-# 3. Prompt batches and rollouts
-# ----------------------------------------------------------------------------------------------
 def prompt_batches(examples: Sequence[Example], n: int, seed: int):
     """Endless stream of `n`-prompt batches, reshuffled every epoch (seeded)."""
     if n < 1 or not examples:
+        k = len(examples)
         raise ValueError(
-            f"need at least one prompt per batch and a non-empty prompt set (n={n}, {len(examples)} prompts)"
+            f"need at least one prompt per batch and a non-empty prompt set (n={n}, {k} prompts)"
         )
     if n > len(examples):
-        raise ValueError(f"{len(examples)} training prompts cannot fill a batch of {n} distinct prompts")
+        k = len(examples)
+        raise ValueError(f"{k} training prompts cannot fill a batch of {n} distinct prompts")
     rng = random.Random(seed)
     order: list[int] = []
     while True:
@@ -97,7 +75,7 @@ def prompt_batches(examples: Sequence[Example], n: int, seed: int):
                 order = list(range(len(examples)))
                 rng.shuffle(order)
             i = order.pop()
-            if i in taken:  # a new epoch began inside this batch: a prompt appears once per batch (one group id)
+            if i in taken:  # a new epoch began inside this batch: a prompt appears once per batch
                 later.append(i)
                 continue
             taken.add(i)
@@ -107,141 +85,122 @@ def prompt_batches(examples: Sequence[Example], n: int, seed: int):
 
 
 def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, args, keep_group=None):
-    """Steps 1-2 of the GRPO-style scripts: the next prompt batch (this rank's share), `args.num_generations`
-    completions per prompt, and their rewards. `args.dynamic_sampling` (DAPO): groups whose verifier scores are all
-    equal are dropped (unless `keep_group(scores)`) and more batches are sampled, for at most `args.max_sampling_rounds`
-    rounds; surplus groups are cut and, if the rounds run out, dropped groups fill the batch (they carry no
-    advantage). `args.overlong_buffer` > 0 subtracts DAPO's overlong penalty from the reward.
-    Returns the Rollouts (`.scores`: the verifier's rewards), the rewards [N] to train on, and sampling metrics."""
-    G, want, kept, dropped, drawn, generated = args.num_generations, args.prompts_per_step // dist.world, [], [], 0, 0
-    for rnd in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
+    """Steps 1-2 of the GRPO-style scripts: the next prompt batch (this rank's share),
+    `args.num_generations` completions per prompt, and their rewards.
+
+    --dynamic-sampling (DAPO): groups whose verifier scores are all equal are dropped (unless
+    `keep_group(scores)`) and more batches are sampled, for at most --max-sampling-rounds rounds;
+    surplus groups are cut and, if the rounds run out, dropped groups fill the batch (they carry no
+    advantage). --overlong-buffer > 0 subtracts DAPO's overlong penalty from the reward.
+    Returns the Rollouts (`.scores`: the verifier's rewards), the rewards [N] to train on, and the
+    sampling metrics."""
+    G = args.num_generations
+    want = args.prompts_per_step // dist.world  # the groups this rank trains on
+    rounds = args.max_sampling_rounds if args.dynamic_sampling else 1
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sampling["batch_size"] = args.gen_batch_size
+    kept, dropped, drawn, generated = [], [], 0, 0
+    for rnd in range(rounds):
         examples = dist.shard(next(batches))
-        ro = generate_rollouts(
-            model,
-            tokenizer,
-            [e.prompt_ids for e in examples],
-            [e.id for e in examples],
-            G,
-            args.max_new_tokens,
-            args.temperature,
-            args.top_p,
-            args.top_k,
-            batch_size=args.gen_batch_size,
-        )
-        owners = [e for e in examples for _ in range(G)]  # --reward-fn also gets the sampled ids, as TRL passes them
-        ro.scores = torch.tensor(task.rewards(ro.texts, owners, ro.completion_lists()), dtype=torch.float32)
-        drawn, generated = drawn + len(examples), generated + int(ro.completion_mask.sum())
+        prompts, ids = [e.prompt_ids for e in examples], [e.id for e in examples]
+        ro = generate_rollouts(model, tokenizer, prompts, ids, G, args.max_new_tokens, **sampling)
+        owners = [e for e in examples for _ in range(G)]
+        scores = task.rewards(ro.texts, owners, ro.completion_lists())  # TRL's completion_ids too
+        ro.scores = torch.tensor(scores, dtype=torch.float32)
+        drawn += len(examples)
+        generated += int(ro.completion_mask.sum())
         for rows in torch.arange(len(ro)).split(G):
             s = ro.scores[rows]
-            useful = not args.dynamic_sampling or s.max() > s.min() or (keep_group is not None and keep_group(s))
-            (kept if useful else dropped).append((ro, rows))
-        if dist.sum([float(len(kept) < want)])[0] == 0:  # every rank's batch is full (a collective: ranks stay in step)
+            mixed = s.max() > s.min() or (keep_group is not None and keep_group(s))
+            (kept if mixed or not args.dynamic_sampling else dropped).append((ro, rows))
+        if dist.sum([float(len(kept) < want)])[0] == 0:  # every rank's batch is full (a collective)
             break
     if args.dynamic_sampling:  # one batch of the groups, re-padded
-        groups = (kept + dropped)[:want]
-        ids = [(r, int(i)) for r, rows in groups for i in rows]
-        ro = make_rollouts(
-            tokenizer,
-            [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids],
-            [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids],
-            [int(r.group_ids[i]) for r, i in ids],
-            stop_token_ids(model, tokenizer),
-            ro.completion_ids.device,
-        )
-        ro.truncated, ro.scores = (
-            torch.stack([r.truncated[i] for r, i in ids]),
-            torch.stack([r.scores[i] for r, i in ids]),
-        )
-        if groups[0][0].engine_logp is not None:
-            T = ro.completion_ids.shape[1]
-            ro.engine_logp = torch.stack(
-                [torch.nn.functional.pad(r.engine_logp[i, :T], (0, T - min(T, r.engine_logp.shape[1]))) for r, i in ids]
-            )
-    out = {"num_tokens": float(ro.completion_mask.sum()), "sampling/generated_tokens": float(generated)}
+        ro = regroup((kept + dropped)[:want], tokenizer, stop_token_ids(model, tokenizer))
+    out = {"num_tokens": float(ro.completion_mask.sum())}
+    out["sampling/generated_tokens"] = float(generated)
     if args.dynamic_sampling:
-        out.update(
-            {
-                "sampling/prompts_drawn": drawn,
-                "sampling/rounds": rnd + 1,
-                "sampling/groups_kept": min(len(kept), want) / want,
-            }
-        )
+        out["sampling/prompts_drawn"] = drawn
+        out["sampling/rounds"] = rnd + 1
+        out["sampling/groups_kept"] = min(len(kept), want) / want
     rewards = ro.scores.clone()
     if (
         args.overlong_buffer
-    ):  # DAPO's soft overlong punishment: 0 up to max - buffer tokens, then linearly down to -factor
-        penalty = (
-            args.max_new_tokens - args.overlong_buffer - ro.completion_mask.sum(1).cpu().float()
-        ) / args.overlong_buffer
+    ):  # DAPO's soft penalty: 0 up to max - buffer tokens, then down to -factor
+        lengths = ro.completion_mask.sum(1).cpu().float()
+        penalty = (args.max_new_tokens - args.overlong_buffer - lengths) / args.overlong_buffer
         rewards = rewards + penalty.clamp(-1.0, 0.0) * args.overlong_penalty_factor
         out["reward/overlong_penalty"] = (rewards - ro.scores).mean().item()
     return ro, rewards, out
 
 
+def regroup(groups: list, tokenizer, stops: list[int]) -> Rollouts:
+    """One Rollouts batch of `groups`, (Rollouts, its rows) pairs from several generate calls."""
+    ids = [(r, int(i)) for r, rows in groups for i in rows]
+    prompts = [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids]
+    completions = [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids]
+    group_ids = [int(r.group_ids[i]) for r, i in ids]
+    device = groups[0][0].completion_ids.device
+    ro = make_rollouts(tokenizer, prompts, completions, group_ids, stops, device)
+    ro.truncated = torch.stack([r.truncated[i] for r, i in ids])
+    ro.scores = torch.stack([r.scores[i] for r, i in ids])
+    if groups[0][0].engine_logp is not None:  # --engine vllm: its log-probs, to the new width T
+        T = ro.completion_ids.shape[1]
+        pad = [(r.engine_logp[i, :T], T - min(T, r.engine_logp.shape[1])) for r, i in ids]
+        ro.engine_logp = torch.stack([torch.nn.functional.pad(lp, (0, n)) for lp, n in pad])
+    return ro
+
+
 # ----------------------------------------------------------------------------------------------
-# 4. Token log-probs (the layout and kernels: logprob_kernels.py)
+# 2. Token log-probs (memory-bounded kernels: rlvr_utils/logprob_kernels.py)
 # ----------------------------------------------------------------------------------------------
 def token_logprobs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    num_completion_tokens: int,
-    temperature: float = 1.0,
-    chunk_size: int = ROWS_PER_FORWARD,
-    with_entropy: bool = False,
-    entropy_chunk: int = 128,
+    model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+    chunk_size: int = ROWS_PER_FORWARD, with_entropy: bool = False, entropy_chunk: int = 128,
     fused: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
 
-    input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded). Returns logp [B, T] and, when
-    `with_entropy`, the per-token entropy [B, T] (nats, no gradient) of the same distribution, else None. Values at
-    padded completion positions are finite but meaningless: multiply by the completion mask.
-    Memory: rows are processed `chunk_size` at a time, and no [B, T, V] log-softmax or fp32 copy of the logits
-    exists, forward or backward. `fused` (default: when `fused_logprobs_ok(model)`): the model returns its final
-    hidden states with no logits at all and `FusedLinearLogProb` applies the lm_head a few positions at a time, so
-    not even the [b, T, V] logits exist. `fused=False`: the lm_head produces logits for completion positions only
-    (`logits_to_keep`) and `SelectedLogProb` computes log p = z[y] - logsumexp(z) in fp32 a few positions at a
-    time (logits over the sampling temperature). Both are the same function. Rows are rotated so that no attention
-    query sees only padding (`right_padded`); position ids come from the attention mask, so every token keeps the
-    position `generate` gave it.
-    """
+    input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded). Returns logp
+    [B, T] and, with `with_entropy`, the per-token entropy [B, T] (nats, no gradient) of the same
+    distribution, else None. Padded completion positions are finite but meaningless: mask them.
+    Memory: rows go `chunk_size` at a time, and no [B, T, V] log-softmax or fp32 logits exist,
+    forward or backward. `fused` (default: logprob_kernels.fused_logprobs_ok(model)): the model
+    returns its final hidden states and FusedLinearLogProb applies the lm_head a few positions at
+    a time, so not even the [b, T, V] logits exist; else the lm_head makes logits for completion
+    positions only (`logits_to_keep`) and SelectedLogProb takes z[y] - logsumexp(z) in fp32 a few
+    positions at a time. Both compute the same function (logits over the sampling temperature)."""
     T = num_completion_tokens
-    fused = fused_logprobs_ok(model) if fused is None else fused
+    fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     if fused:
-        lm = unwrap(model).get_output_embeddings()
-        positions = max(1, 2**25 // lm.out_features)  # fp32 [positions, V] temporaries of about 128 MB
+        lm = logprob_kernels.unwrap(model).get_output_embeddings()
+        positions = max(1, 2**25 // lm.out_features)  # fp32 [positions, V] temporaries of ~128 MB
     logps, ents = [], []
     for s in range(0, input_ids.shape[0], chunk_size):
         ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
+        target = ids[:, -T:]
         if fused:
-            h = completion_hidden(model, ids, mask, T)  # [b, T, H]
-            lp, ent = FusedLinearLogProb.apply(
-                h.reshape(-1, h.shape[-1]),
-                lm.weight,
-                lm.bias,
-                ids[:, -T:].reshape(-1),
-                temperature,
-                positions,
-                with_entropy,
+            h = logprob_kernels.completion_hidden(model, ids, mask, T)  # [b, T, H]
+            flat = (h.reshape(-1, h.shape[-1]), lm.weight, lm.bias, target.reshape(-1))
+            lp, ent = logprob_kernels.FusedLinearLogProb.apply(
+                *flat, temperature, positions, with_entropy
             )
             logps.append(lp.view(ids.shape[0], T))
-            if with_entropy:
-                ents.append(ent.view(ids.shape[0], T))
+            ents += [ent.view(ids.shape[0], T)] if with_entropy else []
         else:
-            logits = completion_logits(model, ids, mask, T)  # [b, T, V] in the model's dtype
-            chunk = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries of about 64 MB
-            logps.append(SelectedLogProb.apply(logits, ids[:, -T:], temperature, chunk))
+            logits = logprob_kernels.completion_logits(model, ids, mask, T)  # [b, T, V]
+            chunk = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries ~64 MB
+            logps.append(logprob_kernels.SelectedLogProb.apply(logits, target, temperature, chunk))
             if with_entropy:
-                ents.append(entropy_from_logits(logits, entropy_chunk, temperature))
+                ents.append(logprob_kernels.entropy_from_logits(logits, entropy_chunk, temperature))
             del logits
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Advantages and losses
+# 3. Advantages and losses
 # ----------------------------------------------------------------------------------------------
-def constant_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def constant_groups(rewards: torch.Tensor, group_ids: torch.Tensor):
     """Group index [N] of each completion (0..G-1, in sorted id order) and, per group, whether all
     its rewards are equal [G] (the groups plain GRPO gets no gradient from)."""
     r = rewards.float()
@@ -253,22 +212,18 @@ def constant_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[tor
 
 
 def group_advantages(
-    rewards: torch.Tensor,
-    group_size: int | None,
-    scale: str = "group",
-    eps: float = 1e-4,
-    group_ids: torch.Tensor | None = None,
-    unbiased: bool = True,
-) -> torch.Tensor:
+    rewards: torch.Tensor, group_size: int | None, scale: str = "group", eps: float = 1e-4,
+    group_ids: torch.Tensor | None = None, unbiased: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """GRPO's outcome advantage per completion: reward minus its group's mean, scaled.
 
-    rewards: [N]. Groups are the completions sharing a `group_ids` value (the prompt id); without `group_ids`,
-    consecutive blocks of `group_size`. Every group must have `group_size` members (group_size=None with group_ids
-    allows groups of different sizes). scale: "group" divides by the group's std (original GRPO), "batch" by the
-    std of all rewards in the batch (Lite PPO), "none" does not divide (Dr. GRPO). Std convention: unbiased
-    (Bessel-corrected, as TRL and verl; `unbiased=False` for the population std), then (r - mean) / (std + eps),
-    eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0 (never NaN). Returns [N] float32.
-    """
+    rewards: [N]. Groups: the completions sharing a `group_ids` value (the prompt id); without
+    `group_ids`, consecutive blocks of `group_size`. Every group has `group_size` members
+    (group_size=None with group_ids allows any sizes). scale: "group" divides by the group's std
+    (original GRPO), "batch" by the batch's (Lite PPO), "none" not at all (Dr. GRPO). The std is
+    unbiased (Bessel, as TRL and verl; `unbiased=False`: the population std), then
+    (r - mean) / (std + eps), eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0
+    (never NaN). Returns [N] float32."""
     r = rewards.float()
     N = r.shape[0]
     if group_ids is None:
@@ -278,7 +233,8 @@ def group_advantages(
     inv, constant_g = constant_groups(r, group_ids)
     counts = torch.bincount(inv)
     if group_size is not None and (counts != group_size).any():
-        raise ValueError(f"every group must have {group_size} completions, got sizes {sorted(set(counts.tolist()))}")
+        sizes = sorted(set(counts.tolist()))
+        raise ValueError(f"every group must have {group_size} completions, got sizes {sizes}")
     G = counts.shape[0]
     n = counts.float()
     mean = torch.zeros(G, device=r.device).index_add_(0, inv, r) / n
@@ -298,9 +254,9 @@ def group_advantages(
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman): exp(d) - d - 1 with d = log pi_ref - log pi, in fp32.
-    d is clamped to +-MAX_LOG_RATIO before exp and the estimate to [0, 10], as verl's low_var_kl, so a token whose
-    log-probs have drifted far apart cannot overflow. >= 0; 0 where the two log-probs are equal."""
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman): exp(d) - d - 1 with
+    d = log pi_ref - log pi, in fp32. d is clamped to +-MAX_LOG_RATIO before exp and the estimate to [0, 10], as verl's
+    low_var_kl, so tokens whose log-probs drifted far apart cannot overflow. 0 where they agree."""
     d = (ref_logp.float() - logp.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return (torch.exp(d) - d - 1).clamp(max=10.0)
 
@@ -309,22 +265,17 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 
 
 def aggregate_loss(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    max_completion_length: int | None = None,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> torch.Tensor:
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_completion_length: int | None = None,
+    num_tokens: float | None = None, num_seqs: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Reduce a [B, T] per-token loss to a scalar (verl's names; TRL's in brackets).
 
-    token-mean               sum over all tokens / number of tokens           (DAPO, TRL "dapo"/"bnpo")
-    seq-mean-token-mean      mean over each sequence's tokens, mean over rows (original GRPO, TRL "grpo")
-    seq-mean-token-sum-norm  sum over all tokens / (rows x max_completion_length) (Dr. GRPO, "dr_grpo")
-    For micro-batches, pass the whole batch's `num_tokens` (active tokens) and `num_seqs` (rows):
-    the micro-batch losses then add up to the whole batch's loss, so gradient accumulation does
-    not change the effective learning rate. Rows without tokens contribute 0.
-    """
+    token-mean               sum over all tokens / number of tokens        (DAPO, TRL "dapo"/"bnpo")
+    seq-mean-token-mean      each sequence's token mean, mean over rows    (original GRPO, "grpo")
+    seq-mean-token-sum-norm  sum over tokens / (rows x max_completion_length)  (Dr. GRPO, "dr_grpo")
+    Micro-batches: pass the whole mini-batch's `num_tokens` (active tokens) and `num_seqs` (rows),
+    so the micro-batch losses add up to its loss and accumulation does not change the step.
+    Rows without tokens contribute 0."""
     m = mask.to(per_token.dtype)
     rows = num_seqs if num_seqs is not None else per_token.shape[0]
     if mode == "token-mean":
@@ -339,68 +290,49 @@ def aggregate_loss(
     raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {LOSS_AGG_MODES}")
 
 
+def engine_correction(ro, rows, old_logp, mask, flags, stats: dict | None, num_tokens: float):
+    """--engine vllm: importance weights toward the engine's sampling distribution and the
+    engine-trainer mismatch into `stats` (engines.engine_correction, --vllm-is-mode, --vllm-is-cap);
+    1.0 with Hugging Face generate (the trainer sampled the rollouts itself)."""
+    if ro.engine_logp is None:
+        return 1.0
+    engines = runtime.extra("engines", "--engine vllm")
+    return engines.engine_correction(ro, rows, old_logp, mask, flags, stats, num_tokens)
+
+
 def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Tensor]:
-    """Row indices [n] of each mini-batch: the groups (prompts) in order of first appearance, split into
-    `num_minibatches` runs of equally many whole groups (one optimizer step each)."""
+    """Row indices [n] of each mini-batch: the groups (prompts) in order of first appearance, split
+    into `num_minibatches` runs of equally many whole groups (one optimizer step each)."""
     ids = group_ids.tolist()
     groups = list(dict.fromkeys(ids))
     if len(groups) % num_minibatches:
-        raise ValueError(
-            f"--num-minibatches {num_minibatches} must divide the {len(groups)} prompts of this rank's batch"
-        )
+        n = len(groups)
+        what = f"the {n} prompts of this rank's batch"
+        raise ValueError(f"--num-minibatches {num_minibatches} must divide {what}")
     per = len(groups) // num_minibatches
     where = {g: i // per for i, g in enumerate(groups)}
-    return [
-        torch.tensor([r for r, g in enumerate(ids) if where[g] == k], device=group_ids.device)
-        for k in range(num_minibatches)
-    ]
+    rows = [[r for r, g in enumerate(ids) if where[g] == k] for k in range(num_minibatches)]
+    return [torch.tensor(r, device=group_ids.device) for r in rows]
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. Evaluation, logging, metrics
-# ----------------------------------------------------------------------------------------------
-def evaluate(
-    model,
-    tokenizer,
-    task: Task,
-    max_new_tokens: int,
-    batch_size: int = 64,
-    temperature: float = 0.0,
-    dist: Dist | None = None,
-    success_threshold: float = 1.0,
-) -> dict:
-    """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
-    sample at that temperature. Returns {"eval/accuracy": the share of prompts whose reward reaches
-    `success_threshold`, "eval/reward": the mean reward, "eval/mean_length"}. Under torchrun each
-    rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
-    sums are all-reduced, so every rank returns the same figures."""
-    ex, rank, world = task.eval, (dist.rank if dist else 0), (dist.world if dist else 1)
-    n = -(-len(ex) // world)
-    mine = ex[rank * n : (rank + 1) * n]
-    counted = len(mine)
-    mine = mine + [ex[0]] * (n - counted)  # equal slices: FSDP ranks must run the same generate calls
-    ro = generate_rollouts(
-        model,
-        tokenizer,
-        [e.prompt_ids for e in mine],
-        [e.id for e in mine],
-        1,
-        max_new_tokens,
-        temperature=max(temperature, 1e-5),
-        do_sample=temperature > 0,
-        batch_size=batch_size,
-    )
-    r = task.rewards(ro.texts[:counted], mine[:counted], ro.completion_lists()[:counted], mode="eval")
-    correct, total, length = sum(x >= success_threshold for x in r), sum(r), ro.completion_mask[:counted].sum().item()
-    if dist is not None:
-        correct, total, length = dist.sum([correct, total, length])
-    out = {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex), "eval/mean_length": length / len(ex)}
-    return merged_reward_metrics(out, task.reward_metrics(mode="eval"))  # --reward-fn: eval/rewards/<name>/mean, ...
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
-def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict) -> None:
-    """Stop the run (exit code 1) with the step and the last metrics when `value` is NaN/inf.
-    Called before the optimizer step, so no update and no checkpoint is made from NaN weights."""
+def peak_memory(device: torch.device) -> dict:
+    """{"memory/peak_gb": peak GPU memory since `reset_peak_memory`} on CUDA, {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def stop_if_nonfinite(
+    value: torch.Tensor | float, what: str, step: int, last_metrics: dict
+) -> None:
+    """Stop the run (exit code 1) with the step and the last metrics when `value` is NaN or inf.
+    Called before the optimizer step: no update and no checkpoint is made from NaN weights."""
     v = float(value.detach()) if torch.is_tensor(value) else float(value)
     if not math.isfinite(v):
         shown = {k: round(x, 4) if isinstance(x, float) else x for k, x in last_metrics.items()}
@@ -411,80 +343,136 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
+# 4. Evaluation
+# ----------------------------------------------------------------------------------------------
+def evaluate(
+    model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64,
+    temperature: float = 0.0, dist: Dist | None = None, success_threshold: float = 1.0,
+) -> dict:  # fmt: skip
+    """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
+    sample at that temperature. Returns {"eval/accuracy": the share of prompts whose reward reaches
+    `success_threshold`, "eval/reward": the mean reward, "eval/mean_length"}. Under torchrun each
+    rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
+    sums are all-reduced, so every rank returns the same figures."""
+    ex, rank, world = task.eval, (dist.rank if dist else 0), (dist.world if dist else 1)
+    n = -(-len(ex) // world)
+    mine = ex[rank * n : (rank + 1) * n]
+    counted = len(mine)
+    mine = mine + [ex[0]] * (n - counted)  # equal slices: FSDP ranks run the same generate calls
+    greedy = dict(temperature=max(temperature, 1e-5), do_sample=temperature > 0)
+    prompts, ids = [e.prompt_ids for e in mine], [e.id for e in mine]
+    ro = generate_rollouts(
+        model, tokenizer, prompts, ids, 1, max_new_tokens, **greedy, batch_size=batch_size
+    )
+    texts, completions = ro.texts[:counted], ro.completion_lists()[:counted]
+    r = task.rewards(texts, mine[:counted], completions, mode="eval")
+    correct = sum(x >= success_threshold for x in r)
+    total = sum(r)
+    length = ro.completion_mask[:counted].sum().item()
+    if dist is not None:
+        correct, total, length = dist.sum([correct, total, length])
+    out = {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex)}
+    out["eval/mean_length"] = length / len(ex)
+    return task.with_reward_metrics(out, mode="eval")  # --reward-fn: eval/rewards/<name>/mean, ...
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
 # ----------------------------------------------------------------------------------------------
 TASK_FLAGS = (  # what tasks.load_task takes
-    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value arith_max_operand "
-    "code_timeout reward_fn reward_weights reward_timeout success_threshold"
+    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value "
+    "arith_max_operand code_timeout reward_fn reward_weights reward_timeout success_threshold"
 ).split()
 
 
 def load_task(args, tokenizer) -> Task:
-    """The task named by --task, built with the shared task flags (rlvr_utils.tasks.load_task). The scripts build it
-    before the model loads, so a task that yields nothing (every prompt too long, every gold unparsable, a dataset
-    that cannot be fetched) ends the run at once with one line, exit code 2."""
-    flags = {k: getattr(args, k) for k in TASK_FLAGS}  # a prompt must fit beside a whole completion in the model
-    flags["max_prompt_length"] = model_files.prompt_limit(args.model, args.max_prompt_length, args.max_new_tokens)
+    """The task named by --task, built with the shared task flags (tasks.load_task). The scripts
+    build it before the model loads, so a task that yields nothing (every prompt too long, every
+    gold unparsable, a dataset that cannot be fetched) ends the run at once: one line, exit 2."""
+    flags = {k: getattr(args, k) for k in TASK_FLAGS}  # a prompt fits beside a whole completion:
+    limit = models.prompt_limit(args.model, args.max_prompt_length, args.max_new_tokens)
+    flags["max_prompt_length"] = limit
     try:
         task = tasks.load_task(args.task, tokenizer, **flags)
-        cli.need(
-            len(task.train) >= args.prompts_per_step,
-            f"--prompts-per-step {args.prompts_per_step}: the task has "
-            f"{len(task.train)} training prompts (a batch holds distinct prompts; skipped: {task.skipped})",
-        )
-        return task
     except SystemExit:
         raise
-    except Exception as e:  # a dataset that cannot be fetched or read, a chat template that refuses a prompt, ...
+    except Exception as e:  # a dataset that cannot be fetched or read, a template that refuses, ...
         source = args.data_path or tasks.HUB_DATASETS.get(args.task, ("the built-in task",))[0]
-        cli.usage_error(f"--task {args.task} ({source}): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        cli.usage_error(f"--task {args.task} ({source}): {why}")
+    n = args.prompts_per_step
+    cli.need(
+        len(task.train) >= n,
+        f"--prompts-per-step {n}: the task has {len(task.train)} training prompts (a batch holds "
+        f"distinct prompts; skipped: {task.skipped})",
+    )
+    return task
 
 
 class Run:
-    """The plumbing of a run, so that a script's loop shows only rollouts, rewards, credit, loss and update.
-
-        run = Run(args)                 threads, the run directory, torchrun (run.dist, run.device), seeding
-        ... the script loads its model and task and builds its optimizer ...
-        run.start(model, tokenizer, optimizer, task)   prompt batches, --resume, the vLLM engine, logging, step-0 eval
-        for step in run.steps():        a progress bar; each step's peak memory and clock start here
-            run.lap("generation")       seconds since the step (or the last lap) began, logged as time/generation
-            run.end_step(step, ro, rewards, stats, extra)  metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.finish()                    the final accuracy, --save-model, the process group
-
-    `state`: objects (RNGs, models) whose state a checkpoint must hold besides the policy, optimizer and data position.
-    """
+    """The plumbing of a run, so that a script's loop shows only rollouts, rewards, credit, loss
+    and update:  run = Run(args)  (threads, torchrun: run.dist, run.device, seeding); then the script
+    loads its task and model and builds its optimizer; run.start(model, tokenizer, optimizer, task)
+    (the run directory, prompt batches, --resume, the vLLM engine, logging, the step-0 evaluation);
+    `for step in run.steps():` (a progress bar; each step's clock and peak memory start there);
+    run.lap("generation") (seconds since the last lap: time/generation); run.end_step(...)
+    (metrics, evaluation, logging, checkpoint, Ctrl-C); run.finish() (the final accuracy,
+    --save-model, the process group). `state`: objects (RNGs, models) a checkpoint holds besides
+    the policy, optimizer and data position."""
 
     def __init__(self, args):
         cli.set_threads(args.threads)
-        stopping.stop_while_loading()  # Ctrl-C or SIGTERM before the first step: one line, exit code 130
+        runtime.stop_while_loading()  # Ctrl-C or SIGTERM before the first step: one line, exit 130
         self.args, self.state, self.metrics, self.times = args, {}, {}, {}
-        self.dist, self.device = distributed.init_distributed(
-            args.device, vars(args), args.prompts_per_step, args.dist_timeout, args.fsdp
+        flags, n = vars(args), args.prompts_per_step
+        self.dist, self.device = runtime.init_distributed(
+            args.device, flags, n, args.dist_timeout, args.fsdp
         )
-        seed_everything(
-            (args.seed + self.dist.rank) % 2**32
-        )  # per-rank sampling; every rank draws the same prompt batches
-        self.dir = Path(args.resume) if args.resume else None  # a new run's directory is made by start()
+        seed_everything((args.seed + self.dist.rank) % 2**32)  # per-rank sampling, the same batches
+        self.dir = Path(args.resume) if args.resume else None  # start() makes a new run's directory
+        self.credit = None  # --log-credit's record (rlvr_utils/credit.py)
 
     def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
         a, dist = self.args, self.dist
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.state = state or {}
-        if self.dir is None:  # its own directory, created exclusively on rank 0 (a name taken gets a suffix)
+        if (
+            self.dir is None
+        ):  # its own directory, made exclusively on rank 0 (a name taken: a suffix)
             name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
-            self.dir = Path(dist.broadcast(str(checkpoints.new_run_dir(a.output_dir, name)) if dist.main else None))
-        self.lock = run_lock.lock_run_dir(self.dir) if dist.main else None  # one writer per run directory
-        self.batches = checkpoints.CountingBatches(lambda: prompt_batches(task.train, a.prompts_per_step, a.seed))
-        self.ckpt, self.stop = checkpoints.Checkpointer(self.dir, a.save_every, dist), stopping.GracefulStop()
-        self.first = self.ckpt.restore(model, optimizer, self.batches, self.state) + 1 if a.resume else 1
-        self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit if dist.main else 0)
-        engines.attach_engine(
-            a.engine, model, optimizer, a.model, a.vllm_gpu_memory_utilization, seed=a.seed + dist.rank
+            made = checkpoints.new_run_dir(a.output_dir, name) if dist.main else None
+            self.dir = Path(dist.broadcast(str(made) if made else None))
+        self.lock = (
+            runtime.lock_run_dir(self.dir) if dist.main else None
+        )  # one writer per run directory
+        self.batches = checkpoints.CountingBatches(
+            lambda: prompt_batches(task.train, a.prompts_per_step, a.seed)
         )
-        resumed, hashes = self.first - 1, cli.file_hashes(a)  # the data and reward files, for a resume to compare
-        task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, where log_extra writes
+        self.ckpt = checkpoints.Checkpointer(self.dir, a.save_every, dist)
+        self.stop = runtime.GracefulStop()
+        self.first = 1
+        if a.resume:  # the checkpoint into the model, optimizer, prompt stream and RNGs just built
+            resume = runtime.extra("resume", "--resume")
+            self.first = resume.restore(self.ckpt, model, optimizer, self.batches, self.state) + 1
+        if (
+            a.log_credit and dist.main
+        ):  # --log-credit: each token's credit, read from the loss's gradient
+            credit = runtime.extra("credit", "--log-credit")
+            self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit)
+        found = (
+            a.engine == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")
+        )
+        if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
+            engines = runtime.extra("engines", "--engine vllm")
+            gpu_share, seed = a.vllm_gpu_memory_utilization, a.seed + dist.rank
+            engines.attach_engine("vllm", model, optimizer, a.model, gpu_share, seed=seed)
+        hashes = {}
+        if a.data_path or a.eval_data_path or a.reward_fn:  # their hashes, for --resume to compare
+            hashes = runtime.extra("data_tasks", "--data-path or --reward-fn").file_hashes(a)
+        resumed = self.first - 1
+        task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, log_extra's file
         config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
-        self.logger = Logger(self.dir, config, a.track, a.wandb_project, enabled=dist.main, resume_step=resumed)
+        self.logger = runtime.Logger(self.dir, config, a.track, a.wandb_project, dist.main, resumed)
         dist.print(
             f"run {self.dir.name}: logs in {self.dir}/ (tensorboard --logdir {self.dir.parent}); "
             f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}"
@@ -496,43 +484,53 @@ class Run:
 
     def evaluate(self) -> dict:
         a = self.args
-        model, task, threshold = self.model, self.task, a.success_threshold
-        return evaluate(
-            model, self.tokenizer, task, a.max_new_tokens, a.gen_batch_size, a.eval_temperature, self.dist, threshold
+        flags = (
+            a.max_new_tokens,
+            a.gen_batch_size,
+            a.eval_temperature,
+            self.dist,
+            a.success_threshold,
         )
+        return evaluate(self.model, self.tokenizer, self.task, *flags)
 
     def steps(self):
-        """The steps still to run, with a progress bar; each starts a new peak-memory measurement and clock."""
+        """The steps still to run, with a progress bar; each starts a new peak-memory measurement
+        and clock."""
         a = self.args
-        self.bar = tqdm(
-            range(self.first, a.total_steps + 1),
-            initial=self.first - 1,
-            total=a.total_steps,
-            desc=Path(sys.argv[0]).stem,
-            dynamic_ncols=True,
-            disable=not self.dist.main,
-        )
+        todo = range(self.first, a.total_steps + 1)
+        bar = dict(initial=self.first - 1, total=a.total_steps, desc=Path(sys.argv[0]).stem)
+        self.bar = tqdm(todo, **bar, dynamic_ncols=True, disable=not self.dist.main)
         for step in self.bar:
             reset_peak_memory(self.device)
             self.step, self.times, self.clock = step, {}, time.time()
-            self.credit.start(self.eval_due(step))  # --log-credit: at the evaluation steps
+            if self.credit is not None:  # --log-credit: at the evaluation steps
+                self.credit.start(self.eval_due(step))
             yield step
 
     def eval_due(self, step: int) -> bool:
-        return step == self.args.total_steps or bool(self.args.eval_every and step % self.args.eval_every == 0)
+        every = self.args.eval_every
+        return step == self.args.total_steps or bool(every and step % every == 0)
+
+    @property
+    def crediting(self) -> bool:
+        """--log-credit records this step (an evaluation step)."""
+        return self.credit is not None and self.credit.active
 
     def watch_credit(self, logp, rows, mask, num_tokens, num_seqs) -> None:
-        """--log-credit: keep the gradient of these rows' log-probs [b, T], with each token's aggregation weight (the
-        same aggregate_loss call as the loss's, on ones), to record -dL/dlog p / weight after the update."""
-        if not self.credit.active:
+        """--log-credit: keep the gradient of these rows' log-probs [b, T], with each token's
+        aggregation weight (the loss's aggregate_loss call, on ones), to record
+        -dL/dlog p / weight after the update."""
+        if not self.crediting:
             return
-        a, ones = self.args, torch.ones_like(mask, dtype=torch.float, requires_grad=True)
+        a = self.args
+        ones = torch.ones_like(mask, dtype=torch.float, requires_grad=True)
         agg = aggregate_loss(ones, mask, a.loss_agg, a.max_new_tokens, num_tokens, num_seqs)
         self.credit.watch(logp, rows, torch.autograd.grad(agg, ones)[0])
 
     def credit_signals(self, **signals) -> None:
         """--log-credit: the method's own per-row or per-token signals, recorded beside the credit."""
-        self.credit.signals(**signals)
+        if self.crediting:
+            self.credit.signals(**signals)
 
     def lap(self, name: str) -> float:
         """Seconds since the step or the last lap began, logged as time/<name>."""
@@ -542,54 +540,59 @@ class Run:
 
     def stop_if_nonfinite(self, value, what: str) -> None:
         stop_if_nonfinite(value, what, self.step, self.metrics)
-        if what == "loss" and self.credit.active:  # the backward follows: --log-credit records its gradient only
+        if what == "loss" and self.crediting:  # the backward follows: record its gradient only
             self.credit.before_backward()
 
-    def end_step(self, step: int, ro: Rollouts, rewards: torch.Tensor, stats: UpdateStats, extra: dict) -> None:
-        """The step's metrics (TRL's names; `extra`: the sampling metrics and the method's own), the evaluation when
-        due, logging, the checkpoint when due, and Ctrl-C: save and leave after this step (exit code 130)."""
+    def end_step(self, step: int, ro: Rollouts, rewards, stats: UpdateStats, extra: dict) -> None:
+        """The step's metrics (TRL's names; `extra`: the sampling metrics and the method's own), the
+        evaluation when due, logging, the checkpoint when due, and Ctrl-C: save and leave after
+        this step (exit code 130)."""
         a, dist = self.args, self.dist
         step_time = sum(self.times.values())
         num_tokens = extra.get("num_tokens", float(ro.completion_mask.sum()))
-        metrics = {
-            **completion_metrics(ro, rewards, a.num_generations, a.success_threshold),
-            "num_tokens": num_tokens,
-            **extra,
-            **stats.metrics(),
-            "learning_rate": self.optimizer.param_groups[0]["lr"],
-            "tokens_per_second": num_tokens / step_time,
-            **{f"time/{k}": v for k, v in self.times.items()},
-            "time/step": step_time,
-            **peak_memory(self.device),
-        }
-        metrics = merged_reward_metrics(metrics, self.task.reward_metrics(step))  # --reward-fn: rewards/<name>/...
-        if self.credit.active:
-            rows = self.credit.write(step, Path(sys.argv[0]).name, ro, rewards, self.tokenizer, ro.completion_mask)
-            self.logger.text("credit", credit.as_text(rows), step)
+        metrics = runtime.completion_metrics(ro, rewards, a.num_generations, a.success_threshold)
+        metrics |= {"num_tokens": num_tokens, **extra, **stats.metrics()}
+        metrics["learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        metrics["tokens_per_second"] = num_tokens / step_time
+        metrics |= {f"time/{k}": v for k, v in self.times.items()}
+        metrics["time/step"] = step_time
+        metrics |= peak_memory(self.device)
+        metrics = self.task.with_reward_metrics(
+            metrics, step
+        )  # --reward-fn: rewards/<name>/mean, ...
+        if self.crediting:
+            name, mask = Path(sys.argv[0]).name, ro.completion_mask
+            rows = self.credit.write(step, name, ro, rewards, self.tokenizer, mask)
+            self.logger.text("credit", runtime.extra("credit", "--log-credit").as_text(rows), step)
         if self.eval_due(step):
             metrics.update(self.evaluate())
-        self.metrics = metrics = dist.reduce_metrics(metrics)  # eval metrics are already the same on every rank
+        self.metrics = metrics = dist.reduce_metrics(
+            metrics
+        )  # eval metrics: the same on every rank
         self.logger.log(metrics, step)
-        self.bar.set_postfix(
-            reward=f"{metrics['reward']:.3f}", eval_acc=f"{self.logger.last_eval['eval/accuracy']:.3f}"
-        )
+        acc = self.logger.last_eval["eval/accuracy"]
+        self.bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{acc:.3f}")
         stopping = self.stop.requested(dist)
         if self.ckpt.due(step, a.total_steps) or stopping:
-            self.ckpt.save(step, self.model, self.tokenizer, self.optimizer, self.batches, self.state)
+            self.ckpt.save(
+                step, self.model, self.tokenizer, self.optimizer, self.batches, self.state
+            )
         if stopping:
             self.logger.close()
-            dist.print(
-                f"stopped after step {step}; checkpoint in {self.dir}/checkpoint: continue with --resume {self.dir}"
-            )
+            dist.print(f"stopped after step {step}; checkpoint in {self.dir}/checkpoint: continue with "
+                       f"--resume {self.dir}")  # fmt: skip
             dist.close(then_exit=True, code=130)  # torchrun: every rank exits 130 here
             raise SystemExit(130)
 
     def finish(self) -> None:
         self.logger.close()
-        saved = self.dist.save(self.model, self.tokenizer, self.dir / "model") if self.args.save_model else None
-        self.dist.print(  # after the save: a closed stdout cannot lose the model
-            f"final eval accuracy {self.logger.last_eval['eval/accuracy']:.3f}; metrics in {self.dir}/metrics.jsonl"
-        )
-        if self.args.save_model:  # every rank joined the save
+        saved = None
+        if self.args.save_model:  # --save-model: a Hugging Face folder with its model card
+            saved = checkpoints.save_final_model(
+                self.dist, self.model, self.tokenizer, self.dir / "model"
+            )
+        acc = self.logger.last_eval["eval/accuracy"]
+        self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")
+        if self.args.save_model:  # after the save: a closed stdout cannot lose the model
             self.dist.print(f"saved model to {saved}")
         self.dist.close(then_exit=True)  # torchrun: every rank exits 0 here

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 import common
-from rlvr_utils import cli, engines
+from rlvr_utils import cli
 
 
 @dataclasses.dataclass
@@ -31,26 +31,42 @@ if __name__ == "__main__":
     args = cli.parse(Args)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    task = common.load_task(
+        args, tokenizer
+    )  # before the model: a task that yields nothing stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    run.start(model, tokenizer, optimizer, task)  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
+    train_model = run.dist.wrap(
+        model, ref_model
+    )  # DDP / FSDP2 under torchrun; the model itself otherwise
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    run.start(
+        model, tokenizer, optimizer, task
+    )  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
     dist, G = run.dist, args.num_generations
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
         #      DAPO's dynamic sampling and overlong penalty when asked
-        ro, rewards, sampling = common.rollouts_with_rewards(model, tokenizer, task, run.batches, dist, args)
-        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
+        ro, rewards, sampling = common.rollouts_with_rewards(
+            model, tokenizer, task, run.batches, dist, args
+        )
+        mask = (
+            ro.completion_mask * ~ro.truncated[:, None]
+            if args.mask_truncated_completions
+            else ro.completion_mask
+        )
         T = mask.shape[1]
         run.lap("generation")
 
         # 3. ALGO LOGIC: credit assignment. GRPO gives every token of a completion the same advantage.
         #    torchrun: taken over the global batch (--scale-rewards batch: its std), each rank keeping its own rows.
         gid = ro.group_ids.cpu()
-        advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid)
+        advantages = dist.over_global_batch(
+            common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid
+        )
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
@@ -58,8 +74,16 @@ if __name__ == "__main__":
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+            old_logp = (
+                None
+                if on_policy
+                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            )
+            ref_logp = (
+                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
+                if ref_model
+                else None
+            )
         run.lap("logprobs")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
@@ -71,24 +95,39 @@ if __name__ == "__main__":
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
                 micro = rows.split(args.micro_batch_size)
                 for k, mb in enumerate(micro):
-                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    dist.sync_grads(
+                        train_model, k == len(micro) - 1
+                    )  # all-reduce once per optimizer step
                     m = mask[mb].float()
                     logp, entropy = common.token_logprobs(
-                        train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
+                        train_model,
+                        input_ids[mb],
+                        attn[mb],
+                        T,
+                        args.temperature,
+                        with_entropy=it == 0,
                     )
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
+                    run.watch_credit(
+                        logp, mb, m, num_tokens, num_seqs
+                    )  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                    log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
+                    log_ratio = torch.clamp(
+                        logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO
+                    )  # fp32, as verl
                     ratio = torch.exp(log_ratio)
                     A = token_adv[mb]
-                    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
+                    surrogate = torch.min(
+                        ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
+                    )
                     per_token_loss = -surrogate
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * engines.engine_correction(
+                    per_token_loss = per_token_loss * common.engine_correction(
                         ro, mb, old, m, args, stats.engine(it), stats.tokens
                     )
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
                     loss = common.aggregate_loss(
@@ -96,7 +135,9 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
+                    stats.add(
+                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
+                    )  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()

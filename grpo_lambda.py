@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from rlvr_utils import cli, engines
+from rlvr_utils import cli
 from rlvr_utils.trace_diagnostics import TraceStats
 
 
@@ -78,14 +78,21 @@ def _recent_trace(x: torch.Tensor, a: float, chunk: int = 64) -> torch.Tensor:
     W = torch.where(lag >= 0, a ** lag.clamp(min=0), 0.0).to(x.dtype)
     z = F.pad(x, (0, n * C - T)).view(B, n, C) @ W.T  # [B, n, C]: the trace within each chunk
     if n > 1:
-        ends = _recent_trace(z[:, :, -1], a**C, chunk)  # [B, n]: the whole trace at each chunk's last token
+        ends = _recent_trace(
+            z[:, :, -1], a**C, chunk
+        )  # [B, n]: the whole trace at each chunk's last token
         carry = F.pad(ends[:, :-1], (1, 0))  # the trace just before each chunk
         z = z + carry[:, :, None] * (a ** (i + 1).double()).to(x.dtype)
     return z.reshape(B, n * C)[:, :T]
 
 
 def trace_log_ratio(
-    log_ratio: torch.Tensor, mask: torch.Tensor, lam: float, gamma: float = 1.0, style: str = "both", chunk: int = 64
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    lam: float,
+    gamma: float = 1.0,
+    style: str = "both",
+    chunk: int = 64,
 ) -> torch.Tensor:
     """Traced log-ratio z_t = Σ_{k≤t} w(t,k)·x_k of each row, the exponent of GRPO-λ's ratio (paper §3.2, Eq. 2).
 
@@ -104,7 +111,9 @@ def trace_log_ratio(
     if style == "both":
         t = torch.arange(x.shape[1], device=x.device)
         m = (t + 1) // 2  # ceil(t/2): k < m takes the early weight a^k, k ≥ m the recent a^(t−k)
-        early = F.pad(torch.cumsum(x * (a ** t.double()).to(x.dtype), 1), (1, 0))  # [:, m] = Σ_{k<m} a^k x_k
+        early = F.pad(
+            torch.cumsum(x * (a ** t.double()).to(x.dtype), 1), (1, 0)
+        )  # [:, m] = Σ_{k<m} a^k x_k
         z_before = F.pad(z, (1, 0))[:, m]  # z^rec_(m−1), 0 at m = 0
         z = z - (a ** (t - m + 1).double()).to(x.dtype) * z_before + early[:, m]
     return torch.where(valid, z, 0.0)
@@ -114,7 +123,9 @@ def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.T
     """Â^c = max(Â, floor), floor ≤ 0 (paper: −0.1), any shape: negative advantages times the large c_k
     destabilize training; positive ones are untouched (paper, as its reviews report). floor None: no clamp (a copy)."""
     if floor is not None and floor > 0:
-        raise ValueError(f"adv_clamp must be <= 0 (it only limits negative advantages), got {floor}")
+        raise ValueError(
+            f"adv_clamp must be <= 0 (it only limits negative advantages), got {floor}"
+        )
     return adv.clone() if floor is None else adv.clamp(min=floor)
 
 
@@ -143,7 +154,9 @@ def grpo_lambda_token_loss(
         raise ValueError(f"unknown trace application {apply!r}: choose trace or weight")
     x = logp - old_logp
     z = trace_log_ratio(x if apply == "trace" else x.detach(), mask, lam, gamma, style)  # Eq. 2
-    ratio = torch.exp((z if apply == "trace" else x).clamp(-max_log_ratio, max_log_ratio))  # ρ̃_t, or GRPO's ratio
+    ratio = torch.exp(
+        (z if apply == "trace" else x).clamp(-max_log_ratio, max_log_ratio)
+    )  # ρ̃_t, or GRPO's ratio
     loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
     if apply == "weight":
         loss = loss * trace_log_ratio(1 + torch.sigmoid(logp - 1), mask, lam, gamma, style)
@@ -154,7 +167,9 @@ def validate(args: Args) -> Args:
     """GRPO-λ's own flag checks (one-line errors, exit code 2); the shared ones run in cli.parse."""
     cli.need_ranges(args, lam="[0, 1]", gamma="[0, 1]", max_log_ratio="> 0")
     cli.need(
-        args.adv_clamp.lower() == "none" or _is_float(args.adv_clamp) and float(args.adv_clamp) <= 0,
+        args.adv_clamp.lower() == "none"
+        or _is_float(args.adv_clamp)
+        and float(args.adv_clamp) <= 0,
         f"--adv-clamp must be a number <= 0 or none, got {args.adv_clamp}",
     )
     return args
@@ -170,23 +185,39 @@ def _is_float(text: str) -> bool:
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
+    args = cli.parse(
+        Args, validate
+    )  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    task = common.load_task(
+        args, tokenizer
+    )  # before the model: a task that yields nothing stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    run.start(model, tokenizer, optimizer, task)  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
+    train_model = run.dist.wrap(
+        model, ref_model
+    )  # DDP / FSDP2 under torchrun; the model itself otherwise
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    run.start(
+        model, tokenizer, optimizer, task
+    )  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
     dist, G = run.dist, args.num_generations
     adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
         #      DAPO's dynamic sampling and overlong penalty when asked
-        ro, rewards, sampling = common.rollouts_with_rewards(model, tokenizer, task, run.batches, dist, args)
-        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
+        ro, rewards, sampling = common.rollouts_with_rewards(
+            model, tokenizer, task, run.batches, dist, args
+        )
+        mask = (
+            ro.completion_mask * ~ro.truncated[:, None]
+            if args.mask_truncated_completions
+            else ro.completion_mask
+        )
         T = mask.shape[1]
         run.lap("generation")
 
@@ -195,9 +226,13 @@ if __name__ == "__main__":
         #    log-ratios, so it acts inside the loss, in step 5 (grpo_lambda_token_loss, paper §3.2, Eq. 2).
         #    torchrun: taken over the global batch (--scale-rewards batch: its std), each rank keeping its own rows.
         gid = ro.group_ids.cpu()
-        advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid)
+        advantages = dist.over_global_batch(
+            common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid
+        )
         advantages = clamp_negative_advantages(advantages, adv_floor)  # [N]
-        run.credit_signals(advantage=advantages)  # LOGS: --log-credit (credit / advantage: the trace multiplier c_k)
+        run.credit_signals(
+            advantage=advantages
+        )  # LOGS: --log-credit (credit / advantage: the trace multiplier c_k)
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
@@ -205,26 +240,45 @@ if __name__ == "__main__":
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+            old_logp = (
+                None
+                if on_policy
+                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            )
+            ref_logp = (
+                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
+                if ref_model
+                else None
+            )
         run.lap("logprobs")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
         #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         stats = common.UpdateStats(mask, args.num_iterations)
-        trace_log = TraceStats(args.max_log_ratio, args.num_iterations, stats.tokens)  # LOGS: the trace/* metrics
+        trace_log = TraceStats(
+            args.max_log_ratio, args.num_iterations, stats.tokens
+        )  # LOGS: the trace/* metrics
         for it in range(args.num_iterations):
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
                 micro = rows.split(args.micro_batch_size)
                 for k, mb in enumerate(micro):
-                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    dist.sync_grads(
+                        train_model, k == len(micro) - 1
+                    )  # all-reduce once per optimizer step
                     m = mask[mb].float()
                     logp, entropy = common.token_logprobs(
-                        train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
+                        train_model,
+                        input_ids[mb],
+                        attn[mb],
+                        T,
+                        args.temperature,
+                        with_entropy=it == 0,
                     )
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
+                    run.watch_credit(
+                        logp, mb, m, num_tokens, num_seqs
+                    )  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the traced ratio exp(z_t) (ϵ-trace; or ϵ-weight), Eq. 2
                     A = token_adv[mb]
@@ -241,12 +295,16 @@ if __name__ == "__main__":
                         epsilon_high=args.epsilon_high,
                         max_log_ratio=args.max_log_ratio,
                     )  # [n, T] each
-                    trace_log.add(per_token_loss, logp, A, m, z, it == 0)  # LOGS: trace/* (an extra autograd.grad)
+                    trace_log.add(
+                        per_token_loss, logp, A, m, z, it == 0
+                    )  # LOGS: trace/* (an extra autograd.grad)
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * engines.engine_correction(
+                    per_token_loss = per_token_loss * common.engine_correction(
                         ro, mb, old, m, args, stats.engine(it), stats.tokens
                     )
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
                     loss = common.aggregate_loss(
@@ -254,7 +312,9 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
+                    stats.add(
+                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
+                    )  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
@@ -262,6 +322,8 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.end_step(step, ro, rewards, stats, {**sampling, **trace_log.metrics()})  # LOGS: + trace/*
+        run.end_step(
+            step, ro, rewards, stats, {**sampling, **trace_log.metrics()}
+        )  # LOGS: + trace/*
 
     run.finish()

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 import common
-from rlvr_utils import cli, engines, tasks, teacher
+from rlvr_utils import cli, tasks, teacher
 
 
 @dataclasses.dataclass
@@ -69,7 +69,9 @@ class Role(enum.IntEnum):
 
     PLAIN = 0  # no teacher: plain GRPO, weight f = 1
     WEIGHTED = 1  # partial-solve (and the single / all ablations): f = D / (D + c) times the GRPO surrogate
-    DIVERSITY = 2  # solve-none: weighted as above, plus the bonus alpha * zscore(mean f) on its advantage
+    DIVERSITY = (
+        2  # solve-none: weighted as above, plus the bonus alpha * zscore(mean f) on its advantage
+    )
     REFERENCE = 3  # solve-none's reference o_r: no loss (weight 0, advantage 0)
 
 
@@ -82,32 +84,36 @@ GUIDE = (
 def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
     """Token ids of the teacher's prompt: the student's context plus the reference tau (paper §1.2). Chat: the system
     message is the student's own (or the template's default) + GUIDE + tau, the user turns the student's. Plain text:
-    "Reference solution:\\n<tau>\\n" + the student's prompt (arith: the block the tiny model was trained on)."""
+    "Reference solution:\\n<tau>\\n" + the student's prompt."""
     tau, default = tau.strip(), teacher.default_system_message
-    if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its own system message
+    if example.meta.get(
+        "chat"
+    ):  # a custom task's messages: the guide and tau join its own system message
         msgs = list(example.meta["prompt"])
         own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
         base = own or (default(tokenizer) + "\n\n" if default(tokenizer) else "")
         system = [{"role": "system", "content": base + GUIDE + tau}]
-        text = tokenizer.apply_chat_template(system + msgs, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            system + msgs, add_generation_prompt=True, tokenize=False
+        )
     elif "chat" in example.meta:  # a custom task's plain string prompt, seen as it is
         text = f"Reference solution:\n{tau}\n{example.prompt}"
     elif tasks.has_chat_template(tokenizer):
         if not example.user:
-            raise ValueError(f"example {example.id} has no user turn (Example.user): the chat teacher repeats it")
+            raise ValueError(
+                f"example {example.id} has no user turn (Example.user): the chat teacher repeats it"
+            )
         base = default(tokenizer)
         system = (base + "\n\n" if base else "") + GUIDE + tau
         text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=system)
-    elif task == "arith":
-        from rlvr_utils import arith
-
-        text = arith.arith_reference_prompt(arith.parse_arith_problem(example.question), tau)
-    else:
+    else:  # plain text (the bundled tiny model was trained on this block: tools/train_tiny_model.py)
         text = f"Reference solution:\n{tau}\n{example.prompt}"
     return tasks.encode_prompt(tokenizer, text)
 
 
-def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int, generator):
+def build_teachers(
+    tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int, generator
+):
     """Each row's teacher prompt ids (None: no teacher), Role, weighted length wlen and the bad-input counts (paper
     §5.1). examples: each group's Example by group id; tau_row [N]: each row's tau / o_r (route_groups). A tau whose
     prompt exceeds `limit` tokens (the context minus the completions) or `max_ref_tokens` is replaced by another
@@ -117,11 +123,19 @@ def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, 
     lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
     counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
     prompts, role, wlen = [None] * len(ro), torch.zeros(len(ro), dtype=torch.long), lengths.clone()
-    role[(tau_row < 0) & ~correct & torch.isin(torch.arange(len(ro)), tau_row)] = Role.REFERENCE  # solve-none's o_r
+    role[(tau_row < 0) & ~correct & torch.isin(torch.arange(len(ro)), tau_row)] = (
+        Role.REFERENCE
+    )  # solve-none's o_r
     for i in (tau_row >= 0).nonzero().flatten().tolist():
         j, same = int(tau_row[i]), (gids == gids[i]).nonzero().flatten().tolist()
-        sibs = [k for k in same if correct[j] and correct[k] and k not in (i, j)]  # a partial group's other taus
-        taus = [ro.texts[k] for k in [j] + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]]
+        sibs = [
+            k for k in same if correct[j] and correct[k] and k not in (i, j)
+        ]  # a partial group's other taus
+        taus = [
+            ro.texts[k]
+            for k in [j]
+            + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]
+        ]
         make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
         prompts[i], how = teacher.fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
         if how != "drawn":  # resampled, truncated or none fits
@@ -137,11 +151,16 @@ def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torc
     """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full vocabulary, fp32
     (paper §5.1). Logits [.., V] already divided by the temperature; returns [..]. teacher.logprobs_and_kl computes
     this a few positions at a time, or fused through the lm_head (FusedLinearKL) so no [b, T, V] tensor exists."""
-    lt, ls = torch.log_softmax(teacher_logits.float(), -1), torch.log_softmax(student_logits.float(), -1)
+    lt, ls = (
+        torch.log_softmax(teacher_logits.float(), -1),
+        torch.log_softmax(student_logits.float(), -1),
+    )
     return (lt.exp() * (lt - ls)).sum(-1)
 
 
-def route_groups(correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"), scores=None):
+def route_groups(
+    correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"), scores=None
+):
     """Each group's mode by n_c, its number of correct rollouts, and each rollout's reference row tau_row [N] (§5.1).
     correct [N] bool; groups share a group_ids value (default: blocks of group_size); modes: one per group, in order of
     first appearance. partial (2 <= n_c < G): each rollout draws a correct one other than itself, uniformly. none (n_c
@@ -157,8 +176,12 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
         if len(rows) != group_size:
             raise ValueError(f"every group must have {group_size} completions, got {len(rows)}")
         nc = int(correct[rows].sum())
-        kind = "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
-        graded = kind == "none" and bool(scores[rows].max() > scores[rows].min())  # partial credit: GRPO advantages
+        kind = (
+            "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
+        )
+        graded = kind == "none" and bool(
+            scores[rows].max() > scores[rows].min()
+        )  # partial credit: GRPO advantages
         modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
         if modes[-1] == "none":
             r = rows[torch.randint(len(rows), (1,), generator=generator)]
@@ -174,21 +197,35 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
 def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) -> torch.Tensor:
     """The tokens f weighs, and c's percentile is over: a WEIGHTED or DIVERSITY row's first wlen tokens (wlen: |o_i|,
     or min(|o_i|, |o_r|) in a solve-none group, paper §5.1), within the mask. mask [N, T], role, wlen [N]; [N, T]."""
-    span = torch.arange(mask.shape[1], device=mask.device) < wlen.to(mask.device)[:, None]  # each row's first wlen
-    return mask * (span & ((role == Role.WEIGHTED) | (role == Role.DIVERSITY)).to(mask.device)[:, None]).float()
+    span = (
+        torch.arange(mask.shape[1], device=mask.device) < wlen.to(mask.device)[:, None]
+    )  # each row's first wlen
+    return (
+        mask
+        * (
+            span & ((role == Role.WEIGHTED) | (role == Role.DIVERSITY)).to(mask.device)[:, None]
+        ).float()
+    )
 
 
-def kl_weights(kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c_min: float = 1e-4) -> torch.Tensor:
+def kl_weights(
+    kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c_min: float = 1e-4
+) -> torch.Tensor:
     """The per-token weight f = D / (D + c), c = max(percentile of D over the active tokens, c_min) (paper §5.1).
     kl, mask [B, T] (mask: the active, weighted, tokens). Returns f [B, T], detached, in [0, 1), 0 where mask is 0.
     A NaN D counts as 0 and +inf as 1e6 (both left out of the percentile), so f is never NaN."""
     kl = kl.detach().float()
-    D, ok = torch.nan_to_num(kl, nan=0.0, posinf=1e6, neginf=0.0).clamp(min=0), mask.bool() & torch.isfinite(kl)
+    D, ok = (
+        torch.nan_to_num(kl, nan=0.0, posinf=1e6, neginf=0.0).clamp(min=0),
+        mask.bool() & torch.isfinite(kl),
+    )
     c = max(torch.quantile(D[ok], percentile / 100).item(), c_min) if ok.any() else c_min
     return torch.where(mask.bool(), D / (D + c), torch.zeros_like(D))
 
 
-def diversity_advantage(scores, group_ids, alpha: float = 0.1, eps: float = 1e-6, unbiased: bool = False):
+def diversity_advantage(
+    scores, group_ids, alpha: float = 0.1, eps: float = 1e-6, unbiased: bool = False
+):
     """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group, population std unless
     `unbiased` (paper §5.1, ablation A3). scores, group_ids [n]: s_i = mean f over o_i's first min(|o_i|, |o_r|)."""
     out = torch.zeros_like(scores)
@@ -199,7 +236,9 @@ def diversity_advantage(scores, group_ids, alpha: float = 0.1, eps: float = 1e-6
     return out
 
 
-def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1, unbiased=False):
+def weights_and_advantages(
+    kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1, unbiased=False
+):
     """SC-GRPO's credit (paper §5.1) over a micro-batch (the paper's scope of c) or the batch: f and the advantages.
     kl, active, adv [n, T]: D, the weighted tokens, the rows' token_adv; role [n] (Role); group_ids [n]. Returns
     weights [n, T] (1 on PLAIN rows, else f = kl_weights(kl, active)), the advantages [n, T] (DIVERSITY rows + alpha *
@@ -209,7 +248,10 @@ def weights_and_advantages(kl, active, role, group_ids, adv, percentile=75.0, c_
     adv, div = adv.clone(), role == Role.DIVERSITY
     if div.any():
         s_div, eps = (f * active).sum(-1) / active.sum(-1).clamp(min=1), 1e-4 if unbiased else 1e-6
-        adv[div] = adv[div] + diversity_advantage(s_div[div], group_ids[div.cpu()], alpha, eps, unbiased)[:, None]
+        adv[div] = (
+            adv[div]
+            + diversity_advantage(s_div[div], group_ids[div.cpu()], alpha, eps, unbiased)[:, None]
+        )
     adv[role == Role.REFERENCE] = 0.0
     return weights, adv, f
 
@@ -224,9 +266,18 @@ def signed_logratio(delta: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
 
 def validate(args: Args) -> Args:
     """SC-GRPO's own checks (cli.parse has run the shared ones)."""
-    ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0", max_reference_tokens=">= 1")
+    ranges = dict(
+        percentile="[0, 100]",
+        c_min="> 0",
+        alpha=">= 0",
+        kl_loss_coef=">= 0",
+        max_reference_tokens=">= 1",
+    )
     cli.need_ranges(args, **ranges)
-    cli.need(len(args.weighted_groups) > 0, "--weighted-groups needs at least one of partial, none, single, all")
+    cli.need(
+        len(args.weighted_groups) > 0,
+        "--weighted-groups needs at least one of partial, none, single, all",
+    )
     no_grad = "--kl-loss-coef needs --divergence kl (the sampled log-ratio has no gradient)"
     cli.need(args.divergence == "kl" or args.kl_loss_coef == 0, no_grad)
     return args
@@ -234,34 +285,72 @@ def validate(args: Args) -> Args:
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
+    args = cli.parse(
+        Args, validate
+    )  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    task = common.load_task(
+        args, tokenizer
+    )  # before the model: a task that yields nothing stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    routing = torch.Generator().manual_seed(args.seed)  # ALGO LOGIC: its own RNG (sampling's stays grpo.py's), saved
-    run.start(model, tokenizer, optimizer, task, state={"routing": routing})  # prompt batches, --resume, vLLM, step 0
+    train_model = run.dist.wrap(
+        model, ref_model
+    )  # DDP / FSDP2 under torchrun; the model itself otherwise
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    routing = torch.Generator().manual_seed(
+        args.seed
+    )  # ALGO LOGIC: its own RNG (sampling's stays grpo.py's), saved
+    run.start(
+        model, tokenizer, optimizer, task, state={"routing": routing}
+    )  # prompt batches, --resume, vLLM, step 0
     dist, G = run.dist, args.num_generations
     # ALGO LOGIC: the teacher's context window; each row's example, by its group id; DAPO keeps the solve-none groups
-    context, examples = getattr(model.config, "max_position_embeddings", None) or 10**9, {e.id: e for e in task.train}
-    keep = (lambda s: bool((s < args.success_threshold).all())) if "none" in args.weighted_groups else None
-    multiply, pad, kl_grad = args.weight_mode == "multiply", tokenizer.pad_token_id, args.kl_loss_coef > 0
+    context, examples = (
+        getattr(model.config, "max_position_embeddings", None) or 10**9,
+        {e.id: e for e in task.train},
+    )
+    keep = (
+        (lambda s: bool((s < args.success_threshold).all()))
+        if "none" in args.weighted_groups
+        else None
+    )
+    multiply, pad, kl_grad = (
+        args.weight_mode == "multiply",
+        tokenizer.pad_token_id,
+        args.kl_loss_coef > 0,
+    )
     per_batch = multiply and args.kl_threshold_scope == "batch"  # f in step 4 (else in step 5)
-    unbiased, eps = args.outcome_std == "unbiased", {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std]  # A, bonus
+    unbiased, eps = (
+        args.outcome_std == "unbiased",
+        {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std],
+    )  # A, bonus
     flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
-    f_and_bonus = functools.partial(weights_and_advantages, **flags)  # ALGO LOGIC: f, and the solve-none bonus
-    sampled = args.divergence == "sampled-logratio"  # ALGO LOGIC (ablation, ours): D from the sampled token
+    f_and_bonus = functools.partial(
+        weights_and_advantages, **flags
+    )  # ALGO LOGIC: f, and the solve-none bonus
+    sampled = (
+        args.divergence == "sampled-logratio"
+    )  # ALGO LOGIC (ablation, ours): D from the sampled token
     kw = dict(pad_id=pad, kl_grad=kl_grad, dist=dist, sampled=sampled, kl_fn=token_kl)
-    with_teacher = functools.partial(teacher.logprobs_and_kl, **kw)  # ALGO LOGIC: the student's log-probs and D
+    with_teacher = functools.partial(
+        teacher.logprobs_and_kl, **kw
+    )  # ALGO LOGIC: the student's log-probs and D
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
         #      DAPO's dynamic sampling and overlong penalty when asked
-        ro, rewards, sampling = common.rollouts_with_rewards(model, tokenizer, task, run.batches, dist, args, keep)
-        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
+        ro, rewards, sampling = common.rollouts_with_rewards(
+            model, tokenizer, task, run.batches, dist, args, keep
+        )
+        mask = (
+            ro.completion_mask * ~ro.truncated[:, None]
+            if args.mask_truncated_completions
+            else ro.completion_mask
+        )
         T = mask.shape[1]
         run.lap("generation")
 
@@ -269,27 +358,57 @@ if __name__ == "__main__":
         #    the bonus need D: `f_and_bonus` runs per micro-batch in step 5 (c: the micro-batch's percentile, §5.1), in
         #    step 4 with --kl-threshold-scope batch. token_adv [N, T]: what reaches the loss; weights [N, T]: f.
         gid = ro.group_ids.cpu()
-        advantages = dist.over_global_batch(common.group_advantages, rewards, G, args.scale_rewards, eps, gid, unbiased)
+        advantages = dist.over_global_batch(
+            common.group_advantages, rewards, G, args.scale_rewards, eps, gid, unbiased
+        )
         token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T]
         correct = ro.scores >= args.success_threshold  # a verified success (not the shaped reward)
         modes, tau_row = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
         teachers, role, wlen, bad = build_teachers(
-            tokenizer, args.task, ro, examples, correct, tau_row, context - T, args.max_reference_tokens, routing
+            tokenizer,
+            args.task,
+            ro,
+            examples,
+            correct,
+            tau_row,
+            context - T,
+            args.max_reference_tokens,
+            routing,
         )
-        active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (and c's percentile is over)
+        active = weighted_tokens(
+            mask, role, wlen
+        )  # [N, T] the tokens f weighs (and c's percentile is over)
         weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f: 1 on plain rows
         sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, for the sc/* metrics
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: teacher passes differ in number per rank
+        with (
+            torch.no_grad(),
+            dist.gathered(model, ref_model),
+        ):  # FSDP: teacher passes differ in number per rank
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+            old_logp = (
+                None
+                if on_policy
+                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            )
+            ref_logp = (
+                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
+                if ref_model
+                else None
+            )
             if per_batch:  # ALGO LOGIC: --kl-threshold-scope batch: D of every row first, then f with c over the batch
                 D = teacher.kl_of_every_row(
-                    model, ro, teachers, args.temperature, G, args.micro_batch_size, sc_log, with_teacher
+                    model,
+                    ro,
+                    teachers,
+                    args.temperature,
+                    G,
+                    args.micro_batch_size,
+                    sc_log,
+                    with_teacher,
                 )
                 D = signed_logratio(D, advantages.to(D.device)) if sampled else D  # ablation (ours)
                 weights, token_adv, f = dist.over_global_batch(
@@ -305,38 +424,66 @@ if __name__ == "__main__":
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                micro = teacher.micro_batches_of_groups(rows, gid, G, args.micro_batch_size, multiply)  # ALGO LOGIC
+                micro = teacher.micro_batches_of_groups(
+                    rows, gid, G, args.micro_batch_size, multiply
+                )  # ALGO LOGIC
                 for k, mb in enumerate(micro):
-                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per optimizer step
+                    dist.sync_grads(
+                        train_model, k == len(micro) - 1
+                    )  # all-reduce once per optimizer step
                     m = mask[mb].float()
-                    first = it == 0 and multiply and not per_batch  # f from pass 1 (the teacher is the current policy)
+                    first = (
+                        it == 0 and multiply and not per_batch
+                    )  # f from pass 1 (the teacher is the current policy)
                     prompts = [teachers[i] for i in mb.tolist()] if first or kl_grad else None
-                    logp, entropy, D, cost = with_teacher(  # ALGO LOGIC: and D to each row's teacher
-                        train_model, input_ids[mb], attn[mb], T, args.temperature, prompts, with_entropy=it == 0
+                    logp, entropy, D, cost = (
+                        with_teacher(  # ALGO LOGIC: and D to each row's teacher
+                            train_model,
+                            input_ids[mb],
+                            attn[mb],
+                            T,
+                            args.temperature,
+                            prompts,
+                            with_entropy=it == 0,
+                        )
                     )
-                    if first and sampled:  # ablation (ours): D from the sampled token, signed by the advantage
+                    if (
+                        first and sampled
+                    ):  # ablation (ours): D from the sampled token, signed by the advantage
                         D = signed_logratio(D, advantages.to(D.device)[mb])
                     if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
                         weights[mb], token_adv[mb], f = f_and_bonus(
                             D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb]
                         )
-                    seen = it == 0 and prompts is not None and not per_batch  # LOGS: D once per row, for sc/*
+                    seen = (
+                        it == 0 and prompts is not None and not per_batch
+                    )  # LOGS: D once per row, for sc/*
                     sc_log.add(D if seen else None, f if first else None, active[mb], cost)  # LOGS
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
+                    run.watch_credit(
+                        logp, mb, m, num_tokens, num_seqs
+                    )  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                    log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
+                    log_ratio = torch.clamp(
+                        logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO
+                    )  # fp32, as verl
                     ratio = torch.exp(log_ratio)
                     A = token_adv[mb]
-                    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                    per_token_loss = -surrogate * weights[mb]  # ALGO LOGIC: times the token's weight f
+                    surrogate = torch.min(
+                        ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
+                    )
+                    per_token_loss = (
+                        -surrogate * weights[mb]
+                    )  # ALGO LOGIC: times the token's weight f
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * engines.engine_correction(
+                    per_token_loss = per_token_loss * common.engine_correction(
                         ro, mb, old, m, args, stats.engine(it), stats.tokens
                     )
                     if kl_grad:  # ALGO LOGIC: the additive baseline: distill toward the teacher
                         per_token_loss = per_token_loss + args.kl_loss_coef * D * active[mb]
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
                     loss = common.aggregate_loss(
@@ -344,7 +491,9 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
+                    stats.add(
+                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
+                    )  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
@@ -352,7 +501,11 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.credit_signals(f=weights, role=role)  # LOGS: --log-credit's token weight f and the row's role
-        run.end_step(step, ro, rewards, stats, sampling | sc_log.metrics(modes, bad, ro.texts, run.device))  # + sc/*
+        run.credit_signals(
+            f=weights, role=role
+        )  # LOGS: --log-credit's token weight f and the row's role
+        run.end_step(
+            step, ro, rewards, stats, sampling | sc_log.metrics(modes, bad, ro.texts, run.device)
+        )  # + sc/*
 
     run.finish()

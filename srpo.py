@@ -31,8 +31,8 @@ from typing import Literal
 import torch
 
 import common
-from rlvr_utils import arith, chains, cli, engines, tasks
-from rlvr_utils.rewards import last_boxed
+from rlvr_utils import chains, cli, tasks
+from rlvr_utils.tasks import last_boxed
 
 
 @dataclasses.dataclass
@@ -66,9 +66,15 @@ class Args(cli.BaseArgs):
 
 
 DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (a negative A's token loss <= 3|A|)
-Chain = collections.namedtuple("Chain", "ids text reward")  # a sampled response: kept token ids (never re-tokenized)
-Reset = collections.namedtuple("Reset", "example parent prefix k n oracle")  # a parent cut before thought k of its n
-Row = collections.namedtuple("Row", "example ids suffix_start group reward")  # a trained trajectory and its group key
+Chain = collections.namedtuple(
+    "Chain", "ids text reward"
+)  # a sampled response: kept token ids (never re-tokenized)
+Reset = collections.namedtuple(
+    "Reset", "example parent prefix k n oracle"
+)  # a parent cut before thought k of its n
+Row = collections.namedtuple(
+    "Row", "example ids suffix_start group reward"
+)  # a trained trajectory and its group key
 
 
 @dataclasses.dataclass
@@ -84,7 +90,10 @@ class Search:
 
 # ALGO LOGIC: the chain protocol (docs/srpo.md, "The chain protocol"): a chain is a list of thoughts separated by a
 # delimiter; it ends after the thought that holds `\boxed{` and after 20 thoughts (a continuation's prefix included)
-MAX_THOUGHTS, THOUGHT_TOKENS = 20, 256  # the official chain: at most 20 thoughts; thoughts over 256 tokens are counted
+MAX_THOUGHTS, THOUGHT_TOKENS = (
+    20,
+    256,
+)  # the official chain: at most 20 thoughts; thoughts over 256 tokens are counted
 LOCALIZATION_PROMPT = (
     "Your task is to localize the first erroneous step in your own previous solution to a problem.\n\n"
     "Problem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
@@ -118,13 +127,20 @@ def thought_starts(text: str, delimiter: str) -> list[int]:
 def localization_prompt(tokenizer, task_name: str, question: str, thoughts: list[str]) -> list[int]:
     """The prompt ids asking the policy for the first wrong thought of its own chain: LOCALIZATION_PROMPT (in the chat
     template when the tokenizer has one); on arith without a chat template, the format the bundled tiny model was
-    trained to answer (arith.arith_localization_prompt)."""
+    trained to answer (arith_localization_prompt)."""
     if task_name == "arith" and not tasks.has_chat_template(tokenizer):
-        plain = arith.arith_localization_prompt(arith.parse_arith_problem(question), thoughts)
+        plain = arith_localization_prompt(tasks.parse_arith_problem(question), thoughts)
     else:
         steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(thoughts, 1))
         plain = LOCALIZATION_PROMPT.format(question=question, steps=steps, n=len(thoughts))
     return tasks.encode_prompt(tokenizer, tasks.render_prompt(tokenizer, plain, plain))
+
+
+def arith_localization_prompt(problem: tasks.ArithProblem, thoughts: list[str]) -> str:
+    """The localization prompt on the built-in task for a model without a chat template (the tiny
+    model was trained on it: tools/train_tiny_model.py): the failed solution one step per line."""
+    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
+    return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
 
 
 def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
@@ -135,10 +151,20 @@ def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
         raise ValueError("a parent needs at least one thought")
     boxed = last_boxed(text := text or "")
     v = int(boxed) if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed) else None
-    kind = "unparsable" if v is None else "ok" if 1 <= v <= num_thoughts else "no_error" if v == 0 else "out_of_range"
+    kind = (
+        "unparsable"
+        if v is None
+        else "ok"
+        if 1 <= v <= num_thoughts
+        else "no_error"
+        if v == 0
+        else "out_of_range"
+    )
     kind = "empty" if not text.strip() else kind
     steps = [int(n) for n in re.findall(r"[Ss]tep\s+(\d+)", text)]
-    return v if kind == "ok" else steps[-1] if v != 0 and steps and 1 <= steps[-1] <= num_thoughts else 1, kind
+    return v if kind == "ok" else steps[-1] if v != 0 and steps and 1 <= steps[
+        -1
+    ] <= num_thoughts else 1, kind
 
 
 def protocol_cut(
@@ -152,16 +178,32 @@ def protocol_cut(
     `budget` tokens. Returns the kept token ids, a prefix of `ids` (never re-tokenized)."""
     starts = thought_starts(text, delimiter)
     ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
-    last = next((i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]), len(starts) - 1)
+    last = next(
+        (i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]),
+        len(starts) - 1,
+    )
     last = min(last, max_thoughts - 1)
     over = budget is not None and len(ids) > budget
     if budget is not None:
         room = len(tokenizer.decode(ids[:budget], skip_special_tokens=True)) if over else len(text)
-        whole = [(e < len(text) or not truncated) and e <= room for e in ends]  # ended by a delimiter or EOS, in budget
-        opens = [chains.tokens_before(tokenizer, ids, s) + reserve <= budget for s in starts]  # a prefix counts
-        last = min(last, next((k - 1 for k in range(len(starts)) if not (whole[k] and opens[k])), len(starts) - 1))
-        if last < 0 and starts:  # nothing whole fits: a continuation adds nothing (official); a fresh chain keeps
-            return [] if continuation else ids[:budget]  # its first `budget` tokens (a response is never empty)
+        whole = [
+            (e < len(text) or not truncated) and e <= room for e in ends
+        ]  # ended by a delimiter or EOS, in budget
+        opens = [
+            chains.tokens_before(tokenizer, ids, s) + reserve <= budget for s in starts
+        ]  # a prefix counts
+        last = min(
+            last,
+            next(
+                (k - 1 for k in range(len(starts)) if not (whole[k] and opens[k])), len(starts) - 1
+            ),
+        )
+        if (
+            last < 0 and starts
+        ):  # nothing whole fits: a continuation adds nothing (official); a fresh chain keeps
+            return (
+                [] if continuation else ids[:budget]
+            )  # its first `budget` tokens (a response is never empty)
     if last < 0 or (last == len(starts) - 1 and not over):
         return ids  # nothing after the last kept thought but its own end
     return ids[: chains.tokens_before(tokenizer, ids, ends[last])]
@@ -176,7 +218,11 @@ def thought_budget(tokenizer, prefix_ids: list[int], args) -> tuple[int, int]:
 
 
 def reset_index(
-    mode: str, num_thoughts: int, rng: random.Random | None = None, reply: str | None = None, oracle_step=None
+    mode: str,
+    num_thoughts: int,
+    rng: random.Random | None = None,
+    reply: str | None = None,
+    oracle_step=None,
 ) -> int:
     """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1; the paper's reset state s_k):
     self: parse_reply(reply) (SRPO); random: uniform on 1..num_thoughts (RRPO); oracle: the task's first wrong step
@@ -200,7 +246,9 @@ def srpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
 def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> torch.Tensor:
     """completion_mask [B, T] restricted to positions t >= suffix_start[b] (the trained suffix U_i of docs/srpo.md)."""
     T = completion_mask.shape[1]
-    return completion_mask * (torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None])
+    return completion_mask * (
+        torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None]
+    )
 
 
 def split_sizes(args) -> tuple[int, int, int]:
@@ -215,12 +263,22 @@ def assign(st: Search, found: list[Chain], args) -> None:
     fills the base group while it has room; a chain drawn after the prompt is settled is surplus."""
     n_parents, _, n_base = split_sizes(args)
     for chain in found:
-        if len(st.parents) == n_parents and len(st.base) == n_base or st.tried >= args.max_fresh_attempts:
+        if (
+            len(st.parents) == n_parents
+            and len(st.base) == n_base
+            or st.tried >= args.max_fresh_attempts
+        ):
             break
         st.tried += 1
         st.seen.append(chain)
-        failed = chain.reward < args.success_threshold  # a parent failed: its reward is below the threshold
-        if split_thoughts(chain.text, args.thought_delimiter) and failed and len(st.parents) < n_parents:
+        failed = (
+            chain.reward < args.success_threshold
+        )  # a parent failed: its reward is below the threshold
+        if (
+            split_thoughts(chain.text, args.thought_delimiter)
+            and failed
+            and len(st.parents) < n_parents
+        ):
             st.parents.append(chain)
         elif len(st.base) < n_base:
             st.base.append(chain)
@@ -234,8 +292,12 @@ def parents(sampler, search: dict[int, Search], examples, args, riders=None) -> 
     if riders is None:
         counts = {e.id: (n_parents + n_base, 0) for e in examples}
     else:
-        spare = args.num_generations - (n_base if args.split == "1x4" else 0)  # what a fallback group may need
-        left = {e.id: args.max_fresh_attempts - search[e.id].tried for e in examples}  # attempts still allowed
+        spare = args.num_generations - (
+            n_base if args.split == "1x4" else 0
+        )  # what a fallback group may need
+        left = {
+            e.id: args.max_fresh_attempts - search[e.id].tried for e in examples
+        }  # attempts still allowed
         pending = [e for e in examples if len(search[e.id].parents) < n_parents and left[e.id] > 0]
         counts = {e.id: (left[e.id], spare) for e in pending}
     prompts, budgets = riders or ([], [])
@@ -246,7 +308,10 @@ def parents(sampler, search: dict[int, Search], examples, args, riders=None) -> 
     for e in (e for e in examples if e.id in counts):
         n_search, n_spare = counts[e.id]
         assign(search[e.id], found[:n_search], args)
-        search[e.id].spare, found = found[n_search : n_search + n_spare], found[n_search + n_spare :]
+        search[e.id].spare, found = (
+            found[n_search : n_search + n_spare],
+            found[n_search + n_spare :],
+        )
     sampler.info["fresh_chains"] = sum(st.tried for st in search.values())
     return out[: len(prompts)]
 
@@ -257,7 +322,9 @@ def settled_parents(search: dict[int, Search], examples, n_parents: int) -> list
     return [(e, j, p) for e in settled for j, p in enumerate(search[e.id].parents)]
 
 
-def localization(sampler, task, todo: list, args, rng: random.Random) -> list[tuple[int, int, int | None]]:
+def localization(
+    sampler, task, todo: list, args, rng: random.Random
+) -> list[tuple[int, int, int | None]]:
     """Reset points of the parents `todo` [(example, parent index, Chain)]: SRPO asks the policy which thought was
     first wrong (one generate call for all of them), RRPO draws it uniformly, the oracle takes the task's first wrong
     step. Returns (k, the parent's thoughts T0, the oracle's k on arith, else None) per parent."""
@@ -267,17 +334,24 @@ def localization(sampler, task, todo: list, args, rng: random.Random) -> list[tu
     if args.reset == "self" and todo:
         cap = max(192, 20 * (args.arith_steps + 2)) if task.name == "arith" else 4096
         cap = args.localization_max_new_tokens or cap
-        prompts = [localization_prompt(tok, task.name, e.question, th) for (e, _, _), th in zip(todo, thoughts)]
+        prompts = [
+            localization_prompt(tok, task.name, e.question, th)
+            for (e, _, _), th in zip(todo, thoughts)
+        ]
         replies = sampler.localize(prompts, cap, max(args.localization_temperature, 1e-5))
     points = []
     for (e, _, parent), th, reply in zip(todo, thoughts, replies):
-        oracle = arith.arith_first_error(e.question, parent.text) if task.name == "arith" else None
+        oracle = tasks.arith_first_error(e.question, parent.text) if task.name == "arith" else None
         kind = parse_reply(reply, len(th))[1] if reply is not None else "ok"
         if kind != "ok":  # LOGS: the localization's failures, as reset/loc_<kind>
             info["loc_" + kind] += 1
         k = reset_index(args.reset, len(th), rng, reply, oracle)
-        info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # every line right, stopped early
-        points.append((k, len(th), min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None))
+        info["oracle_early_stop"] += oracle is not None and oracle > len(
+            th
+        )  # every line right, stopped early
+        points.append(
+            (k, len(th), min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None)
+        )
     return points
 
 
@@ -287,7 +361,11 @@ def resets(sampler, todo: list, points: list, max_pos: int, delimiter: str) -> l
     info, cuts = sampler.info, []
     for (e, j, parent), (k, n, oracle) in zip(todo, points):
         starts = thought_starts(parent.text, delimiter)  # the prefix keeps thoughts 1..k-1
-        n_prefix = chains.tokens_before(sampler.tokenizer, parent.ids, starts[k - 1]) if 2 <= k <= len(starts) else 0
+        n_prefix = (
+            chains.tokens_before(sampler.tokenizer, parent.ids, starts[k - 1])
+            if 2 <= k <= len(starts)
+            else 0
+        )
         if len(e.prompt_ids) + n_prefix >= max_pos - 1:
             info["prefix_overflow"] += 1
             k, n_prefix = 1, 0
@@ -300,15 +378,24 @@ def suffixes(sampler, cuts: list[Reset], K: int, args) -> tuple[list, list]:
     """The continuations' requests: K copies of prompt + kept prefix per reset parent (the run's sampling settings),
     each with the thoughts and tokens it may still add (thought_budget). Returns (prompts, budgets)."""
     prompts = [c.example.prompt_ids + c.prefix for c in cuts for _ in range(K)]
-    return prompts, [thought_budget(sampler.tokenizer, c.prefix, args) for c in cuts for _ in range(K)]
+    return prompts, [
+        thought_budget(sampler.tokenizer, c.prefix, args) for c in cuts for _ in range(K)
+    ]
 
 
-def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list[Reset], sfx: list, args):
+def settle(
+    model, sampler, task, examples, search: dict[int, Search], cuts: list[Reset], sfx: list, args
+):
     """The trained batch: K continuations per reset parent (prefix + suffix, cut to the response budget, trained from
     suffix_start on), then per prompt its base chains, or, with no parents found, the official fallback group (1x4:
     the base chains, 2x4: the failures found, 1x8: the chains sampled so far; topped up with spare fresh chains).
     One group id per normalization group; each prompt's rows together. Adds the reset metrics to sampler.info."""
-    tok, info, max_new, solved = sampler.tokenizer, sampler.info, args.max_new_tokens, args.success_threshold
+    tok, info, max_new, solved = (
+        sampler.tokenizer,
+        sampler.info,
+        args.max_new_tokens,
+        args.success_threshold,
+    )
     n_parents, K, n_base = split_sizes(args)
     new = [  # the continuations: kept prefix + suffix, each in its reset group; rewarded below
         Row(
@@ -322,7 +409,9 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
         for ids, _ in sfx[i * K : (i + 1) * K]
     ]
     texts = [tok.decode(r.ids, skip_special_tokens=True) for r in new]
-    scores = task.rewards(texts, [r.example for r in new], [r.ids for r in new])  # completion_ids: prefix + suffix
+    scores = task.rewards(
+        texts, [r.example for r in new], [r.ids for r in new]
+    )  # completion_ids: prefix + suffix
     rows = [r._replace(reward=x) for r, x in zip(new, scores)]
     for e in examples:
         st = search[e.id]
@@ -344,7 +433,9 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
         common.stop_token_ids(model, tok),
     )
     ro = common.make_rollouts(tok, prompts, responses, group_ids, stops, device)
-    info.update(chains.reset_metrics(cuts, rows, examples, solved))  # LOGS: reset/* (docs/srpo.md, Logs)
+    info.update(
+        chains.reset_metrics(cuts, rows, examples, solved)
+    )  # LOGS: reset/* (docs/srpo.md, Logs)
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r.suffix_start for r in rows], device=device)
     return ro, rewards, suffix_start, torch.tensor([r.example.id for r in rows], device=device)
@@ -357,21 +448,31 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     Returns common.Rollouts of the trained rows (group_ids: normalization groups; never a parent), rewards [N],
     suffix_start [N] (response tokens), prompt_of_row [N] (example ids) and the reset metrics (a dict)."""
     delim, max_new = args.thought_delimiter, args.max_new_tokens
-    reserve = min(THOUGHT_TOKENS, max_new // 20) if args.thought_reserve is None else args.thought_reserve
+    reserve = (
+        min(THOUGHT_TOKENS, max_new // 20) if args.thought_reserve is None else args.thought_reserve
+    )
     cut = lambda ids, text, budget, truncated: protocol_cut(  # noqa: E731 (the official stops, after the fact)
         tokenizer, ids, text, delim, *budget, reserve, truncated, continuation=budget[1] < max_new
     )
     split = functools.partial(split_thoughts, delimiter=delim)
-    sampler = chains.Sampler(model, tokenizer, task, args, cut, split, THOUGHT_TOKENS)  # generate calls, counted
+    sampler = chains.Sampler(
+        model, tokenizer, task, args, cut, split, THOUGHT_TOKENS
+    )  # generate calls, counted
     n_parents, K, _ = split_sizes(args)
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
     search = {e.id: Search() for e in examples}
     parents(sampler, search, examples, args)  # (1)
-    early = settled_parents(search, examples, n_parents) if args.reset != "self" else []  # k needs no model call
+    early = (
+        settled_parents(search, examples, n_parents) if args.reset != "self" else []
+    )  # k needs no model call
     cuts = resets(sampler, early, localization(sampler, task, early, args, rng), max_pos, delim)
     sfx = parents(sampler, search, examples, args, riders=suffixes(sampler, cuts, K, args))  # (2)
-    todo = settled_parents(search, [e for e in examples if all(e is not x for x, *_ in early)], n_parents)
-    later = resets(sampler, todo, localization(sampler, task, todo, args, rng), max_pos, delim)  # (3) --reset self
+    todo = settled_parents(
+        search, [e for e in examples if all(e is not x for x, *_ in early)], n_parents
+    )
+    later = resets(
+        sampler, todo, localization(sampler, task, todo, args, rng), max_pos, delim
+    )  # (3) --reset self
     sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
     return (*settle(model, sampler, task, examples, search, cuts + later, sfx, args), sampler.info)
 
@@ -379,18 +480,34 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
 def validate(args: Args) -> Args:
     """SRPO's own checks (cli.parse runs the shared ones): one line naming the flag, exit code 2. Fills the task's
     default --thought-delimiter."""
-    unused = dict.fromkeys(["dynamic_sampling", "max_sampling_rounds"], "its groups are built from resets")  # shared
-    unused |= dict.fromkeys(["overlong_buffer", "overlong_penalty_factor"], "its rewards are the task's (no shaping)")
-    unused["scale_rewards"] = "it z-scores each normalization group with its population std, no epsilon"
+    unused = dict.fromkeys(
+        ["dynamic_sampling", "max_sampling_rounds"], "its groups are built from resets"
+    )  # shared
+    unused |= dict.fromkeys(
+        ["overlong_buffer", "overlong_penalty_factor"], "its rewards are the task's (no shaping)"
+    )
+    unused["scale_rewards"] = (
+        "it z-scores each normalization group with its population std, no epsilon"
+    )
     for name, why in unused.items():
         flag = "--" + name.replace("_", "-")
-        cli.need(getattr(args, name) == getattr(cli.BaseArgs, name), f"{flag} does not apply to srpo.py: {why}")
-    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[args.split]  # ALGO LOGIC: the split's groups must each hold >= 2
+        cli.need(
+            getattr(args, name) == getattr(cli.BaseArgs, name),
+            f"{flag} does not apply to srpo.py: {why}",
+        )
+    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[
+        args.split
+    ]  # ALGO LOGIC: the split's groups must each hold >= 2
     bad_g = f"--num-generations must be a multiple of {need_g} (at least {need_g}) for --split {args.split}"
     cli.need(
-        args.num_generations >= need_g and args.num_generations % need_g == 0, f"{bad_g}, got {args.num_generations}"
+        args.num_generations >= need_g and args.num_generations % need_g == 0,
+        f"{bad_g}, got {args.num_generations}",
     )
-    ranges = dict(max_fresh_attempts=">= 1", localization_temperature=">= 0", localization_max_new_tokens=">= 1")
+    ranges = dict(
+        max_fresh_attempts=">= 1",
+        localization_temperature=">= 0",
+        localization_max_new_tokens=">= 1",
+    )
     cli.need_ranges(args, **ranges, thought_reserve=">= 0")
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
     no_oracle = f"--reset oracle needs a task with a first-wrong-step oracle (arith), not --task {args.task}"
@@ -401,26 +518,44 @@ def validate(args: Args) -> Args:
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads (one-line errors)
+    args = cli.parse(
+        Args, validate
+    )  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
-    rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws (a checkpoint holds them as "resets")
+    rng = random.Random(
+        args.seed
+    )  # ALGO LOGIC: RRPO's reset draws (a checkpoint holds them as "resets")
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(args, tokenizer)  # before the model: a task that yields nothing stops at once
+    task = common.load_task(
+        args, tokenizer
+    )  # before the model: a task that yields nothing stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    run.start(model, tokenizer, optimizer, task, state={"resets": rng})  # prompt batches, --resume, engine, step-0 eval
+    train_model = run.dist.wrap(
+        model, ref_model
+    )  # DDP / FSDP2 under torchrun; the model itself otherwise
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+    )
+    run.start(
+        model, tokenizer, optimizer, task, state={"resets": rng}
+    )  # prompt batches, --resume, engine, step-0 eval
     dist = run.dist
 
     for step in run.steps():
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
         examples = dist.shard(next(run.batches))
-        with dist.gathered(model):  # FSDP: full weights, so ranks may run different numbers of sampling rounds
+        with dist.gathered(
+            model
+        ):  # FSDP: full weights, so ranks may run different numbers of sampling rounds
             ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(
                 model, tokenizer, task, examples, args, rng
             )
-        mask = ro.completion_mask * ~ro.truncated[:, None] if args.mask_truncated_completions else ro.completion_mask
+        mask = (
+            ro.completion_mask * ~ro.truncated[:, None]
+            if args.mask_truncated_completions
+            else ro.completion_mask
+        )
         T = mask.shape[1]
         run.lap("generation")
 
@@ -428,51 +563,92 @@ if __name__ == "__main__":
         advantages = srpo_advantages(rewards, ro.group_ids.cpu())  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
         mask = mask if args.no_mask else suffix_mask(mask, suffix_start)  # [N, T]
-        run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # LOGS: --log-credit's suffix starts
+        run.credit_signals(
+            reset_at=suffix_start, prompt_ids=prompt_of_row
+        )  # LOGS: --log-credit's suffix starts
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
         #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: ranks hold different numbers of rows
+        with (
+            torch.no_grad(),
+            dist.gathered(model, ref_model),
+        ):  # FSDP: ranks hold different numbers of rows
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = None if on_policy else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0] if ref_model else None
+            old_logp = (
+                None
+                if on_policy
+                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            )
+            ref_logp = (
+                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
+                if ref_model
+                else None
+            )
         run.lap("logprobs")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
         #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
         stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # ALGO LOGIC: by prompt, not group
+            for rows in common.minibatches(
+                prompt_of_row, args.num_minibatches
+            ):  # ALGO LOGIC: by prompt, not group
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                size = min(args.micro_batch_size, common.ROWS_PER_FORWARD if args.fsdp else args.micro_batch_size)
+                size = min(
+                    args.micro_batch_size,
+                    common.ROWS_PER_FORWARD if args.fsdp else args.micro_batch_size,
+                )
                 micro, n = rows.split(size), dist.same_count(-(-len(rows) // size))
-                for k in range(n):  # FSDP: one forward per micro-batch, as many on every rank (the most any has)
+                for k in range(
+                    n
+                ):  # FSDP: one forward per micro-batch, as many on every rank (the most any has)
                     dist.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
-                    if k >= len(micro):  # FSDP: an idle pass on the first row keeps the collectives matched
-                        dist.idle_pass(lambda: common.token_logprobs(train_model, input_ids[:1], attn[:1], T)[0].sum())
+                    if k >= len(
+                        micro
+                    ):  # FSDP: an idle pass on the first row keeps the collectives matched
+                        dist.idle_pass(
+                            lambda: common.token_logprobs(train_model, input_ids[:1], attn[:1], T)[
+                                0
+                            ].sum()
+                        )
                         continue
                     mb = micro[k]
                     m = mask[mb].float()
                     logp, entropy = common.token_logprobs(
-                        train_model, input_ids[mb], attn[mb], T, args.temperature, with_entropy=it == 0
+                        train_model,
+                        input_ids[mb],
+                        attn[mb],
+                        T,
+                        args.temperature,
+                        with_entropy=it == 0,
                     )
-                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit records dL/dlog p
+                    run.watch_credit(
+                        logp, mb, m, num_tokens, num_seqs
+                    )  # LOGS: --log-credit records dL/dlog p
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate, dual-clip 3 (verl)
-                    log_ratio = torch.clamp(logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)  # fp32, as verl
+                    log_ratio = torch.clamp(
+                        logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO
+                    )  # fp32, as verl
                     ratio = torch.exp(log_ratio)
                     A = token_adv[mb]
-                    clipped = torch.min(ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A)
-                    clipped = torch.where(A < 0, torch.max(clipped, DUAL_CLIP * A), clipped)  # dual clip: loss <= -3A
+                    clipped = torch.min(
+                        ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
+                    )
+                    clipped = torch.where(
+                        A < 0, torch.max(clipped, DUAL_CLIP * A), clipped
+                    )  # dual clip: loss <= -3A
                     surrogate = clipped if args.clip else logp * A
                     per_token_loss = -surrogate
                     # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * engines.engine_correction(
+                    per_token_loss = per_token_loss * common.engine_correction(
                         ro, mb, old, m, args, stats.engine(it), stats.tokens
                     )
-                    kl = common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None  # KL(pi || pi_ref), k3
+                    kl = (
+                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
+                    )  # KL(pi || pi_ref), k3
                     if kl is not None:
                         per_token_loss = per_token_loss + args.beta * kl
                     loss = common.aggregate_loss(
@@ -480,7 +656,9 @@ if __name__ == "__main__":
                     )
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)  # LOGS: diagnostics
+                    stats.add(
+                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
+                    )  # LOGS: diagnostics
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
@@ -489,7 +667,10 @@ if __name__ == "__main__":
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C; LOGS: the reset metrics
         extra = {f"reset/{k}": v for k, v in info.items() if k != "time_localization"}
-        extra |= {"time/localization": info["time_localization"], "sampling/generated_tokens": info["generated_tokens"]}
+        extra |= {
+            "time/localization": info["time_localization"],
+            "sampling/generated_tokens": info["generated_tokens"],
+        }
         run.end_step(step, ro, rewards, stats, extra)
 
     run.finish()

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from rlvr_utils import distributed, engines, tasks  # noqa: E402
+from rlvr_utils import engines, runtime, tasks  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,7 +30,7 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.1)
     a = ap.parse_args()
-    device = distributed.pick_device("auto")
+    device = runtime.pick_device("auto")
     model, tok = common.load_policy(a.model, device)
     prompts = [e.prompt_ids for e in tasks.load_task("arith", tok, num_eval=64).eval]
     out = {"device": str(device)}

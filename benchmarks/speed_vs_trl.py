@@ -31,7 +31,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 import common
-from rlvr_utils import arith, models, tasks
+from rlvr_utils import models, tasks
 
 torch.manual_seed({seed})
 tok = models.load_tokenizer(common.DEFAULT_MODEL)
@@ -40,7 +40,7 @@ task = tasks.load_task("arith", tok, seed={seed}, num_eval=8)
 data = Dataset.from_list([dict(prompt=e.prompt, gold=e.gold) for e in task.train[:2000]])
 
 def reward(prompts, completions, gold, **kw):
-    return [arith.arith_reward(c, g) for c, g in zip(completions, gold)]
+    return [tasks.arith_reward(c, g) for c, g in zip(completions, gold)]
 
 times = []
 class Clock(TrainerCallback):

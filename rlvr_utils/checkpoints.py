@@ -1,4 +1,4 @@
-"""Checkpoints and resumable runs: `--save-model`, `--save-every N`, `--resume RUN_DIR`, and a clean Ctrl-C.
+"""Checkpoints: `--save-model`, `--save-every N`, and the one a clean Ctrl-C writes (resume.py reads them back).
 
 A training checkpoint is the directory <run_dir>/checkpoint/, written into a temporary sibling and renamed over the
 previous one (only the last is kept, and a crash never leaves a half-written one):
@@ -7,12 +7,8 @@ previous one (only the last is kept, and a crash never leaves a half-written one
                script's own generators), the number of prompt batches drawn so far, and method state (EP-GRPO's
                moving anchor); under torchrun one trainer_rank<r>.pt per rank (each rank samples with its own seed)
 Under --fsdp the policy and the optimizer state are written sharded instead, by every rank at once, with
-torch.distributed.checkpoint (DCP): sharded/ replaces model/ and trainer.pt holds no optimizer state. DCP reshards on
-load, so a sharded checkpoint resumes on any number of ranks, with or without --fsdp, and a DDP checkpoint resumes
-under --fsdp (docs/scaling.md). `--save-model` still writes one Hugging Face folder.
-`--resume RUN_DIR` restores all of it after the script has built its model, optimizer and task, so the run goes on
-exactly as if it had not stopped (tests/test_checkpoints.py checks this bit for bit on CPU; tests/test_dist.py the
-sharded checkpoints and world-size changes).
+torch.distributed.checkpoint (DCP; sharded.py): sharded/ replaces model/ and trainer.pt holds no optimizer state
+(docs/scaling.md). `--save-model` writes one Hugging Face folder, with a model card (model_card.py).
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from rlvr_utils import sharded
-from rlvr_utils.errors import usage_error
+from rlvr_utils import runtime
 
 
 def save_model_atomic(
@@ -141,7 +136,7 @@ def _state_of(obj):
     return obj.state_dict()
 
 
-def _load_into(obj, state) -> None:
+def load_into(obj, state) -> None:
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif isinstance(obj, random.Random):
@@ -182,7 +177,7 @@ class Checkpointer:
             keys = ("python", "numpy", "torch", "cuda", "extra_rng")
             torch.distributed.all_gather_object(states, {k: state[k] for k in keys})
         if self.sharded:
-            return sharded.save(self, step, model, optimizer, state, states)
+            return runtime.extra("sharded", "--fsdp").save(self, step, model, optimizer, state, states)
         if self.rank == 0:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,133 +246,18 @@ class Checkpointer:
         ]:
             shutil.rmtree(d, ignore_errors=True)
 
-    def recover(self) -> int | None:
-        """Make the newest complete copy the checkpoint (a kill during a save can leave it under a hidden name) and
-        return its step; None when there is none."""
-        found = self.copies()
-        if not found:
-            return None
-        step, best = found[0]
-        if best != self.path and self.rank == 0:
-            if self.path.exists():
-                shutil.rmtree(self.path)
-            os.rename(best, self.path)
-        return step
-
-    def restore(self, model, optimizer, batches: CountingBatches, extra: dict | None = None) -> int:
-        """Load the checkpoint into the objects the script has built; returns the step it was taken after. A damaged
-        file ends the run with one line naming it (exit code 2)."""
-        from safetensors.torch import load_file
-
-        run = self.path.parent
-        found = self.recover() if self.rank == 0 else None  # rank 0 alone moves a kill's copy into place
-        if self.dist is not None:
-            self.dist.barrier()
-            found = self.dist.broadcast(found)
-        if found is None:
-            usage_error(
-                f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and "
-                "on SIGTERM)"
-            )
-        state = _load(self.path / "trainer.pt", run)
-        if state.get("sharded"):  # an FSDP run's: DCP reshards onto this run's ranks (or one process)
-            sharded.restore(self.path / "sharded", model, optimizer, run)
-        else:
-            files = sorted((self.path / "model").glob("*.safetensors"))
-            if not files:
-                usage_error(f"--resume {run}: {self.path / 'model'} holds no weights (*.safetensors)")
-            weights = {}
-            for f in files:
-                try:
-                    weights.update(load_file(str(f)))
-                except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
-                    usage_error(
-                        f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                    )
-            if self.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
-                sharded.restore_full(model, optimizer, weights, state["optimizer"], run)
-            else:
-                missing, unexpected = model.load_state_dict(weights, strict=False)
-                missing = [k for k in missing if k not in _tied(model)]
-                if missing or unexpected:
-                    usage_error(
-                        f"--resume {run}: the checkpoint does not fit the model (missing {missing[:3]}, unexpected "
-                        f"{unexpected[:3]}): was the run started with another --model?"
-                    )
-                optimizer.load_state_dict(state["optimizer"])
-        batches.skip_to(state["batches_drawn"])
-        for k, v in (extra or {}).items():
-            if k not in state["extra"]:
-                usage_error(f"--resume {run}: the checkpoint holds no '{k}' state: it was made by another script")
-            _load_into(v, state["extra"][k])
-        own = self.path / f"trainer_rank{self.rank}.pt"
-        if self.rank > 0 and not own.is_file():  # more ranks than the run had: a new stream per rank and step
-            seed = (torch.initial_seed() + 1_000_003 * int(state["step"])) % 2**32
-            random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
-            return int(state["step"])
-        rng = state if self.rank == 0 else _load(own, run)
-        for k, v in rng.get("extra_rng", {}).items():  # this rank's own generator states (older checkpoints: rank 0's)
-            if k in (extra or {}):
-                _load_into(extra[k], v)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        if self.rank == 0:
-            self.clean_leftovers()
-        return int(state["step"])
-
 
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 
-def damaged(copy: Path) -> str | None:
-    """What is wrong with a checkpoint copy, read cheaply before any model loads (safetensors headers, the zip
-    directory of trainer.pt), or None."""
-    import zipfile
-
-    from safetensors import safe_open
-
-    if (copy / "sharded").is_dir():  # an FSDP run's (DCP): its index is read on load
-        weights = [copy / "sharded" / ".metadata"]
-    else:
-        weights = sorted((copy / "model").glob("*.safetensors"))
-    if not weights:
-        return f"{copy / 'model'} holds no weights (*.safetensors)"
-    for f in [*weights, copy / "trainer.pt"]:
-        if f.name == ".metadata":
-            if not f.is_file() or f.stat().st_size == 0:
-                return f"{f} is missing or empty (an unfinished sharded save)"
-            continue
-        try:
-            if f.suffix == ".safetensors":
-                with safe_open(str(f), "pt") as w:
-                    w.keys()
-            else:
-                zipfile.ZipFile(f).close()
-        except Exception as e:  # missing, empty, truncated or not the right format
-            return f"{f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else 'empty'})"
-    return None
-
-
-def _load(path: Path, run: Path) -> dict:
-    try:
-        return torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto the saver's GPU
-    except Exception as e:  # truncated, empty or not a torch file
-        reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
-        usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
-
-
-def _tied(model) -> set:
-    """Parameter names safetensors leaves out because they share storage with another (tied embeddings)."""
-    seen, tied = {}, set()
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), t.shape)
-        if key in seen:
-            tied.add(name)
-        seen.setdefault(key, name)
-    return tied | {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else tied
+def save_final_model(dist, model, tokenizer, path) -> Path | None:
+    """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
+    model card (README.md, model_card.py) made from the run directory `path` is in. Every rank returns together."""
+    state = dist.full_state_dict(model)
+    card = runtime.extra("model_card", "--save-model").model_card(Path(path).parent) if dist.main else None
+    out = save_model_atomic(model, tokenizer, path, state, card) if dist.main else None
+    dist.barrier()
+    return out
 
 
 def new_run_dir(output_dir: str | os.PathLike, name: str) -> Path:

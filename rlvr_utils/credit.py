@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from rlvr_utils import tasks
+
 
 class CreditLog:
     def __init__(self, path: Path, rows: int):
@@ -88,7 +90,7 @@ class CreditLog:
 
 
 def token_lines(tokens: list[str]) -> list[int]:
-    """The line each recorded token belongs to, 1-based over the text's non-empty lines (as arith.arith_first_error
+    """The line each recorded token belongs to, 1-based over the text's non-empty lines (as tasks.arith_first_error
     counts them): the line its first character is on, so a newline token belongs to the line it ends. 0 for a token on
     a blank line (and an empty token). benchmarks/credit_accuracy.py and tools/credit_view.py use it."""
     text = "".join(tokens)
@@ -108,15 +110,13 @@ SPECIAL = re.compile(r"<\|?[A-Za-z_]+\|?>")  # a recorded special token (<eos>, 
 
 
 def first_wrong_line(row: dict) -> int | None:
-    """A recorded arith rollout's first wrong line (arith.arith_first_error over the text its verifier saw: the recorded
+    """A recorded arith rollout's first wrong line (tasks.arith_first_error over the text its verifier saw: the recorded
     tokens without special tokens), or None for a non-arith prompt or a rollout with no wrong line."""
     m = ARITH_PROMPT.search(row["prompt"])
     if m is None:
         return None
-    from rlvr_utils import arith
-
     text = "".join(t for t in row["tokens"] if not SPECIAL.fullmatch(t))
-    return arith.arith_first_error(arith.parse_arith_problem(m.group(1)), text)
+    return tasks.arith_first_error(tasks.parse_arith_problem(m.group(1)), text)
 
 
 def as_text(rows: list[dict]) -> str:

@@ -1,52 +1,35 @@
-"""Several processes (torchrun): one per GPU (gloo on CPU), prompts sharded by rank, DDP or FSDP2.
-
-Without torchrun every script runs in a world of 1 and every method of `Dist` is a no-op. See docs/scaling.md.
+"""Several processes (torchrun): one per GPU (gloo on CPU), prompts sharded by rank, DDP or FSDP2. An extra: loaded
+by runtime.init_distributed when WORLD_SIZE > 1 (without torchrun every script runs in runtime.Dist's world of 1).
+See docs/scaling.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import inspect
 import os
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from rlvr_utils import checkpoints, cli, model_card
+from rlvr_utils.runtime import Dist, pick_device, usage_error
 
 
-@dataclasses.dataclass
-class Dist:
-    """This process's place in a torchrun job; world 1 (every method a no-op) without torchrun.
+class TorchrunDist(Dist):
+    """This process's place in a torchrun job (WORLD_SIZE > 1): the collectives of runtime.Dist's methods.
 
-    `--prompts-per-step` is the global batch: each rank takes every world-th prompt of it with all of
-    its G completions, so groups never span ranks and each algorithm's credit assignment runs locally.
-    Losses are normalized by the global token / sequence counts (`loss_counts`), so W ranks with half
-    the batch each step exactly like 1 rank with all of it."""
-
-    rank: int = 0
-    world: int = 1
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # for collectives
-    fsdp: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
+    `--prompts-per-step` is the global batch: each rank takes every world-th prompt of it with all of its G completions,
+    so groups never span ranks; what a method defines over "the batch" (a std, a quantile) is taken over every rank's
+    rows (`over_global_batch`). Losses are normalized by the global token / sequence counts (`loss_counts`), so W ranks
+    with half the batch each step exactly like 1 rank with all of it."""
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over ranks."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            torch.distributed.all_reduce(t)
+        torch.distributed.all_reduce(t)
         return t.tolist()
-
-    def shard(self, examples: Sequence) -> list:
-        """This rank's prompts of a global batch (every world-th one)."""
-        return list(examples[self.rank :: self.world])
 
     def over_global_batch(self, fn, *args, keep_whole: tuple[str, ...] = (), **kwargs):
         """fn(*args, **kwargs) over the global batch, for what a method defines over "the batch" (a quantile, a std):
@@ -55,9 +38,7 @@ class Dist:
         of its result (also inside a tuple or dict) with the global row count as its first dimension comes back as
         this rank's rows (2-D ones trimmed to this rank's width). Row order does not matter to per-group statistics,
         so the rows get what one process with the whole batch gives them. `keep_whole`: keys of a dict result that
-        are not per row (left whole, whatever their length). World 1: fn(*args, **kwargs)."""
-        if self.world == 1:
-            return fn(*args, **kwargs)
+        are not per row (left whole, whatever their length)."""
         n = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)).shape[0]
         rowwise = lambda a: isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n  # noqa: E731
         widths = [a.shape[1] for a in [*args, *kwargs.values()] if rowwise(a) and a.dim() == 2]
@@ -91,17 +72,9 @@ class Dist:
 
         return own(fn(*args, **kwargs))
 
-    def loss_counts(self, mask: torch.Tensor, num_seqs: int | None = None) -> tuple[float, float]:
-        """(tokens, sequences) to normalize this rank's loss by: the global counts / world, because DDP
-        and FSDP average gradients over ranks."""
-        tokens, seqs = self.sum([mask.sum().item(), len(mask) if num_seqs is None else num_seqs])
-        return tokens / self.world, seqs / self.world
-
     def wrap(self, model, ref_model=None):
         """The module to run the loss forward through: DDP by default, FSDP2 `fully_shard` (each
         decoder layer, then the root; the reference too) with `fsdp`. Generation and saving use `model`."""
-        if self.world == 1:
-            return model
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard
 
@@ -125,12 +98,12 @@ class Dist:
     def gathered(self, *models):
         """FSDP: the full weights of `models` on every rank for the block (one all-gather per sharded module on entry,
         on every rank), so ranks may run different numbers of forwards inside it (generation, SRPO's sampling rounds,
-        the no-gradient passes): no collective runs there. No gradient may be taken inside. Reentrant; otherwise a
+        the no-gradient passes): no collective runs there. No gradient may be taken inside. Reentrant; under DDP a
         no-op. Costs one unsharded copy of each model per GPU for the block, as a colocated vLLM engine does."""
         from torch.distributed.fsdp import FSDPModule
 
         mods = [m for model in models if model is not None for m in model.modules() if isinstance(m, FSDPModule)]
-        if not (self.world > 1 and self.fsdp) or getattr(self, "_gathered", False) or not mods:
+        if not self.fsdp or getattr(self, "_gathered", False) or not mods:
             yield
             return
         self._gathered = True
@@ -150,8 +123,8 @@ class Dist:
 
     def same_count(self, n: int) -> int:
         """FSDP: the largest `n` over ranks (every rank must run as many forwards and backwards: the ranks with
-        fewer run idle passes, see `idle_pass`); DDP and world 1: `n` (each rank's all-reduce meets once per step)."""
-        if not (self.world > 1 and self.fsdp):
+        fewer run idle passes, see `idle_pass`); DDP: `n` (each rank's all-reduce meets once per step)."""
+        if not self.fsdp:
             return n
         t = torch.tensor([n], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -160,21 +133,13 @@ class Dist:
     def any(self, flag: bool) -> bool:
         """FSDP: whether `flag` holds on any rank (a collective); otherwise `flag`. For optional forwards (SC-GRPO's
         teacher): when any rank runs one, every rank does."""
-        if not (self.world > 1 and self.fsdp):
+        if not self.fsdp:
             return flag
         return self.sum([float(flag)])[0] > 0
-
-    @staticmethod
-    def idle_pass(loss_of_one_row) -> None:
-        """One forward and backward that changes nothing (its loss times 0): keeps this rank's FSDP collectives matched
-        with a rank that has one more micro-batch. `loss_of_one_row()` runs the same forward as a real micro-batch."""
-        (loss_of_one_row() * 0.0).backward()
 
     def sync_grads(self, train_model, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients: only the last micro-batch of a pass does, so
         ranks with different numbers of micro-batches (SRPO) still meet once per optimizer step."""
-        if self.world == 1:
-            return
         if self.fsdp:
             train_model.set_requires_gradient_sync(enabled)
         else:
@@ -184,8 +149,6 @@ class Dist:
         self, metrics: dict, sum_keys: Sequence[str] = ("num_tokens", "tokens_per_second", "sampling/generated_tokens")
     ) -> dict:
         """Mean over the ranks that report each metric (`sum_keys`: sum over ranks)."""
-        if self.world == 1:
-            return metrics
         gathered = [None] * self.world
         torch.distributed.all_gather_object(gathered, {k: float(v) for k, v in metrics.items()})
         out = {}
@@ -194,39 +157,22 @@ class Dist:
             out[k] = sum(vals) if k in sum_keys else sum(vals) / len(vals)
         return out
 
-    def save(self, model, tokenizer, path) -> Path | None:
-        """`save_model_atomic` on rank 0 (FSDP: the full state dict is gathered from every rank first), with a model
-        card (README.md) made from the run directory `path` is in."""
-        state = None
-        if self.world > 1 and self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def full_state_dict(self, model) -> dict | None:
+        """FSDP: the full weights gathered from every rank (to CPU) for --save-model; DDP: None, the model's own."""
+        if not self.fsdp:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        card = model_card.model_card(Path(path).parent) if self.main else None
-        out = checkpoints.save_model_atomic(model, tokenizer, path, state, card) if self.main else None
-        self.barrier()
-        return out
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def broadcast(self, obj):
-        """Rank 0's `obj` on every rank (a picklable object; world 1: `obj` itself)."""
-        if self.world == 1:
-            return obj
+        """Rank 0's `obj` on every rank (a picklable object)."""
         box = [obj]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def print(self, *a, **k) -> None:
-        """print on rank 0 only, flushed; a closed stdout (`python grpo.py ... | head -1`) does not stop the run: its
-        later output goes to /dev/null."""
-        if self.main:
-            try:
-                print(*a, **k, flush=True)
-            except BrokenPipeError:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
     def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
+        torch.distributed.barrier()
 
     def close(self, then_exit: bool = False, code: int = 0) -> None:
         """Every rank reaches the same barrier before the process group goes: a rank that tears it down while another
@@ -235,7 +181,7 @@ class Dist:
         without the interpreter's teardown, where objects still holding the process group (DDP's reducer) are
         destroyed with gloo's threads and aborted about 1 run in 60 (benchmarks/torchrun_exits.py). Logs are closed
         and flushed before."""
-        if self.world > 1 and torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
             if then_exit:
@@ -244,27 +190,18 @@ class Dist:
                 os._exit(code)
 
 
-def pick_device(device: str = "auto") -> torch.device:
-    """auto: cuda when available, else cpu; otherwise the device named."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def init_distributed(
+def init_torchrun(
     device: str, args: dict, prompts_per_step: int, timeout_s: int = 1800, fsdp: bool = False
-) -> tuple[Dist, torch.device]:
-    """Join the torchrun job when there is one (WORLD_SIZE > 1), else a world of 1. Checks that every
-    rank got the same flags and that the world size divides `prompts_per_step`. Collectives time out
-    after `timeout_s`, so a rank that died makes the others exit with an error instead of hanging."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+) -> tuple[TorchrunDist, torch.device]:
+    """Join the torchrun job (WORLD_SIZE > 1). Checks that every rank got the same flags and that the world size
+    divides `prompts_per_step`. Collectives time out after `timeout_s`, so a rank that died makes the others exit
+    with an error instead of hanging."""
+    world = int(os.environ["WORLD_SIZE"])
     dev = pick_device(device)
-    if world == 1:
-        return Dist(device=dev), dev
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
         if local >= torch.cuda.device_count():
-            cli.usage_error(
+            usage_error(
                 f"torchrun rank {rank} asks for cuda:{local}, but {torch.cuda.device_count()} GPU(s) are visible: "
                 f"start at most that many ranks per node (--nproc_per_node), or use --device cpu (gloo)"
             )
@@ -273,7 +210,7 @@ def init_distributed(
     torch.distributed.init_process_group(
         "nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
     )
-    d = Dist(rank, world, dev if dev.type == "cuda" else torch.device("cpu"), fsdp)
+    d = TorchrunDist(rank, world, dev if dev.type == "cuda" else torch.device("cpu"), fsdp)
     flags = [None] * world
     torch.distributed.all_gather_object(flags, {k: str(v) for k, v in args.items()})
     diff = sorted(k for f in flags for k in set(f) | set(flags[0]) if f.get(k) != flags[0].get(k))

@@ -6,7 +6,6 @@ fp32 tensors autograd would keep, on a padded batch laid out so that attention n
   completion_logits   the model's own logits at those positions (the unfused path's input)
   SelectedLogProb     log-probs from the model's logits (any dtype), a few positions at a time (the unfused path)
   FusedLinearLogProb  straight from the final hidden states and the lm_head weight: no [B, T, V] logits at all
-  FusedLinearKL       KL(teacher || student) per position from both sides' final hidden states, the same way
   fused_logprobs_ok   whether a model may take the fused path (checked once per model against its own logits)
   entropy_from_logits per-position entropy, a few positions at a time
   MAX_LOG_RATIO       the clamp of log pi - log pi_old before exp (the scripts' ratio, the vLLM correction)
@@ -52,7 +51,7 @@ class SelectedLogProb(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _add_linear_grads(g, h, weight, start: int, grad_h, grad_w, grad_b) -> None:
+def add_linear_grads(g, h, weight, start: int, grad_h, grad_w, grad_b) -> None:
     """Back through z = W h (+ b) for one chunk of positions: given dL/dz g [n, V] (fp32) and the chunk's h [n, H],
     write dL/dh into grad_h[start : start + n] and add dL/dW, dL/db into grad_w, grad_b (each None when not needed)."""
     if grad_h is not None:
@@ -101,64 +100,13 @@ class FusedLinearLogProb(torch.autograd.Function):
             z = torch.nn.functional.linear(h, weight, bias).float().div_(tau)
             g = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g_out)  # in place: -p g
             g.scatter_add_(-1, target[s : s + chunk, None], g_out).div_(tau)  # (1[j = y] - p) g / tau
-            _add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
+            add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
         return (
             grad_h,
             grad_w.to(weight.dtype) if need_w else None,
             grad_b.to(bias.dtype) if need_b else None,
             None,
             None,
-            None,
-            None,
-        )
-
-
-def _log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    """log softmax(W h (+ b) / tau) over the vocabulary, fp32, for a chunk of positions h [n, H]: [n, V]."""
-    return torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias).float().div_(temperature), -1)
-
-
-class FusedLinearKL(torch.autograd.Function):
-    """D_n = KL(p^T_n || p^S_n) = sum_v p^T (log p^T - log p^S) over the full vocabulary,
-    p = softmax(W h_n (+ b) / tau),
-    straight from the student's and the teacher's final hidden states [N, H] (the same positions of the same tokens)
-    and the lm_head W [V, H], `chunk` positions at a time: only [chunk, V] temporaries exist, forward or backward.
-    The teacher is a constant (stop-gradient: nothing reaches its hidden states, nor W through its side). The
-    backward recomputes both chunks' log-softmaxes and forms dD/dz^S = (p^S - p^T) / tau, then dh^S = dz W and
-    dW += dz^T h^S (accumulated in fp32). Under no_grad it is a chunked, no-gradient KL (SC-GRPO's weights)."""
-
-    @staticmethod
-    def forward(ctx, student, teacher, weight, bias, temperature: float, chunk: int):
-        out = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
-        for s in range(0, student.shape[0], chunk):
-            ls = _log_softmax(student[s : s + chunk], weight, bias, temperature)
-            lt = _log_softmax(teacher[s : s + chunk], weight, bias, temperature)
-            pt = lt.exp()
-            out[s : s + chunk] = (pt * lt.sub_(ls)).sum(-1)
-        ctx.save_for_backward(student, teacher, weight, bias)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        student, teacher, weight, bias = ctx.saved_tensors
-        tau, chunk = ctx.temperature, ctx.chunk
-        need_h, _, need_w, need_b = ctx.needs_input_grad[:4]
-        grad_h = torch.empty_like(student) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        for s in range(0, student.shape[0], chunk):
-            h = student[s : s + chunk]
-            g = _log_softmax(h, weight, bias, tau).exp_()
-            g.sub_(_log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(
-                grad_out[s : s + chunk, None].float() / tau
-            )
-            _add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
-        return (
-            grad_h,
-            None,
-            grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None,
             None,
             None,
         )

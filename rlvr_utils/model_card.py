@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rlvr_utils.cli import BaseArgs
-from rlvr_utils.model_files import looks_like_path
+from rlvr_utils.models import looks_like_path
 
 HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
 

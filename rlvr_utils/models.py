@@ -1,12 +1,141 @@
-"""Loading the policy: `from_pretrained` for a hub id or a local directory, with clear errors, dropout off."""
+"""The policy: --model checked before it loads (a local directory must hold a readable config.json, weights whose files
+are whole and agree with the config, and a tokenizer; a hub id must be cached or the hub reachable; the model's context
+window bounds the prompts kept; each problem one line naming the directory or file, exit code 2), then loaded with
+`from_pretrained` (hub id or local directory), clear errors, dropout off."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+
+from rlvr_utils.runtime import need, usage_error
+
+
+def looks_like_path(name: str) -> bool:
+    """A --model that is a path rather than a hub id "org/name": it starts with . / ~, has more than one /, or its
+    first component is a local directory (assets/tiny-arth is a typo of a path, not a hub id)."""
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(name.split("/")[0]).is_dir())
+    )
+
+
+def check_model(model: str) -> None:
+    """A local directory must hold a model (config.json and weights); a hub id must be in the local cache or the hub
+    reachable (one line at once, not minutes of retries)."""
+    if looks_like_path(model):
+        d = Path(model).expanduser()
+        if d.parts[-2:] == ("assets", "tiny-arith"):  # the default (cli.DEFAULT_MODEL), e.g. a copied script without it
+            need(
+                d.is_dir(),
+                f"--model {model}: no such directory (the default --model is the bundled tiny policy, "
+                "assets/tiny-arith beside the script): pass a Hugging Face model id or directory, e.g. "
+                "--model Qwen/Qwen2.5-0.5B-Instruct, or copy assets/tiny-arith beside the script",
+            )
+        need(d.is_dir(), f"--model {model}: no such directory")
+        need((d / "config.json").is_file(), f"--model {model}: the directory holds no model (no config.json)")
+        weights = [*d.glob("*.safetensors"), *d.glob("*.bin"), *d.glob("*.safetensors.index.json")]
+        need(bool(weights), f"--model {model}: the directory holds no weights (no *.safetensors or *.bin)")
+        try:
+            config = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            usage_error(f"--model {model}: config.json cannot be read as JSON ({type(e).__name__})")
+        tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+        need(
+            any((d / f).is_file() for f in tokenizer_files),
+            f"--model {model}: the directory holds no tokenizer (none of {', '.join(tokenizer_files)}): copy the "
+            "tokenizer files beside the weights (tokenizer.save_pretrained)",
+        )
+        for f in sorted(d.glob("*.safetensors")):
+            check_safetensors(model, f, config.get("vocab_size") if isinstance(config, dict) else None)
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
+    except Exception:  # an id the hub library rejects: from_pretrained will say why
+        return
+    if not cached:
+        need_hub(
+            f"--model {model} is a hub id, not a local directory, and it is not in the local cache",
+            "a local directory (download it where there is internet: huggingface-cli download ...)",
+        )
+
+
+def check_safetensors(model: str, path: Path, vocab_size: int | None) -> None:
+    """A .safetensors file whose header or data is cut short (an interrupted copy), or whose embedding rows disagree
+    with config.json's vocab_size: one line naming the file, before anything loads."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= size - 8 else None
+    except (OSError, ValueError):
+        header = None
+    need(isinstance(header, dict), f"--model {model}: {path.name} is damaged or truncated (its header cannot be read)")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    end = max((v.get("data_offsets", [0, 0])[1] for v in tensors.values()), default=0)
+    need(
+        8 + n + end <= size,
+        f"--model {model}: {path.name} is truncated ({size} bytes, its header describes {8 + n + end}): copy it again",
+    )
+    embed = next((v for k, v in tensors.items() if k.endswith("embed_tokens.weight") or k.endswith("wte.weight")), None)
+    if vocab_size and embed and embed.get("shape"):
+        need(
+            embed["shape"][0] == vocab_size,
+            f"--model {model}: config.json's vocab_size {vocab_size} does not match the weights' {embed['shape'][0]} "
+            f"embedding rows ({path.name})",
+        )
+
+
+def model_positions(model: str) -> int | None:
+    """A local model directory's context window (config.json's max_position_embeddings), None when unknown."""
+    if not looks_like_path(model):
+        return None
+    try:
+        n = json.loads((Path(model).expanduser() / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def prompt_limit(model: str, max_prompt_length: int, max_new_tokens: int) -> int:
+    """The longest prompt (tokens) the task keeps: --max-prompt-length, lowered so that a prompt and a whole completion
+    fit the model's positions (a local model's config.json); said when the flag was set above that. --max-new-tokens
+    that leaves no room at all: one line."""
+    positions = model_positions(model)
+    if not positions or max_prompt_length + max_new_tokens <= positions:
+        return max_prompt_length
+    need(max_new_tokens < positions, f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in --model's "
+         f"{positions} positions")  # fmt: skip
+    limit = positions - max_new_tokens
+    if max_prompt_length != 1024:  # the flag was set (1024: BaseArgs' default)
+        print(
+            f"note: --max-prompt-length {max_prompt_length} + --max-new-tokens {max_new_tokens} exceed --model's "
+            f"{positions} positions: prompts over {limit} tokens are skipped",
+            file=sys.stderr,
+        )
+    return limit
+
+
+def need_hub(what: str, instead: str) -> None:
+    """`what` needs the Hugging Face hub: fail at once when it is off (HF_HUB_OFFLINE) or cannot be reached."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if offline:
+        usage_error(f"{what}, but HF_HUB_OFFLINE is set: pass {instead}")
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # reached through a proxy: no direct probe can tell; the download itself will say
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as e:
+        usage_error(f"{what}, but the hub ({host}) cannot be reached ({type(e).__name__}): pass {instead}")
 
 
 def load_tokenizer(name_or_path: str):

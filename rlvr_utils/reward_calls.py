@@ -28,7 +28,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from rlvr_utils import stopping
+from rlvr_utils import watchdog
+from rlvr_utils.runtime import StopNow
 
 RESERVED = ("completion_ids", "trainer_state", "log_extra", "log_metric")  # keyword arguments no column may take
 MAX_WARNINGS = 5
@@ -148,7 +149,7 @@ class RewardFunctions:
     def _guard(self, spec: str, examples, call, margin: float = 0.0):
         """`call()` under --reward-timeout (plus `margin`), every way out of it one line naming the function."""
         try:
-            with stopping.Watchdog(self.timeout and self.timeout + margin, f"--reward-fn {spec}"):
+            with watchdog.Watchdog(self.timeout and self.timeout + margin, f"--reward-fn {spec}"):
                 return call()
         except BaseException as e:
             _reward_failed(spec, e, self.timeout, examples)
@@ -162,7 +163,7 @@ class RewardFunctions:
                 done, _ = await asyncio.wait({task}, timeout=self.timeout or None)
                 if not done:  # our deadline, not a TimeoutError the function raised itself
                     task.cancel()
-                    return k, spec, None, stopping.RewardTimeout()
+                    return k, spec, None, watchdog.RewardTimeout()
                 return k, spec, task.result(), None
             except BaseException as e:  # reported with the function's name below
                 return k, spec, None, e
@@ -224,6 +225,10 @@ class RewardFunctions:
                 self.first_eval = False
                 self._check_threshold(p.totals)
         return out
+
+    def merged_into(self, builtin: dict, step: int | None = None, mode: str = "train") -> dict:
+        """The run's metrics `builtin` with what the functions logged since the last call (`metrics`, `merged`)."""
+        return merged(builtin, self.metrics(step, mode))
 
     def _write_extra(self, p: _Pending, step: int, mode: str) -> None:
         if self.run_dir is None or not any(b["extra"] for b in p.batches):
@@ -304,10 +309,10 @@ def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
 
 def _reward_failed(spec: str, e: BaseException, timeout: float, examples):
     """One line for what a reward call raised (or how it left), and the exit that goes with it."""
-    if isinstance(e, stopping.StopNow):  # the second Ctrl-C arrived while a reward ran: the run's own stop
+    if isinstance(e, StopNow):  # the second Ctrl-C arrived while a reward ran: the run's own stop
         raise e
     rows = f"scoring {len(examples)} completions, the first of {_where(examples[0])}"
-    if isinstance(e, stopping.RewardTimeout):
+    if isinstance(e, watchdog.RewardTimeout):
         _stop(f"--reward-fn {spec} did not return within {timeout:g} s (--reward-timeout) {rows}")
     if isinstance(e, KeyboardInterrupt):  # as a second Ctrl-C: exit code 130
         why = "stopping now, without a checkpoint of this step (the last checkpoint is kept)"

@@ -1,8 +1,9 @@
 """Rewards of the text tasks: GSM8K (numbers) and MATH (LaTeX answers through math-verify).
 
 A reward is 1.0 or 0.0 for a completion against its gold answer. A gold answer that cannot be parsed is an error
-(ValueError), never a reward: the task loaders skip and count such rows before training (tasks.py). The built-in
-arith task's reward and oracle are in arith.py; the code task's sandbox in sandbox.py.
+(ValueError), never a reward: the task loaders skip and count such rows before training (data_tasks.py). An extra,
+loaded with --task gsm8k or math. The number helpers and the built-in arith task's reward are in tasks.py; the code
+task's sandbox in sandbox.py.
 """
 
 from __future__ import annotations
@@ -13,66 +14,17 @@ import re
 import threading
 from typing import Callable
 
+from rlvr_utils.tasks import NUMBER_RE, extract_hash_answer, last_boxed, normalize_number
+
+
 # ----------------------------------------------------------------------------------------------
 # GSM8K: the last `#### N`, else the last \boxed{}, else the last number
 # ----------------------------------------------------------------------------------------------
-_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
-
-
-def _normalize_number(s: str) -> str | None:
-    """'$1,234.00' -> '1234'; '-3.50' -> '-3.5'; '.5' -> '0.5'; None when not a number."""
-    s = s.strip().replace(",", "").replace("$", "").replace(" ", "")
-    s = s.rstrip(".")  # a sentence's full stop: "is 72."
-    if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
-        return None
-    neg = s.startswith("-")
-    s = s.lstrip("-")
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    s = s.lstrip("0") or "0"
-    if s.startswith("."):
-        s = "0" + s
-    return ("-" + s) if neg and s != "0" else s
-
-
-def extract_hash_answer(text: str) -> str | None:
-    """The normalized number after the last `####` in `text`, or None."""
-    hits = re.findall(r"####\s*([^\n]*)", text)
-    for h in reversed(hits):
-        m = _NUMBER_RE.search(h)
-        if m:
-            return _normalize_number(m.group(0))
-    return None
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (brace-balanced) or `\\boxed x`, or None."""
-    idx = text.rfind("\\boxed")
-    if idx < 0:
-        return None
-    i = idx + len("\\boxed")
-    if i < len(text) and text[i] == " ":
-        m = re.match(r" ([^\s$]+)", text[i:])
-        return m.group(1) if m else None
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth, j = 0, i
-    while j < len(text):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-        j += 1
-    return None  # unbalanced
-
-
 def gsm8k_gold(answer_field: str) -> str | None:
     """The gold number of a GSM8K answer field (`... #### 72`) or of a bare number; None if none."""
     if "####" in answer_field:
         return extract_hash_answer(answer_field)
-    return _normalize_number(answer_field)
+    return normalize_number(answer_field)
 
 
 def gsm8k_extract(completion: str) -> str | None:
@@ -83,10 +35,10 @@ def gsm8k_extract(completion: str) -> str | None:
     boxed = last_boxed(completion)
     if boxed is not None:
         boxed = re.sub(r"\\(?:text|mathrm)\{[^}]*\}|\\!|\\,|\\\$|\\%|%", "", boxed)
-        m = _NUMBER_RE.findall(boxed)
-        return _normalize_number(m[-1]) if m else None
-    nums = _NUMBER_RE.findall(completion)
-    return _normalize_number(nums[-1]) if nums else None
+        m = NUMBER_RE.findall(boxed)
+        return normalize_number(m[-1]) if m else None
+    nums = NUMBER_RE.findall(completion)
+    return normalize_number(nums[-1]) if nums else None
 
 
 def gsm8k_reward(completion: str, gold: str) -> float:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from rlvr_utils.runtime import usage_error
+
 CODE_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function in one ```python code block."
 )
@@ -51,7 +53,13 @@ def code_program(prompt_code: str, completion: str, entry_point: str) -> str:
     return prompt_code + code[:cut]
 
 
-HARNESS = (Path(__file__).resolve().parent / "sandbox_harness.py").read_text()  # run with python -I -c
+try:  # the harness program, run with python -I -c
+    HARNESS = (Path(__file__).resolve().parent / "sandbox_harness.py").read_text()
+except FileNotFoundError:  # a copy of the minimal core with sandbox.py alone
+    usage_error(
+        "--task code needs rlvr_utils/sandbox_harness.py, which this copy does not have: copy it from the repository "
+        "into rlvr_utils/ (README: Copy one method)"
+    )
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlvr_utils.errors import usage_error
+from rlvr_utils.runtime import usage_error
 
 
 def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:

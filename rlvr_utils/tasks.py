@@ -1,23 +1,30 @@
-"""Tasks: the prompts an RL run trains and evaluates on, and their reward functions.
+"""Tasks: the prompts an RL run trains and evaluates on, their rewards, and the built-in one.
 
-`load_task(name, tokenizer, ...)` builds a `Task` (train and eval `Example`s and a reward function) with one small
-builder per task: `arith` (built in, arith.py), `gsm8k` and `math` (rewards.py), `code` (sandbox.py), and `custom`
-(custom.py: the user's rows and reward functions). Real datasets: the hub dataset through `datasets.load_dataset` by
-default, or a local file or directory with `data_path`, read as written (datafiles.py: JSON rows keep their JSON types;
-csv/tsv/parquet/arrow through `datasets`); custom: a file, a directory or a hub id. The optional parts (arith, the code
-sandbox) are imported only when a run uses them.
+`load_task(name, tokenizer, ...)` builds a `Task` (train and eval `Example`s and a reward function). The built-in task
+`arith` lives here whole (below); `gsm8k`, `math`, `code` and `custom` read data (hub datasets through
+`datasets.load_dataset`, or local files) and are built by the extra data_tasks.py, loaded when one is asked for.
 Rows whose gold answer cannot be parsed (code: without tests or entry point) and prompts longer than
 `max_prompt_length` are skipped and counted in `Task.skipped`, never rewarded.
+
+The built-in task `arith`: seeded multi-step arithmetic written one step per line, with an exact verifier and an exact
+first-wrong-step oracle (the ground truth for SRPO's oracle resets and for measuring self-localization). A problem is a
+start value and a list of (+|-, operand) operations, written "23+7-5+9". Its solution is one line per operation, then
+the answer line:
+    23+7=30
+    30-5=25
+    25+9=34
+    #### 34
+Running values stay in [0, max_value]: an operation that would leave the range flips its sign.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
-from pathlib import Path
 from typing import Callable, Sequence
 
-from rlvr_utils import custom, datafiles, reward_calls, rewards
+from rlvr_utils import runtime
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB_DATASETS = {
@@ -46,9 +53,10 @@ class Task:
     name: str
     train: list[Example]
     eval: list[Example]
-    reward_fn: Callable[[str, Example], float]  # (completion text, example) -> reward in [0, 1]
+    reward_fn: Callable[[str, Example], float] | None  # (completion text, example) -> reward in [0, 1]
     skipped: dict  # why examples were dropped at load time -> count (never rewarded)
     batch_reward_fn: Callable[[Sequence[str], Sequence[Example]], list[float]] | None = None
+    user_rewards: object | None = None  # --reward-fn: reward_calls.RewardFunctions (TRL's convention), else None
 
     def rewards(self, texts: Sequence[str], examples: Sequence[Example], completion_ids=None, mode="train") -> list:
         """Rewards of completions against their examples (code: verified in parallel sandboxes). --reward-fn functions
@@ -56,8 +64,8 @@ class Task:
         log what they score under `mode` ("train", or "eval" for an evaluation)."""
         if len(texts) != len(examples):
             raise ValueError(f"{len(texts)} completions for {len(examples)} examples")
-        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
-            return self.batch_reward_fn(texts, examples, completion_ids, mode)
+        if self.user_rewards is not None:
+            return self.user_rewards(texts, examples, completion_ids, mode)
         if self.batch_reward_fn is not None:
             return self.batch_reward_fn(texts, examples)
         return [self.reward_fn(t, e) for t, e in zip(texts, examples)]
@@ -65,17 +73,17 @@ class Task:
     def begin(self, run_dir, rank: int, steps_done: int, args) -> None:
         """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step), where
         log_extra writes, and the steps already done."""
-        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
-            fns, n = self.batch_reward_fn, len(self.train)
-            fns.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n)
+        if self.user_rewards is not None:
+            n = len(self.train)
+            self.user_rewards.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n)
 
-    def reward_metrics(self, step: int | None = None, mode: str = "train") -> dict:
-        """What --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and /std, their
-        log_metric names; under eval/ for an evaluation); after a training step (`step`), their trainer_state moves
-        on. {} for a built-in reward."""
-        if isinstance(self.batch_reward_fn, reward_calls.RewardFunctions):
-            return self.batch_reward_fn.metrics(step, mode)
-        return {}
+    def with_reward_metrics(self, metrics: dict, step: int | None = None, mode: str = "train") -> dict:
+        """`metrics` and what --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and
+        /std, their log_metric names; under eval/ for an evaluation; a name of the run's own keeps the run's value);
+        after a training step (`step`), their trainer_state moves on. A built-in reward: `metrics` as they are."""
+        if self.user_rewards is None:
+            return metrics
+        return self.user_rewards.merged_into(metrics, step, mode)
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -96,47 +104,190 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer)).input_ids
 
 
-def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
-    """Rows of a local data file or directory (`data_path`, read as written: datafiles.py) or of the task's hub
-    dataset, and where each row came from (`file:line`, `dataset[split] row N`)."""
-    if data_path and task == "custom" and not Path(data_path).exists():  # a hub dataset id
-        name, config, split = data_path, None, "train" if split_kind == "train" else "test"
-    elif data_path:
-        return datafiles.read_rows(data_path)
-    else:
-        name, config, train_split, eval_split = HUB_DATASETS[task]
-        split = train_split if split_kind == "train" else eval_split
-    from datasets import load_dataset
-
-    rows = list(load_dataset(name, config, split=split))
-    return rows, [f"{name}[{split}] row {i}" for i in range(1, len(rows) + 1)]
+# ----------------------------------------------------------------------------------------------
+# answers: numbers and \boxed{} (the arith reward's; data_tasks' GSM8K and MATH rewards use them too)
+# ----------------------------------------------------------------------------------------------
+NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 
 
-def row_problem(task: str, row: dict) -> str | None:
-    """What is wrong with a data row for `task` (a missing field, named), or None. Checked for every row of a
-    local file before anything loads (cli.py), and again while building the task (hub datasets)."""
-    if task == "gsm8k":
-        need = [f for f in ("question", "answer") if f not in row]
-    elif task == "math":
-        need = [f for f in ("problem",) if f not in row] + (
-            [] if "answer" in row or "solution" in row else ["answer (or solution)"]
-        )
-    elif task == "code" and "test_list" in row:  # MBPP-like
-        need = [] if "text" in row or "prompt" in row else ["text (or prompt)"]
-    elif task == "code":  # HumanEval-like
-        need = [f for f in ("prompt", "test", "entry_point") if f not in row]
-    else:
+def normalize_number(s: str) -> str | None:
+    """'$1,234.00' -> '1234'; '-3.50' -> '-3.5'; '.5' -> '0.5'; None when not a number."""
+    s = s.strip().replace(",", "").replace("$", "").replace(" ", "")
+    s = s.rstrip(".")  # a sentence's full stop: "is 72."
+    if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
         return None
-    return f"{task} rows need the field(s) {need}; this row has {sorted(row)}" if need else None
+    neg = s.startswith("-")
+    s = s.lstrip("-")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    s = s.lstrip("0") or "0"
+    if s.startswith("."):
+        s = "0" + s
+    return ("-" + s) if neg and s != "0" else s
 
 
-def _require(row: dict, where: str, task: str) -> None:
-    problem = row_problem(task, row)
-    if problem:
-        raise KeyError(f"{where}: {problem}")
+def extract_hash_answer(text: str) -> str | None:
+    """The normalized number after the last `####` in `text`, or None."""
+    hits = re.findall(r"####\s*([^\n]*)", text)
+    for h in reversed(hits):
+        m = NUMBER_RE.search(h)
+        if m:
+            return normalize_number(m.group(0))
+    return None
 
 
-class _Builder:
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (brace-balanced) or `\\boxed x`, or None."""
+    idx = text.rfind("\\boxed")
+    if idx < 0:
+        return None
+    i = idx + len("\\boxed")
+    if i < len(text) and text[i] == " ":
+        m = re.match(r" ([^\s$]+)", text[i:])
+        return m.group(1) if m else None
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth, j = 0, i
+    while j < len(text):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+        j += 1
+    return None  # unbalanced
+
+
+# ----------------------------------------------------------------------------------------------
+# the built-in task: arith
+# ----------------------------------------------------------------------------------------------
+ARITH_STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+-])\s*(\d+)\s*=\s*(-?\d+)\s*$")
+ANSWER_LINE_RE = re.compile(r"^\s*####\s*(.*?)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithProblem:
+    start: int
+    ops: tuple[tuple[str, int], ...]  # ((op, operand), ...), op in {"+", "-"}
+
+    @property
+    def text(self) -> str:
+        return str(self.start) + "".join(f"{op}{b}" for op, b in self.ops)
+
+    def values(self) -> list[int]:
+        """Running values after each operation (len == number of steps)."""
+        out, v = [], self.start
+        for op, b in self.ops:
+            v = v + b if op == "+" else v - b
+            out.append(v)
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values()[-1]
+
+    def solution(self) -> str:
+        """The reference step-by-step solution (no trailing newline)."""
+        lines, v = [], self.start
+        for (op, b), nv in zip(self.ops, self.values()):
+            lines.append(f"{v}{op}{b}={nv}")
+            v = nv
+        lines.append(f"#### {v}")
+        return "\n".join(lines)
+
+
+def make_arith_problem(rng: random.Random, steps: int = 4, max_value: int = 99, max_operand: int = 9) -> ArithProblem:
+    """Draw one problem: start in [0, max_value], `steps` operations with operands in [1, max_operand]."""
+    if steps < 1 or max_operand < 1 or max_value < max_operand:
+        raise ValueError(f"bad arith settings: steps={steps}, max_value={max_value}, max_operand={max_operand}")
+    v = rng.randint(0, max_value)
+    start, ops = v, []
+    for _ in range(steps):
+        b = rng.randint(1, max_operand)
+        op = rng.choice("+-")
+        if op == "+" and v + b > max_value:
+            op = "-"
+        elif op == "-" and v - b < 0:
+            op = "+"
+        v = v + b if op == "+" else v - b
+        ops.append((op, b))
+    return ArithProblem(start, tuple(ops))
+
+
+def parse_arith_problem(text: str) -> ArithProblem:
+    """Inverse of `ArithProblem.text`: "23+7-5+9" -> ArithProblem(23, (("+",7), ("-",5), ("+",9)))."""
+    m = re.fullmatch(r"\s*(\d+)((?:\s*[+-]\s*\d+)+)\s*", text)
+    if not m:
+        raise ValueError(f"not an arith problem: {text!r}")
+    ops = tuple((op, int(b)) for op, b in re.findall(r"([+-])\s*(\d+)", m.group(2)))
+    return ArithProblem(int(m.group(1)), ops)
+
+
+def arith_prompt(problem: ArithProblem) -> str:
+    """Plain-text prompt the bundled tiny model was trained with."""
+    return f"Solve: {problem.text}\n"
+
+
+def arith_first_error(problem: ArithProblem | str, completion: str) -> int | None:
+    """Ground-truth first wrong step of a completion, 1-based over its non-empty lines.
+
+    Line i (i <= number of operations) must be the i-th step `a<op>b=c` with a the correct running
+    value, the problem's i-th operation and c = a<op>b; line steps+1 must be `#### <answer>`.
+    Returns the index of the first line that breaks this, or None when every line is right.
+    A completion that stops early (all its lines right, some missing) returns the index of the
+    first missing line (one past its last line): resetting there keeps every correct line.
+    Lines after the answer line are ignored (they do not change what was computed).
+    """
+    if isinstance(problem, str):
+        problem = parse_arith_problem(problem)
+    lines = [ln for ln in completion.split("\n") if ln.strip()]
+    v = problem.start
+    for i, ((op, b), nv) in enumerate(zip(problem.ops, problem.values()), 1):
+        if i > len(lines):
+            return i
+        m = ARITH_STEP_RE.match(lines[i - 1])
+        if not m or int(m.group(1)) != v or m.group(2) != op or int(m.group(3)) != b or int(m.group(4)) != nv:
+            return i
+        v = nv
+    i = len(problem.ops) + 1
+    if i > len(lines):
+        return i
+    m = ANSWER_LINE_RE.match(lines[i - 1])
+    if not m or normalize_number(m.group(1)) != str(problem.answer):
+        return i
+    return None
+
+
+def arith_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's final answer (last `#### N`) equals the gold integer, else 0.0."""
+    pred = extract_hash_answer(completion)
+    return 1.0 if pred is not None and pred == normalize_number(gold) else 0.0
+
+
+ARITH_INSTRUCTION = (
+    "Compute the expression step by step, one operation per line (for example 17+5=22), "
+    "then give the final answer on its own line as '#### <number>'.\n"
+)
+
+
+def arith_problems(
+    seed: int, num_train: int, num_eval: int, steps: int = 4, max_value: int = 99, max_operand: int = 9
+) -> tuple[list[ArithProblem], list[ArithProblem]]:
+    """Seeded train and eval problems, disjoint: eval problems (distinct) come from their own stream, and train
+    draws that equal an eval problem are dropped."""
+    rng, eval_rng = random.Random(seed), random.Random(10_000_019 + seed)
+    kw = dict(steps=steps, max_value=max_value, max_operand=max_operand)
+    evals = list({p.text: p for p in (make_arith_problem(eval_rng, **kw) for _ in range(num_eval))}.values())
+    held = {p.text for p in evals}
+    train = [p for p in (make_arith_problem(rng, **kw) for _ in range(num_train)) if p.text not in held]
+    return train, evals
+
+
+# ----------------------------------------------------------------------------------------------
+# building a task
+# ----------------------------------------------------------------------------------------------
+class TaskBuilder:
     """What every task builder shares: rendering and length-checking prompts, skip counts, train/eval splits."""
 
     def __init__(self, name, tokenizer, num_eval, data_path, eval_data_path, max_prompt_length):
@@ -155,135 +306,17 @@ class _Builder:
             return None
         return Example(i, question, gold, prompt, ids, user, meta or {})
 
-    def from_rows(self, convert) -> tuple[list[Example], list[Example]]:
-        """Train and eval examples of the hub dataset or local files, `convert(rows, wheres, id_offset)` row by row.
-        Eval: `eval_data_path`, else the hub's eval split, else the first `num_eval` rows of the one file (at most a
-        fifth of a file smaller than 2 * num_eval)."""
-        rows, wheres = _load_rows(self.name, self.data_path, "train")
-        if self.eval_data_path or (not self.data_path and HUB_DATASETS.get(self.name, (0, 0, 0, None))[3]):
-            eval_rows, eval_wheres = _load_rows(self.name, self.eval_data_path, "eval")
-            return convert(rows, wheres, 0), convert(eval_rows, eval_wheres, 10**9)[: self.num_eval]
-        k = self.num_eval if len(rows) >= 2 * self.num_eval else len(rows) // 5
-        return convert(rows[k:], wheres[k:], 0), convert(rows[:k], wheres[:k], 10**9)
 
-
-def _arith_task(b: _Builder, seed: int, steps: int, max_value: int, max_operand: int, num_train: int):
-    from rlvr_utils import arith
-
-    train, evals = arith.arith_problems(seed, num_train, b.num_eval, steps, max_value, max_operand)
+def _arith_task(b: TaskBuilder, seed: int, steps: int, max_value: int, max_operand: int, num_train: int):
+    train, evals = arith_problems(seed, num_train, b.num_eval, steps, max_value, max_operand)
 
     def build(problems, offset):
         return [
-            b.example(offset + i, p.text, str(p.answer), arith.ARITH_INSTRUCTION + p.text, arith.arith_prompt(p))
+            b.example(offset + i, p.text, str(p.answer), ARITH_INSTRUCTION + p.text, arith_prompt(p))
             for i, p in enumerate(problems)
         ]
 
-    return build(train, 0), build(evals, 10**9), lambda completion, ex: arith.arith_reward(completion, ex.gold), None
-
-
-def _text_task(b: _Builder):
-    """gsm8k (question, answer with `#### N`) or math (problem, answer or solution with \\boxed{})."""
-
-    def convert(rows, wheres, offset):
-        out = []
-        for i, (row, where) in enumerate(zip(rows, wheres)):
-            _require(row, where, b.name)
-            if b.name == "gsm8k":
-                q, gold = row["question"], rewards.gsm8k_gold(str(row["answer"]))
-                ok = gold is not None
-            else:
-                q = row["problem"]
-                gold = str(row["answer"]) if "answer" in row else rewards.last_boxed(str(row["solution"]))
-                ok = gold is not None and bool(rewards.parse_math_gold(gold))
-            if not ok:
-                b.skipped["unparsable_gold"] += 1
-                continue
-            ex = b.example(
-                offset + i, q, gold, f"{q}\n{MATH_INSTRUCTION}", f"Question: {q}\n{MATH_INSTRUCTION}\nAnswer:"
-            )
-            if ex is not None:
-                out.append(ex)
-        return out
-
-    reward = rewards.gsm8k_reward if b.name == "gsm8k" else rewards.math_reward
-    return *b.from_rows(convert), lambda completion, ex: reward(completion, ex.gold), None
-
-
-def _code_task(b: _Builder, timeout: float):
-    """HumanEval's format (prompt, test, entry_point) or an MBPP-like one (text or prompt, test_list, optional
-    test_setup_code); reward = fraction of tests passed in the sandbox."""
-    b.skipped["no_tests_or_entry_point"] = 0
-    from rlvr_utils import sandbox
-
-    def convert(rows, wheres, offset):
-        out = []
-        for i, (row, where) in enumerate(zip(rows, wheres)):
-            _require(row, where, b.name)
-            if "test_list" in row:  # MBPP-like: the model writes the whole function
-                text = row.get("text", row.get("prompt"))
-                tests = [str(t) for t in row["test_list"] or []]
-                m = (
-                    re.search(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?\s*([A-Za-z_]\w*)\s*\(", tests[0])
-                    if tests
-                    else None
-                )
-                entry = row.get("entry_point") or (m.group(1) if m else None)
-                shown = "\n".join(tests)
-                user = (
-                    f"{text}\nYour code should pass these tests:\n{shown}\n"
-                    "Reply with the code in one ```python code block."
-                )
-                plain = f'"""\n{text}\n{shown}\n"""\n'
-                meta = dict(prompt_code="", tests=tests, setup=str(row.get("test_setup_code") or ""), entry_point=entry)
-                gold, q = str(row.get("code", "")), text
-            else:
-                q, entry = row["prompt"], row["entry_point"]
-                user, plain = f"{sandbox.CODE_INSTRUCTION}\n```python\n{q}```", q
-                meta = dict(prompt_code=q, tests=str(row["test"]), setup="", entry_point=entry)
-                gold = str(row.get("canonical_solution", ""))
-            if not meta["tests"] or not entry:
-                b.skipped["no_tests_or_entry_point"] += 1
-                continue
-            ex = b.example(offset + i, q, gold, user, plain, meta)
-            if ex is not None:
-                out.append(ex)
-        return out
-
-    def code_batch(texts, examples):
-        programs = [
-            sandbox.code_program(e.meta["prompt_code"], t, e.meta["entry_point"]) for t, e in zip(texts, examples)
-        ]
-        return sandbox.code_rewards(
-            programs,
-            [e.meta["tests"] for e in examples],
-            [e.meta["entry_point"] for e in examples],
-            timeout,
-            setups=[e.meta["setup"] for e in examples],
-        )
-
-    return *b.from_rows(convert), lambda completion, ex: code_batch([completion], [ex])[0], code_batch
-
-
-def _custom_task(b: _Builder):
-    """The user's rows (custom.py): `prompt` a string or chat messages, every other column for the reward."""
-
-    def convert(rows, wheres, offset):
-        out = []
-        for i, (row, where) in enumerate(zip(rows, wheres)):
-            problem = custom.prompt_problem(row)
-            if problem:
-                raise KeyError(f"{where}: {problem}")
-            text, user, chat = custom.render(b.tokenizer, row["prompt"])
-            ids = encode_prompt(b.tokenizer, text)
-            if len(ids) > b.max_prompt_length:
-                b.skipped["prompt_too_long"] += 1
-                continue
-            columns = {k: v for k, v in row.items() if k != "prompt"}
-            meta = {"prompt": row["prompt"], "chat": chat, "columns": columns, "where": where}
-            out.append(Example(offset + i, user, "", text, ids, user if chat else "", meta))
-        return out
-
-    return *b.from_rows(convert), None, None
+    return build(train, 0), build(evals, 10**9), lambda completion, ex: arith_reward(completion, ex.gold), None
 
 
 def load_task(
@@ -317,22 +350,21 @@ def load_task(
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
     if not code_timeout > 0:
         raise ValueError(f"--code-timeout must be a positive number of seconds, got {code_timeout}")
-    b = _Builder(name, tokenizer, num_eval, data_path, eval_data_path, max_prompt_length)
+    b = TaskBuilder(name, tokenizer, num_eval, data_path, eval_data_path, max_prompt_length)
     if name == "arith":
         train, evals, reward, batch_fn = _arith_task(
             b, seed, arith_steps, arith_max_value, arith_max_operand, arith_num_train
         )
-    elif name == "code":
-        train, evals, reward, batch_fn = _code_task(b, code_timeout)
-    elif name == "custom":
-        train, evals, reward, batch_fn = _custom_task(b)
-    else:
-        train, evals, reward, batch_fn = _text_task(b)
+    else:  # the tasks that read data
+        data_tasks = runtime.extra("data_tasks", f"--task {name}")
+        train, evals, reward, batch_fn = data_tasks.build(b, code_timeout)
+    user = None
     if reward_fn:  # the user's reward functions, in TRL's convention
-        batch_fn = custom.reward_batch(reward_fn, reward_weights, tokenizer, reward_timeout, success_threshold)
+        custom = runtime.extra("custom", "--reward-fn")
+        user = custom.reward_batch(reward_fn, reward_weights, tokenizer, reward_timeout, success_threshold)
     train, evals = [e for e in train if e is not None], [e for e in evals if e is not None]
     if not train:
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {b.skipped})")
     if not evals:
         raise ValueError(f"task {name!r} has no usable eval prompts (skipped: {b.skipped})")
-    return Task(name, train, evals, reward, b.skipped, batch_fn)
+    return Task(name, train, evals, reward, b.skipped, batch_fn, user)

@@ -8,6 +8,7 @@ logprobs_and_kl         the student's log-probs with D = KL(teacher || student) 
 kl_of_every_row         D of the whole batch before the update (--kl-threshold-scope batch)
 micro_batches_of_groups whole groups per micro-batch (c is a micro-batch's percentile, paper §5.1)
 TeacherLog              the step's D, f, teacher time and memory, as the sc/* metrics
+FusedLinearKL           KL(teacher || student) per position from both sides' final hidden states: no [b, T, V]
 """
 
 from __future__ import annotations
@@ -21,6 +22,57 @@ import torch
 
 from rlvr_utils import logprob_kernels
 from rlvr_utils.rollouts import Rollouts, pad_left
+
+
+def _log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:
+    """log softmax(W h (+ b) / tau) over the vocabulary, fp32, for a chunk of positions h [n, H]: [n, V]."""
+    return torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias).float().div_(temperature), -1)
+
+
+class FusedLinearKL(torch.autograd.Function):
+    """D_n = KL(p^T_n || p^S_n) = sum_v p^T (log p^T - log p^S) over the full vocabulary,
+    p = softmax(W h_n (+ b) / tau),
+    straight from the student's and the teacher's final hidden states [N, H] (the same positions of the same tokens)
+    and the lm_head W [V, H], `chunk` positions at a time: only [chunk, V] temporaries exist, forward or backward.
+    The teacher is a constant (stop-gradient: nothing reaches its hidden states, nor W through its side). The
+    backward recomputes both chunks' log-softmaxes and forms dD/dz^S = (p^S - p^T) / tau, then dh^S = dz W and
+    dW += dz^T h^S (accumulated in fp32). Under no_grad it is a chunked, no-gradient KL (SC-GRPO's weights)."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, weight, bias, temperature: float, chunk: int):
+        out = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
+        for s in range(0, student.shape[0], chunk):
+            ls = _log_softmax(student[s : s + chunk], weight, bias, temperature)
+            lt = _log_softmax(teacher[s : s + chunk], weight, bias, temperature)
+            pt = lt.exp()
+            out[s : s + chunk] = (pt * lt.sub_(ls)).sum(-1)
+        ctx.save_for_backward(student, teacher, weight, bias)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        student, teacher, weight, bias = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        need_h, _, need_w, need_b = ctx.needs_input_grad[:4]
+        grad_h = torch.empty_like(student) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        for s in range(0, student.shape[0], chunk):
+            h = student[s : s + chunk]
+            g = _log_softmax(h, weight, bias, tau).exp_()
+            g.sub_(_log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(
+                grad_out[s : s + chunk, None].float() / tau
+            )
+            logprob_kernels.add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
+        return (
+            grad_h,
+            None,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+        )
 
 
 def default_system_message(tokenizer) -> str:
@@ -143,7 +195,7 @@ def logprobs_and_kl(
                             lt = zt.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zt, dim=-1)
                         kl = lt - logps[-1].detach()[idx]
                 elif fused:  # [positions, V] fp32 temporaries of about 64 MB
-                    kl = logprob_kernels.FusedLinearKL.apply(
+                    kl = FusedLinearKL.apply(
                         zs.flatten(0, 1),
                         zt.flatten(0, 1),
                         lm.weight,

@@ -17,13 +17,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import arith, distributed, logprob_kernels  # noqa: E402
+from rlvr_utils import distributed, logprob_kernels, tasks  # noqa: E402
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):
     flat, texts = [], []
     for p, g in zip(prompts, group_ids):
-        problem = arith.parse_arith_problem(tokenizer.decode(p).split("Solve:")[-1])
+        problem = tasks.parse_arith_problem(tokenizer.decode(p).split("Solve:")[-1])
         for j in range(num_generations):  # lengths differ by prompt, so ranks hold different token counts
             right = "x\n" * (g % 7) + problem.solution()
             texts.append([right, right.replace("####", "#### 1"), right.split("\n")[0]][(g + j) % 3])
@@ -51,7 +51,7 @@ def recording_step(self, *args, **kwargs):
 
 torch.optim.AdamW.step = recording_step
 IDLE = {"passes": 0, "teacher": 0}  # FSDP's padding on this rank: idle micro-batches, idle teacher forwards
-_idle, _any = distributed.Dist.idle_pass, distributed.Dist.any
+_idle, _any = distributed.TorchrunDist.idle_pass, distributed.TorchrunDist.any
 
 
 def counting_idle(loss_of_one_row):
@@ -65,7 +65,7 @@ def counting_any(self, flag):
     return out
 
 
-distributed.Dist.idle_pass, distributed.Dist.any = staticmethod(counting_idle), counting_any
+distributed.TorchrunDist.idle_pass, distributed.TorchrunDist.any = staticmethod(counting_idle), counting_any
 
 if __name__ == "__main__":
     out, rest = Path(sys.argv[1]), sys.argv[2:]
@@ -73,7 +73,7 @@ if __name__ == "__main__":
         common.generate_rollouts = fixed_rollouts
         rest = rest[1:]
     if os.environ.get("DRIVER_LOCAL_COUNTS"):  # the bug the equivalence test must catch: per-rank normalization
-        distributed.Dist.loss_counts = lambda self, mask, num_seqs=None: (mask.sum().item(), len(mask))
+        distributed.TorchrunDist.loss_counts = lambda self, mask, num_seqs=None: (mask.sum().item(), len(mask))
     if os.environ.get("DRIVER_DIE_AT_STEP") and os.environ.get("RANK") == "1":  # rank 1 dies in its first rollout
         common.generate_rollouts = lambda *a, **k: os._exit(3) if k.get("do_sample", True) else _generate(*a, **k)
     if os.environ.get("DRIVER_FIRST_CHOICE"):  # SC-GRPO's routing draws (torch.randint with its generator) take the
@@ -85,8 +85,8 @@ if __name__ == "__main__":
         torch.randint = first_choice
     if os.environ.get("DRIVER_BAD_FLAGS") and os.environ.get("RANK") == "1":
         rest = rest + ["--learning-rate", "0.5"]  # rank 1 disagrees with rank 0
-    close, distributed.Dist.close = (
-        distributed.Dist.close,
+    close, distributed.TorchrunDist.close = (
+        distributed.TorchrunDist.close,
         lambda self, *a, **k: None,
     )  # keep the group for the FSDP gather below
     sys.argv = [str(ROOT / rest[0]), *rest[1:]]

@@ -13,11 +13,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import distributed  # noqa: E402
+from rlvr_utils import runtime  # noqa: E402
 
 if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    dist, device = distributed.init_distributed("cpu", {}, 2, 120, fsdp=mode == "fsdp")
+    dist, device = runtime.init_distributed("cpu", {}, 2, 120, fsdp=mode == "fsdp")
     torch.manual_seed(0)
     model = common.load_model(common.DEFAULT_MODEL, device)
     train = dist.wrap(model)

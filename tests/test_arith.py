@@ -4,28 +4,28 @@ import random
 
 import pytest
 
-from rlvr_utils import arith
+from rlvr_utils import tasks
 
 
 def test_arith_problem_and_solution():
-    p = arith.ArithProblem(23, (("+", 7), ("-", 5), ("+", 9)))
+    p = tasks.ArithProblem(23, (("+", 7), ("-", 5), ("+", 9)))
     assert p.text == "23+7-5+9"
     assert p.solution() == "23+7=30\n30-5=25\n25+9=34\n#### 34"
-    assert arith.parse_arith_problem("23+7-5+9") == p
-    assert arith.arith_reward(p.solution(), "34") == 1.0
-    assert arith.arith_reward("23+7=30\n#### 33", "34") == 0.0
+    assert tasks.parse_arith_problem("23+7-5+9") == p
+    assert tasks.arith_reward(p.solution(), "34") == 1.0
+    assert tasks.arith_reward("23+7=30\n#### 33", "34") == 0.0
 
 
 def test_arith_generator_ranges_and_seed():
-    a = [arith.make_arith_problem(random.Random(5), steps=6, max_value=20, max_operand=3) for _ in range(3)]
+    a = [tasks.make_arith_problem(random.Random(5), steps=6, max_value=20, max_operand=3) for _ in range(3)]
     assert a[0] == a[1] == a[2]
     rng = random.Random(0)
     for _ in range(500):
-        p = arith.make_arith_problem(rng, steps=6, max_value=20, max_operand=3)
+        p = tasks.make_arith_problem(rng, steps=6, max_value=20, max_operand=3)
         assert len(p.ops) == 6 and all(1 <= b <= 3 for _, b in p.ops)
         assert all(0 <= v <= 20 for v in [p.start] + p.values())
     with pytest.raises(ValueError):
-        arith.make_arith_problem(rng, steps=0)
+        tasks.make_arith_problem(rng, steps=0)
 
 
 @pytest.mark.parametrize(
@@ -45,18 +45,18 @@ def test_arith_generator_ranges_and_seed():
     ],
 )
 def test_arith_first_error_hand_cases(completion, expected):
-    assert arith.arith_first_error("23+7-5+9", completion) == expected
+    assert tasks.arith_first_error("23+7-5+9", completion) == expected
 
 
 def test_arith_first_error_is_consistent_with_reward():
     """A completion with no wrong line is always rewarded; the first error is a real error."""
     rng = random.Random(1)
     for _ in range(300):
-        p = arith.make_arith_problem(rng)
+        p = tasks.make_arith_problem(rng)
         lines = p.solution().split("\n")
         k = rng.randint(1, len(lines))
         bad = list(lines)
         bad[k - 1] = bad[k - 1][:-1] + str((int(bad[k - 1][-1]) + 1) % 10)  # change the last digit
-        assert arith.arith_first_error(p, "\n".join(bad)) == k
-        assert arith.arith_first_error(p, p.solution()) is None
-        assert arith.arith_reward(p.solution(), str(p.answer)) == 1.0
+        assert tasks.arith_first_error(p, "\n".join(bad)) == k
+        assert tasks.arith_first_error(p, p.solution()) is None
+        assert tasks.arith_reward(p.solution(), str(p.answer)) == 1.0

@@ -14,7 +14,7 @@ from conftest import ROOT
 from helpers import run_dir, run_script
 
 import common
-from rlvr_utils import checkpoints
+from rlvr_utils import checkpoints, runtime
 
 FAST = ["--num-eval", "8", "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4", "--threads", "1"]
 SCRIPTS = [
@@ -97,11 +97,11 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path):
 
 
 def test_logger_resume_drops_rows_after_the_checkpoint(tmp_path):
-    log = common.Logger(tmp_path, {"a": 1})
+    log = runtime.Logger(tmp_path, {"a": 1})
     for step in range(5):
         log.log({"reward": float(step), **({"eval/accuracy": step / 10} if step % 2 == 0 else {})}, step)
     log.close()
-    log = common.Logger(tmp_path, {"a": 1}, resume_step=3)
+    log = runtime.Logger(tmp_path, {"a": 1}, resume_step=3)
     assert log.last_eval == {"eval/accuracy": 0.2}
     log.log({"reward": 9.0}, 4)
     log.close()

@@ -9,7 +9,7 @@ import time
 import pytest
 from helpers import run_script
 
-from rlvr_utils import checks
+from rlvr_utils import data_tasks, models
 
 CASES = [  # (script, flags, words the one line must hold)
     ("grpo.py", ["--num-generations", "1"], ["--num-generations", ">= 2"]),
@@ -114,11 +114,11 @@ def test_track_without_wandb_says_how_to_install_it(tmp_path):
 
 
 def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
-    assert checks.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [
+    assert data_tasks.read_rows(str(_data(tmp_path, "a.jsonl.gz", '{"x": 1}\n\n{"x": 2}\n')), "--data-path") == [
         {"x": 1},
         {"x": 2},
     ]
-    assert checks.read_rows(str(_data(tmp_path, "b.json", '[{"x": 1}]')), "--data-path") == [{"x": 1}]
+    assert data_tasks.read_rows(str(_data(tmp_path, "b.json", '[{"x": 1}]')), "--data-path") == [{"x": 1}]
 
 
 @pytest.mark.parametrize(
@@ -133,4 +133,4 @@ def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
     ],
 )
 def test_looks_like_path(name, local):
-    assert checks.looks_like_path(name) is local
+    assert models.looks_like_path(name) is local

@@ -8,7 +8,7 @@ import torch
 from helpers import padded_batch, random_model
 
 import common
-from rlvr_utils import checkpoints, logprob_kernels, rollouts
+from rlvr_utils import checkpoints, logprob_kernels, rollouts, runtime
 
 
 def _reference(model64, prompt, completion, temperature):
@@ -404,13 +404,12 @@ def _scripted_task(tok, scores_by_id):
 def test_dynamic_sampling_drops_constant_groups_and_refills(tiny):
     """Prompts with an even id get all-equal rewards (no signal): with --dynamic-sampling they are dropped and more
     prompts are drawn until the batch holds prompts_per_step groups with a signal."""
-    from rlvr_utils import distributed
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 1.0 if i % 2 == 0 else float(k % 2))
     batches = common.prompt_batches(task.train, 2, seed=3)
     ro, rewards, info = common.rollouts_with_rewards(
-        model, tok, task, batches, distributed.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=10)
+        model, tok, task, batches, runtime.Dist(), _Args(dynamic_sampling=True, max_sampling_rounds=10)
     )
     assert len(ro) == 8 and all(int(g) % 2 == 1 for g in ro.group_ids)  # only groups with a signal were kept
     assert info["sampling/groups_kept"] == 1.0 and info["sampling/prompts_drawn"] >= 2
@@ -419,13 +418,12 @@ def test_dynamic_sampling_drops_constant_groups_and_refills(tiny):
     assert list(ro.input_ids.shape) == [8, ro.prompt_ids.shape[1] + ro.completion_ids.shape[1]]
     # without it, the first batch is trained whatever its rewards
     ro2, _, info2 = common.rollouts_with_rewards(
-        model, tok, task, common.prompt_batches(task.train, 2, seed=3), distributed.Dist(), _Args()
+        model, tok, task, common.prompt_batches(task.train, 2, seed=3), runtime.Dist(), _Args()
     )
     assert "sampling/groups_kept" not in info2 and len(ro2) == 8
 
 
 def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
-    from rlvr_utils import distributed
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 0.0)  # nothing ever has a signal
@@ -434,7 +432,7 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
         tok,
         task,
         common.prompt_batches(task.train, 2, seed=0),
-        distributed.Dist(),
+        runtime.Dist(),
         _Args(dynamic_sampling=True, max_sampling_rounds=2),
     )
     assert (
@@ -449,7 +447,7 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
         tok,
         task,
         common.prompt_batches(task.train, 2, seed=0),
-        distributed.Dist(),
+        runtime.Dist(),
         _Args(dynamic_sampling=True),
         keep,
     )
@@ -459,7 +457,6 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(tiny):
 def test_overlong_penalty_is_dapos_linear_ramp(tiny):
     """DAPO: 0 up to max - buffer tokens, then (max - buffer - L) / buffer * factor, -factor at max. Hand values with
     max 48, buffer 16, factor 0.5: L <= 32 -> 0, L = 40 -> -0.25, L = 48 -> -0.5."""
-    from rlvr_utils import distributed
 
     model, tok = tiny
     task = _scripted_task(tok, lambda i, k: 1.0)
@@ -468,7 +465,7 @@ def test_overlong_penalty_is_dapos_linear_ramp(tiny):
         tok,
         task,
         common.prompt_batches(task.train, 2, seed=0),
-        distributed.Dist(),
+        runtime.Dist(),
         _Args(max_new_tokens=48, overlong_buffer=16, overlong_penalty_factor=0.5),
     )
     L = ro.completion_mask.sum(1).float()
@@ -566,7 +563,7 @@ def test_completion_metrics_count_unsolved_groups_by_the_verifier_score():
         group_ids=torch.tensor([7, 7, 7, 7, 3, 3, 3, 3]),
         scores=torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0]),
     )
-    m = common.completion_metrics(ro, ro.scores - 0.5, 4)
+    m = runtime.completion_metrics(ro, ro.scores - 0.5, 4)
     assert m["frac_groups_unsolved"] == 0.5 and m["frac_reward_zero_std"] == 0.5
     ro.scores = None  # scripts whose rollouts carry no separate score: the rewards themselves
-    assert common.completion_metrics(ro, torch.zeros(8), 4)["frac_groups_unsolved"] == 1.0
+    assert runtime.completion_metrics(ro, torch.zeros(8), 4)["frac_groups_unsolved"] == 1.0

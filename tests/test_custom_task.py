@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir
 
-from rlvr_utils import arith, custom
+from rlvr_utils import custom, tasks
 
 SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"]
 SHORT = [
@@ -95,8 +95,8 @@ def user(tmp_path_factory):
     (d / "my_reward.py").write_text(REWARD)
     rng, rows = random.Random(0), []
     for _ in range(24):
-        p = arith.make_arith_problem(rng, steps=3)
-        rows.append({"prompt": arith.arith_prompt(p), "answer": p.answer, "level": "easy"})
+        p = tasks.make_arith_problem(rng, steps=3)
+        rows.append({"prompt": tasks.arith_prompt(p), "answer": p.answer, "level": "easy"})
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     chat = [
         {

@@ -1,6 +1,6 @@
 """The package's layout (DESIGN.md): layers point one way (scripts -> common.py -> rlvr_utils; the package imports
 neither common.py nor a script and has no import cycle inside), rlvr_utils/__init__.py lists every module, the
-one-line usage error has one definition (rlvr_utils/errors.py), and no line of Python is over 120 characters
+one-line usage error has one definition (rlvr_utils/runtime.py), and no line of Python is over 120 characters
 (ruff's E501 lets a line that ends in a pragma comment run over; this does not)."""
 
 import ast
@@ -140,11 +140,11 @@ USAGE_HELPER_NAMES = {"usage_error", "_usage_error", "_usage", "usage", "_fail",
 
 
 def usage_error_copies(paths, root: Path = ROOT) -> list[str]:
-    """Functions outside errors.py that are the usage error again: named like it, or printing `error: ...` and
+    """Functions outside runtime.py that are the usage error again: named like it, or printing `error: ...` and
     raising SystemExit(2) (exit code 1 is a run that failed, not a usage error: custom._stop, Checkpointer.failed)."""
     found = []
     for path in paths:
-        if path == PACKAGE / "errors.py":
+        if path == PACKAGE / "runtime.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -157,7 +157,7 @@ def usage_error_copies(paths, root: Path = ROOT) -> list[str]:
 
 
 def test_the_usage_error_is_defined_once():
-    """What a copy carries (the scripts, common.py, the package) uses rlvr_utils.errors.usage_error; no copy of it."""
+    """What a copy carries (the scripts, common.py, the package) uses rlvr_utils.runtime.usage_error; no copy of it."""
     paths = [*ROOT.glob("*.py"), *PACKAGE.glob("*.py")]
     assert usage_error_copies(paths) == []
 

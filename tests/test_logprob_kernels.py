@@ -5,7 +5,7 @@ import torch
 from helpers import padded_batch, random_model
 
 import common
-from rlvr_utils import logprob_kernels
+from rlvr_utils import logprob_kernels, teacher
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -84,7 +84,7 @@ def test_fused_linear_kl_forward_and_student_gradients_match_float64_autograd(te
     (ref * w).sum().backward()
     hs32, ht32, W32 = hs.clone().requires_grad_(True), ht.clone().requires_grad_(True), W.clone().requires_grad_(True)
     b32 = b.clone().requires_grad_(True) if bias else None
-    got = logprob_kernels.FusedLinearKL.apply(hs32, ht32, W32, b32, temperature, chunk)
+    got = teacher.FusedLinearKL.apply(hs32, ht32, W32, b32, temperature, chunk)
     (got * w).sum().backward()
     assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, atol=1e-5) and (ref > 0).all()
     assert torch.allclose(hs32.grad.double(), hs64.grad, atol=1e-5) and ht32.grad is None
@@ -92,8 +92,8 @@ def test_fused_linear_kl_forward_and_student_gradients_match_float64_autograd(te
     if bias:
         assert torch.allclose(b32.grad.double(), b64.grad, atol=1e-5)
     with torch.no_grad():  # SC-GRPO's weights: the same values, no graph
-        assert torch.equal(logprob_kernels.FusedLinearKL.apply(hs32, ht32, W32, b32, temperature, chunk), got.detach())
-    assert (logprob_kernels.FusedLinearKL.apply(hs, hs, W, b, temperature, chunk).abs() < 1e-6).all()  # KL(p || p) = 0
+        assert torch.equal(teacher.FusedLinearKL.apply(hs32, ht32, W32, b32, temperature, chunk), got.detach())
+    assert (teacher.FusedLinearKL.apply(hs, hs, W, b, temperature, chunk).abs() < 1e-6).all()  # KL(p || p) = 0
 
 
 @pytest.mark.parametrize("tied", [False, True])

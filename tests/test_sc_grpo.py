@@ -12,8 +12,14 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import sc_grpo
-from rlvr_utils import arith, tasks, teacher
+from rlvr_utils import tasks, teacher
 from sc_grpo import Role
+
+
+def reference_prompt(problem: tasks.ArithProblem, reference: str) -> str:
+    """The teacher's plain-text prompt on the built-in task, written out: the block the tiny model was trained on."""
+    return f"Reference solution:\n{reference.strip()}\nSolve: {problem.text}\n"
+
 
 logprobs_and_kl = functools.partial(teacher.logprobs_and_kl, kl_fn=sc_grpo.token_kl)  # as sc_grpo.py calls it
 
@@ -178,9 +184,7 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
     with torch.no_grad():
         _, _, D_same, _ = logprobs_and_kl(model, ids, attn, T, 1.0, prompt_ids, tok.pad_token_id)
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
-        teach = [
-            tasks.encode_prompt(tok, arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0]))
-        ] * 2
+        teach = [tasks.encode_prompt(tok, reference_prompt(tasks.parse_arith_problem("12+3-4"), comps[0]))] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
         _, _, D, cost = logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
         # direct: one unpadded forward each, full log-softmax
@@ -199,7 +203,7 @@ def test_sampled_logratio_ablation_is_the_teacher_minus_student_log_prob_of_the_
     model, tok = tiny
     comps, prompts = ["12+3=15\n15-4=11\n#### 11", "12+3=16"], ["Solve: 12+3-4\n"]
     prompt_ids, ids, attn, T = _batch(tok, comps, prompts)
-    ref = arith.arith_reference_prompt(arith.parse_arith_problem("12+3-4"), comps[0])
+    ref = reference_prompt(tasks.parse_arith_problem("12+3-4"), comps[0])
     teach = [tasks.encode_prompt(tok, ref), None]
     with torch.no_grad():
         kw = dict(fused=None if fused else False, sampled=True)
@@ -228,10 +232,8 @@ def test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64(tiny, kl_grad)
     m64 = copy.deepcopy(model).double()
     comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1", "12+3=15\n15-4=11\n#### 11"]
     prompt_ids, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
-    problem = arith.parse_arith_problem("12+3-4")
-    teach = [None] + [
-        tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")
-    ]
+    problem = tasks.parse_arith_problem("12+3-4")
+    teach = [None] + [tasks.encode_prompt(tok, reference_prompt(problem, t)) for t in (comps[0], comps[0], "15\n11")]
     m = attn[:, -T:].double()
     active = m * torch.tensor([0.0, 1, 1, 1])[:, None]
     A = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)[:, None]
@@ -272,8 +274,8 @@ def test_f_carries_no_gradient(tiny, fused):
     model, tok = tiny
     comps = ["12+3=15\n15-4=11\n#### 11", "12+3=16", "12+3=15\n15-4=1"]
     _, ids, attn, T = _batch(tok, comps, ["Solve: 12+3-4\n"])
-    problem = arith.parse_arith_problem("12+3-4")
-    teach = [None] + [tasks.encode_prompt(tok, arith.arith_reference_prompt(problem, comps[0]))] * 2
+    problem = tasks.parse_arith_problem("12+3-4")
+    teach = [None] + [tasks.encode_prompt(tok, reference_prompt(problem, comps[0]))] * 2
     m = attn[:, -T:].float()
     model.zero_grad()
     logp, _, D, _ = logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, fused=fused)
@@ -309,7 +311,7 @@ def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
 
 def test_teacher_prompt_plain_and_chat(tiny):
     _, tok = tiny
-    ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], arith.ARITH_INSTRUCTION + "12+3-4")
+    ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [], tasks.ARITH_INSTRUCTION + "12+3-4")
     got = sc_grpo.teacher_prompt(tok, "arith", ex, " 12+3=15\n#### 15\n")
     assert got == tok("Reference solution:\n12+3=15\n#### 15\nSolve: 12+3-4\n").input_ids  # the trained format
     chat = copy.deepcopy(tok)
@@ -317,7 +319,7 @@ def test_teacher_prompt_plain_and_chat(tiny):
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
-    student = tasks.render_prompt(chat, arith.ARITH_INSTRUCTION + ex.question, ex.prompt)
+    student = tasks.render_prompt(chat, tasks.ARITH_INSTRUCTION + ex.question, ex.prompt)
     teacher_ids = sc_grpo.teacher_prompt(chat, "arith", ex, "12+3=15")
     want = "<system>" + sc_grpo.GUIDE + "12+3=15\n" + student  # tau in the system message, the user turn unchanged
     assert teacher_ids == tasks.encode_prompt(chat, want)

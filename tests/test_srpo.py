@@ -12,7 +12,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import srpo
-from rlvr_utils import arith, rollouts, tasks
+from rlvr_utils import rollouts, tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
 
@@ -80,13 +80,13 @@ def test_reset_index_modes():
 def test_oracle_picks_true_first_error_on_arith():
     rng = random.Random(3)
     for _ in range(200):
-        p = arith.make_arith_problem(rng)
+        p = tasks.make_arith_problem(rng)
         lines = p.solution().split("\n")
         k = rng.randint(1, len(lines))
         lines[k - 1] = lines[k - 1] + "1"  # corrupt line k
         parent = "\n".join(lines)
         th = srpo.split_thoughts(parent, "\n")
-        assert srpo.reset_index("oracle", len(th), oracle_step=arith.arith_first_error(p, parent)) == k
+        assert srpo.reset_index("oracle", len(th), oracle_step=tasks.arith_first_error(p, parent)) == k
 
 
 def test_suffix_mask():
@@ -135,7 +135,7 @@ def test_collect_rollouts_oracle_batch(tiny):
                 e = next(
                     x
                     for x in examples
-                    if arith.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1
+                    if tasks.arith_first_error(x.question, prefix) == len(srpo.split_thoughts(prefix, "\n")) + 1
                 )
                 assert e is not None
     groups = torch.unique(ro.group_ids, return_counts=True)[1]

@@ -8,7 +8,7 @@ import pytest
 from conftest import shared_file
 from helpers import read_metrics, run_script
 
-from rlvr_utils import arith, sandbox, tasks
+from rlvr_utils import data_tasks, sandbox, tasks
 
 
 # --- task loading ---------------------------------------------------------------------------
@@ -30,7 +30,7 @@ def test_load_arith_task_disjoint_and_seeded():
     assert len({e.id for e in t1.train + t1.eval}) == len(t1.train) + len(t1.eval)
     ex = t1.eval[0]
     assert ex.prompt == f"Solve: {ex.question}\n"
-    assert t1.reward_fn(arith.parse_arith_problem(ex.question).solution(), ex) == 1.0
+    assert t1.reward_fn(tasks.parse_arith_problem(ex.question).solution(), ex) == 1.0
 
 
 def test_load_task_errors(tmp_path):
@@ -172,7 +172,7 @@ def test_code_task_missing_field_is_named(tiny, tmp_path):
     ],
 )
 def test_row_problem_names_the_missing_field(task, row, missing):
-    got = tasks.row_problem(task, row)
+    got = data_tasks.row_problem(task, row)
     assert (got is None) if missing is None else (missing in got and str(sorted(row)) in got)
 
 

@@ -9,18 +9,18 @@ import sys
 import pytest
 from conftest import ROOT
 
-from rlvr_utils import arith, rewards
+from rlvr_utils import rewards, tasks
 
 sys.path.insert(0, str(ROOT / "tools"))
 import train_tiny_model as ttm  # noqa: E402
 
 
 def test_completion_weights_mark_the_decisions():
-    reply = ttm.arith_localization_target(arith.parse_arith_problem("23+7-5+9"), ["23+7=30", "30-5=24"])
+    reply = ttm.arith_localization_target(tasks.parse_arith_problem("23+7-5+9"), ["23+7=30", "30-5=24"])
     w = ttm.completion_weights(reply, 5.0)
     heavy = [reply[i] if i < len(reply) else "<eos>" for i, x in enumerate(w) if x == 5.0]
     assert heavy == ["?", "2"] and len(w) == len(reply) + 1
-    solution = arith.parse_arith_problem("23+7").solution()
+    solution = tasks.parse_arith_problem("23+7").solution()
     assert ttm.completion_weights(solution, 5.0) == [1.0] * (len(solution) + 1)
 
 
@@ -32,9 +32,9 @@ def test_localization_examples_match_the_oracle():
         prompt, target, kind = ttm.sample_example(rng, args)
         if kind != 1:
             continue
-        problem = arith.parse_arith_problem(prompt.split("\n")[0].removeprefix("Problem: "))
+        problem = tasks.parse_arith_problem(prompt.split("\n")[0].removeprefix("Problem: "))
         lines = [ln.split(": ", 1)[1] for ln in prompt.split("\n") if ln.startswith("Step ")]
-        first = arith.arith_first_error(problem, "\n".join(lines))
+        first = tasks.arith_first_error(problem, "\n".join(lines))
         assert rewards.last_boxed(target) == str(first or 0)
         seen[first is None] += 1
     assert seen[0] > 50 and seen[1] > 3  # both wrong and (about 10%) correct solutions are shown
@@ -44,7 +44,7 @@ def test_bundled_model_localizes_above_chance(tiny):
     """Greedy first-wrong-step localization on synthetic wrong solutions, measured here on 100 problems
     the training report did not use: clearly above a uniform guess (the target of issue 2)."""
     model, tok = tiny
-    problems = [arith.make_arith_problem(random.Random(50_000 + i), steps=4) for i in range(100)]
+    problems = [tasks.make_arith_problem(random.Random(50_000 + i), steps=4) for i in range(100)]
     ev = ttm.evaluate(model, tok, problems, rng_seed=3, own=False)
     assert ev["localization"] >= 1.5 * ev["localization_chance"], ev
 
@@ -109,7 +109,7 @@ def test_trainer_runs_and_saves(tmp_path):
     ],
 )
 def test_arith_localization_target_hand_cases(given, expected):
-    assert ttm.arith_localization_target(arith.parse_arith_problem("23+7-5+9"), given) == expected
+    assert ttm.arith_localization_target(tasks.parse_arith_problem("23+7-5+9"), given) == expected
 
 
 def test_arith_localization_target_names_the_first_error():
@@ -117,7 +117,7 @@ def test_arith_localization_target_names_the_first_error():
     solution's text up to the first character that differs from the correct solution."""
     rng = random.Random(2)
     for _ in range(500):
-        p = arith.make_arith_problem(rng, steps=rng.randint(1, 6))
+        p = tasks.make_arith_problem(rng, steps=rng.randint(1, 6))
         lines = p.solution().split("\n")
         k = rng.randint(1, len(lines))
         bad = list(lines)
@@ -132,7 +132,7 @@ def test_arith_localization_target_names_the_first_error():
             )
         else:
             bad[k - 1] = f"#### {p.answer + rng.choice([-3, 1, 20])}"
-        first = arith.arith_first_error(p, "\n".join(bad))
+        first = tasks.arith_first_error(p, "\n".join(bad))
         reply = ttm.arith_localization_target(p, bad)
         assert rewards.last_boxed(reply) == str(first)
         body = reply.rsplit("\n", 1)[0].split("? wrong")[0]

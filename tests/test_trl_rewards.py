@@ -18,7 +18,7 @@ from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir
 
 import common
-from rlvr_utils import arith, checks, custom, datafiles, reward_calls, stopping, tasks
+from rlvr_utils import custom, data_tasks, datafiles, reward_calls, runtime, tasks
 
 SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"]
 SHORT = "--total-steps 2 --eval-every 0 --prompts-per-step 4 --num-generations 4 --threads 1 --max-new-tokens 32"
@@ -80,9 +80,9 @@ def user(tmp_path_factory):
     (d / "interrupt_at_import.py").write_text("raise KeyboardInterrupt\n")
     rng, rows = random.Random(0), []
     for i in range(24):
-        p = arith.make_arith_problem(rng, steps=3)
+        p = tasks.make_arith_problem(rng, steps=3)
         code = "007" if i % 3 == 0 else i
-        rows.append({"prompt": arith.arith_prompt(p), "answer": p.answer, "code": code, "big": 2**70 + i, "mixed": i})
+        rows.append({"prompt": tasks.arith_prompt(p), "answer": p.answer, "code": code, "big": 2**70 + i, "mixed": i})
     rows[5]["mixed"] = 1.5
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
@@ -346,8 +346,8 @@ def test_exits_and_interrupts_from_a_reward(capsys):
         with pytest.raises(SystemExit) as e:
             reward_calls.RewardFunctions([("my.py:f", raises(exc))])(["x"], _examples(1))
         assert e.value.code == code and capsys.readouterr().err.count("error: --reward-fn my.py:f") == 1
-    with pytest.raises(stopping.StopNow):  # a second Ctrl-C while a reward runs: the run's own stop, untouched
-        reward_calls.RewardFunctions([("my.py:f", raises(stopping.StopNow(130)))])(["x"], _examples(1))
+    with pytest.raises(runtime.StopNow):  # a second Ctrl-C while a reward runs: the run's own stop, untouched
+        reward_calls.RewardFunctions([("my.py:f", raises(runtime.StopNow(130)))])(["x"], _examples(1))
     assert "error" not in capsys.readouterr().err
 
 
@@ -453,7 +453,7 @@ def test_data_formats_are_read_as_written(tmp_path, tiny):
 def test_bad_data_is_one_line_naming_the_file_line(tmp_path, capsys, text, words):
     (tmp_path / "rows.jsonl").write_text(text)
     with pytest.raises(SystemExit) as e:
-        checks.check_data("custom", str(tmp_path / "rows.jsonl"), "--data-path")
+        data_tasks.check_data("custom", str(tmp_path / "rows.jsonl"), "--data-path")
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
 
@@ -463,8 +463,8 @@ def test_an_int_column_with_one_float_keeps_its_ints(tmp_path, tiny):
     model, tok = tiny
     rng, rows = random.Random(0), []
     for _ in range(8):
-        p = arith.make_arith_problem(rng, steps=3)
-        rows.append({"prompt": arith.arith_prompt(p), "answer": p.answer})
+        p = tasks.make_arith_problem(rng, steps=3)
+        rows.append({"prompt": tasks.arith_prompt(p), "answer": p.answer})
     rows[-1]["answer"] = 0.5
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     readme = (ROOT / "README.md").read_text().split("## Your own task", 1)[1].split("```python\n", 1)[1].split("```")[0]
@@ -504,7 +504,7 @@ def test_tiny_models_greedy_answers_are_the_same_through_autotokenizer(tiny):
     model, ours = tiny
     auto = AutoTokenizer.from_pretrained(TINY_MODEL)
     rng = random.Random(3)
-    prompts = [arith.arith_prompt(arith.make_arith_problem(rng, steps=4)) for _ in range(6)]
+    prompts = [tasks.arith_prompt(tasks.make_arith_problem(rng, steps=4)) for _ in range(6)]
     answers = []
     for tok in (auto, ours):  # one batched greedy call each, left-padded as the tokenizer says
         enc = tok(prompts, return_tensors="pt", padding=True)
@@ -607,7 +607,7 @@ def test_an_async_reward_s_own_timeout_error_is_not_our_timeout(capsys):
 def test_values_and_arrays_json_refuses(tmp_path, capsys, name, text, words):
     (tmp_path / name).write_text(text)
     with pytest.raises(SystemExit) as e:
-        checks.check_data("custom", str(tmp_path / name), "--data-path")
+        data_tasks.check_data("custom", str(tmp_path / name), "--data-path")
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
 

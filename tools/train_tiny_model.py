@@ -46,15 +46,14 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-from rlvr_utils import (
-    arith,  # noqa: E402
-    checkpoints,  # noqa: E402
-    rewards,  # noqa: E402
-)
-from rlvr_utils.arith import (
-    arith_localization_prompt,  # noqa: E402  (format (b): what SRPO's self-localization asks)
-    arith_reference_prompt,  # noqa: E402  (format (c): what SC-GRPO's teacher sees)
-)
+from rlvr_utils import checkpoints, rewards, tasks  # noqa: E402
+from srpo import arith_localization_prompt  # noqa: E402  (format (b): what SRPO's self-localization asks)
+
+
+def arith_reference_prompt(problem: tasks.ArithProblem, reference: str) -> str:
+    """Format (c): what SC-GRPO's teacher sees on the built-in task without a chat template (sc_grpo.teacher_prompt's
+    plain form: the verified reference before the student's prompt)."""
+    return f"Reference solution:\n{reference.strip()}\n{tasks.arith_prompt(problem)}"
 
 
 @dataclasses.dataclass
@@ -114,7 +113,7 @@ class Args:
     """also keep a copy of the model at every evaluation in <out-dir>-step<N>"""
 
 
-def arith_localization_target(problem: arith.ArithProblem, thoughts: list[str]) -> str:
+def arith_localization_target(problem: tasks.ArithProblem, thoughts: list[str]) -> str:
     """The reply the tiny model is trained to give to `arith_localization_prompt`: it copies the given
     solution line by line (`Step i: <line>`) for as long as the copy agrees, character by character,
     with the correct solution; at the first character where they differ it writes `? wrong` instead
@@ -159,7 +158,7 @@ def build_tokenizer():
     )
 
 
-def corrupt_solution(problem: arith.ArithProblem, rng: random.Random) -> tuple[list[str], int]:
+def corrupt_solution(problem: tasks.ArithProblem, rng: random.Random) -> tuple[list[str], int]:
     """A wrong solution and the 1-based index of its first wrong line. Errors are what a sampler
     makes: a wrong result, a wrong operand or operator, or a wrong answer line; later steps then
     continue correctly from the wrong value."""
@@ -185,16 +184,16 @@ def corrupt_solution(problem: arith.ArithProblem, rng: random.Random) -> tuple[l
     if k == n + 1:
         ans = v + rng.choice([-1, 1]) * rng.randint(1, 10)
     lines.append(f"#### {ans}")
-    assert arith.arith_first_error(problem, "\n".join(lines)) == k
+    assert tasks.arith_first_error(problem, "\n".join(lines)) == k
     return lines, k
 
 
 def sample_example(rng: random.Random, args: Args) -> tuple[str, str, int]:
     """(prompt, target, kind) with kind 0 solve, 1 localize, 2 solve with reference."""
-    problem = arith.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
+    problem = tasks.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
     kind = rng.choices(range(3), weights=args.mix)[0]
     if kind == 0:
-        return arith.arith_prompt(problem), problem.solution(), 0
+        return tasks.arith_prompt(problem), problem.solution(), 0
     if kind == 1:
         if rng.random() < args.loc_correct_frac:
             lines = problem.solution().split("\n")
@@ -247,14 +246,14 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
     synthetic wrong solutions and (own=True) on the model's own wrong samples."""
     model.eval()
     out = {}
-    prompts = [arith.arith_prompt(p) for p in problems]
+    prompts = [tasks.arith_prompt(p) for p in problems]
     for name, kw in (
         ("pass@1_T1", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
         ("greedy", dict(do_sample=False)),
     ):
         torch.manual_seed(rng_seed)
         texts = generate(model, tok, prompts, max_new_tokens=64, **kw)
-        out[name] = sum(arith.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
+        out[name] = sum(tasks.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
     rng = random.Random(rng_seed)
     loc_prompts, labels = [], []
     for p in problems:
@@ -276,16 +275,16 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
 def own_localization(model, tok, problems, rng_seed: int) -> dict:
     """Localization on the model's own wrong solutions, as srpo.py sees them: sample one solution per
     problem at T=1, keep the wrong ones, ask for their first wrong step (greedy) and compare with
-    arith.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset)."""
-    prompts = [arith.arith_prompt(p) for p in problems]
+    tasks.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset)."""
+    prompts = [tasks.arith_prompt(p) for p in problems]
     torch.manual_seed(rng_seed + 1)
     texts = generate(model, tok, prompts, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     wrong = [
         (p, [ln for ln in t.split("\n") if ln.strip()])
         for p, t in zip(problems, texts)
-        if arith.arith_reward(t, str(p.answer)) == 0.0
+        if tasks.arith_reward(t, str(p.answer)) == 0.0
     ]
-    wrong = [(p, lines, arith.arith_first_error(p, "\n".join(lines))) for p, lines in wrong if lines]
+    wrong = [(p, lines, tasks.arith_first_error(p, "\n".join(lines))) for p, lines in wrong if lines]
     wrong = [(p, lines, k) for p, lines, k in wrong if k is not None and k <= len(lines)]
     if not wrong:
         return {"own_localization": None, "own_localization_n": 0}
@@ -340,7 +339,7 @@ def main(args: Args) -> None:
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
-    eval_problems = [arith.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
+    eval_problems = [tasks.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
     if args.eval_only:
         model = Qwen2ForCausalLM.from_pretrained(args.init_from or args.out_dir)
         print("eval", json.dumps(evaluate(model, tok, eval_problems, rng_seed=args.seed)))

@@ -1,0 +1,266 @@
+"""--resume RUN_DIR, an extra: the run's own flags (its config.json) merged with this command line's and checked
+before anything loads (`resume_args`, from cli.parse), then the checkpoint (checkpoints.py) restored into the model,
+optimizer, prompt stream and random-number states the script has built (`restore`, from common.Run.start), so the run
+goes on exactly as if it had not stopped (tests/test_checkpoints.py checks this bit for bit on CPU; tests/test_dist.py
+the sharded checkpoints and world-size changes). A damaged file ends the run with one line naming it (exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from rlvr_utils import runtime
+from rlvr_utils.checkpoints import Checkpointer, CountingBatches, load_into
+from rlvr_utils.runtime import lock_run_dir, need, read_rows, usage_error
+
+RUNTIME_FLAGS = (
+    "resume",
+    "total_steps",
+    "save_every",
+    "save_model",
+    "threads",
+    "track",
+    "wandb_project",
+    "eval_every",
+    "device",
+    "dist_timeout",
+    "fsdp",  # the same maths sharded or not: a run moves between DDP and FSDP through its checkpoint
+    "model",  # the weights come from the checkpoint: a run made in another clone names its own copy of the model
+    "output_dir",  # a resumed run writes into its own directory, wherever it has been moved
+    "data_path",  # a data file that moved (its contents are compared with the run's: file_hashes)
+    "eval_data_path",
+    "reward_timeout",  # a reward service that got slower
+)  # may differ between a run and its resumption
+
+
+def _fits(kind, value) -> bool:
+    """Whether a config.json value is one the flag of type `kind` takes (Literal choices, X | None, tuples of them)."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is type(None):
+        return value is None
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(k, value) for k in args)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_fits(args[0], v) for v in value) if args else True
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind in (int, float):
+        return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    return isinstance(value, kind) if kind is str else True  # anything else is not checked here
+
+
+def resume_args(args, args_type):
+    """`--resume RUN_DIR` continues a run with the flags it was started with (its config.json). A flag given on this
+    command line that differs from the run's is an error, except the runtime flags above, which may be given anew
+    (e.g. --total-steps to extend a run; --threads changes the floating-point order, so a bit-for-bit continuation
+    keeps the run's). The run must be this script's and hold a complete checkpoint before --total-steps. Returns the
+    merged args."""
+    run_dir, script = Path(args.resume), Path(sys.argv[0]).name
+    need((run_dir / "config.json").is_file(), f"--resume {args.resume}: not a run directory (no config.json)")
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        assert isinstance(saved, dict)
+    except (ValueError, AssertionError, OSError) as e:
+        usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
+    made_by = saved.get("script")
+    need(
+        made_by in (None, script),
+        f"--resume {args.resume}: the run was made by {made_by}, not {script} (a run "
+        "continues with the script that started it)",
+    )
+    copies = Checkpointer(run_dir, 0).copies()
+    need(
+        bool(copies),
+        f"--resume {args.resume}: no checkpoint in it (a run saves one with --save-every N, on Ctrl-C and on SIGTERM)",
+    )
+    problem = damaged(copies[0][1])
+    need(problem is None, f"--resume {args.resume}: {problem}")
+    if os.environ.get("RANK", "0") == "0":  # one writer per run directory, before anything loads
+        lock_run_dir(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    need(
+        metrics.is_file(),
+        f"--resume {args.resume}: {metrics} is missing (a resumed run appends to it): restore it, or start a new run",
+    )
+    read_rows(metrics)  # every line a JSON object with its step (one line naming the line otherwise)
+    defaults, merged = args_type(), {}
+    hints = typing.get_type_hints(args_type)
+    for f in dataclasses.fields(args_type):  # a hand-edited config.json: one line naming the key, not a traceback
+        if f.name in saved:
+            kind = hints[f.name]  # the Literal choices, also inside X | None or a tuple, for the message
+            choices = [c for k in (kind, *typing.get_args(kind)) if typing.get_origin(k) is Literal for c in k.__args__]
+            need(
+                _fits(kind, saved[f.name]),
+                f"--resume {args.resume}: {run_dir / 'config.json'}: {f.name} is {saved[f.name]!r}, not a value of "
+                f"--{f.name.replace('_', '-')}" + (f" (one of {', '.join(map(str, choices))})" if choices else ""),
+            )
+    runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
+    for f in dataclasses.fields(args_type):
+        given, default = getattr(args, f.name), getattr(defaults, f.name)
+        if f.name not in saved:
+            merged[f.name] = given
+            continue
+        old = tuple(saved[f.name]) if isinstance(default, tuple) and isinstance(saved[f.name], list) else saved[f.name]
+        if f.name in RUNTIME_FLAGS:  # given on this command line, or else the run's own
+            merged[f.name] = given if given != default or f.name == "resume" else old
+            continue
+        need(
+            given == default or given == old,
+            f"--{f.name.replace('_', '-')} {given}: the run in {run_dir} was started "
+            f"with {old}; a resumed run keeps its flags (only {runtime} may change)",
+        )
+        merged[f.name] = old
+    step = copies[0][0]
+    need(
+        step < 0 or merged["total_steps"] > step,
+        f"--resume {args.resume}: the run is already at step {step} "
+        f"(--total-steps {merged['total_steps']}): give a larger --total-steps to extend it",
+    )
+    out = dataclasses.replace(args, **merged)
+    then = saved.get("file_hashes", {})
+    now = runtime.extra("data_tasks", "--resume of a run with data files").file_hashes(out) if then else {}
+    for role in (r for r in then if now.get(r, then[r]) != then[r]):
+        warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
+        print(warning, file=sys.stderr)
+    return out
+
+
+def recover(ckpt) -> int | None:
+    """Make the newest complete copy the checkpoint (a kill during a save can leave it under a hidden name) and
+    return its step; None when there is none."""
+    found = ckpt.copies()
+    if not found:
+        return None
+    step, best = found[0]
+    if best != ckpt.path and ckpt.rank == 0:
+        if ckpt.path.exists():
+            shutil.rmtree(ckpt.path)
+        os.rename(best, ckpt.path)
+    return step
+
+
+def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | None = None) -> int:
+    """Load the checkpoint `ckpt` (a checkpoints.Checkpointer) into the objects the script has built (`objects`: its
+    own stateful ones by name, as saved); returns the step it was taken after. A damaged file ends the run with one
+    line naming it (exit code 2)."""
+    from safetensors.torch import load_file
+
+    run = ckpt.path.parent
+    found = recover(ckpt) if ckpt.rank == 0 else None  # rank 0 alone moves a kill's copy into place
+    if ckpt.dist is not None:
+        ckpt.dist.barrier()
+        found = ckpt.dist.broadcast(found)
+    if found is None:
+        usage_error(
+            f"--resume {run}: no complete checkpoint there (runs save one with --save-every N, on Ctrl-C and "
+            "on SIGTERM)"
+        )
+    state = _load(ckpt.path / "trainer.pt", run)
+    if state.get("sharded"):  # an FSDP run's: DCP reshards onto this run's ranks (or one process)
+        sharded = runtime.extra("sharded", "--resume of an --fsdp run")
+        sharded.restore(ckpt.path / "sharded", model, optimizer, run)
+    else:
+        files = sorted((ckpt.path / "model").glob("*.safetensors"))
+        if not files:
+            usage_error(f"--resume {run}: {ckpt.path / 'model'} holds no weights (*.safetensors)")
+        weights = {}
+        for f in files:
+            try:
+                weights.update(load_file(str(f)))
+            except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
+                usage_error(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        if ckpt.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
+            runtime.extra("sharded", "--fsdp").restore_full(model, optimizer, weights, state["optimizer"], run)
+        else:
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if k not in _tied(model)]
+            if missing or unexpected:
+                usage_error(
+                    f"--resume {run}: the checkpoint does not fit the model (missing {missing[:3]}, unexpected "
+                    f"{unexpected[:3]}): was the run started with another --model?"
+                )
+            optimizer.load_state_dict(state["optimizer"])
+    batches.skip_to(state["batches_drawn"])
+    for k, v in (objects or {}).items():
+        if k not in state["extra"]:
+            usage_error(f"--resume {run}: the checkpoint holds no '{k}' state: it was made by another script")
+        load_into(v, state["extra"][k])
+    own = ckpt.path / f"trainer_rank{ckpt.rank}.pt"
+    if ckpt.rank > 0 and not own.is_file():  # more ranks than the run had: a new stream per rank and step
+        seed = (torch.initial_seed() + 1_000_003 * int(state["step"])) % 2**32
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+        return int(state["step"])
+    rng = state if ckpt.rank == 0 else _load(own, run)
+    for k, v in rng.get("extra_rng", {}).items():  # this rank's own generator states (older checkpoints: rank 0's)
+        if k in (objects or {}):
+            load_into(objects[k], v)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if ckpt.rank == 0:
+        ckpt.clean_leftovers()
+    return int(state["step"])
+
+
+def damaged(copy: Path) -> str | None:
+    """What is wrong with a checkpoint copy, read cheaply before any model loads (safetensors headers, the zip
+    directory of trainer.pt), or None."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    if (copy / "sharded").is_dir():  # an FSDP run's (DCP): its index is read on load
+        weights = [copy / "sharded" / ".metadata"]
+    else:
+        weights = sorted((copy / "model").glob("*.safetensors"))
+    if not weights:
+        return f"{copy / 'model'} holds no weights (*.safetensors)"
+    for f in [*weights, copy / "trainer.pt"]:
+        if f.name == ".metadata":
+            if not f.is_file() or f.stat().st_size == 0:
+                return f"{f} is missing or empty (an unfinished sharded save)"
+            continue
+        try:
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), "pt") as w:
+                    w.keys()
+            else:
+                zipfile.ZipFile(f).close()
+        except Exception as e:  # missing, empty, truncated or not the right format
+            return f"{f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else 'empty'})"
+    return None
+
+
+def _load(path: Path, run: Path) -> dict:
+    try:
+        return torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto the saver's GPU
+    except Exception as e:  # truncated, empty or not a torch file
+        reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
+        usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
+
+
+def _tied(model) -> set:
+    """Parameter names safetensors leaves out because they share storage with another (tied embeddings)."""
+    seen, tied = {}, set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), t.shape)
+        if key in seen:
+            tied.add(name)
+        seen.setdefault(key, name)
+    return tied | {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else tied

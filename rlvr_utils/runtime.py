@@ -1,0 +1,395 @@
+"""What every run does around its algorithm, besides checkpoints (checkpoints.py): the one-line usage error, the one
+process's `Dist` (torchrun's, with its collectives, is distributed.py's), the run directory's lock, stopping on Ctrl-C
+or SIGTERM, and the run's metrics: the update's diagnostics (UpdateStats, TRL's names) and where every metric goes
+(TensorBoard, metrics.jsonl beside it, Weights & Biases with --track).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+import torch
+
+
+# ----------------------------------------------------------------------------------------------
+# the one-line usage error, before anything loads; the extras
+# ----------------------------------------------------------------------------------------------
+def usage_error(message: str) -> NoReturn:
+    """One line on stderr, exit code 2 (as for tyro's own parse errors)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        usage_error(message)
+
+
+def extra(module: str, flag: str):
+    """rlvr_utils.<module>, an extra that `flag` needs, imported where the flag is handled (README: Copy one method). In
+    a copy of the minimal core that lacks it, or a module it imports: one line naming the file to copy, exit code 2
+    (cli.parse asks for every extra the flags need before anything loads)."""
+    try:
+        return importlib.import_module(f"rlvr_utils.{module}")
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("rlvr_utils."):
+            raise  # a third-party package: the caller says what to install
+        missing = "rlvr_utils/" + e.name.split(".", 1)[1].replace(".", "/") + ".py"
+        usage_error(
+            f"{flag} needs {missing}, which this copy does not have: copy it from the repository into rlvr_utils/ "
+            "(README: Copy one method)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# one process: a world of 1, where every method of Dist is what one process does (distributed.py: torchrun's)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Dist:
+    """This process's place in a torchrun job: here a world of 1, where every collective is the identity. Under torchrun
+    (WORLD_SIZE > 1) `init_distributed` returns distributed.py's subclass, whose methods talk to the other ranks; the
+    scripts call the same methods either way (docs/scaling.md)."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # for collectives
+    fsdp: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks (float64)."""
+        return torch.tensor(list(values), dtype=torch.float64).tolist()
+
+    def shard(self, examples: Sequence) -> list:
+        """This rank's prompts of a global batch (every world-th one)."""
+        return list(examples[self.rank :: self.world])
+
+    def over_global_batch(self, fn, *args, keep_whole: tuple[str, ...] = (), **kwargs):
+        """fn(*args, **kwargs) over the global batch (for a method's batch statistics): here, this process's."""
+        return fn(*args, **kwargs)
+
+    def loss_counts(self, mask: torch.Tensor, num_seqs: int | None = None) -> tuple[float, float]:
+        """(tokens, sequences) to normalize this rank's loss by: the global counts / world."""
+        tokens, seqs = self.sum([mask.sum().item(), len(mask) if num_seqs is None else num_seqs])
+        return tokens / self.world, seqs / self.world
+
+    @staticmethod
+    def idle_pass(loss_of_one_row) -> None:
+        """A forward and backward that changes nothing (its loss times 0): keeps this rank's FSDP collectives matched
+        with a rank that has one more micro-batch. `loss_of_one_row()` runs the same forward as a real micro-batch."""
+        (loss_of_one_row() * 0.0).backward()
+
+    # what torchrun's ranks do together, and one process does alone: the model itself, no collective, nothing to wait
+    def wrap(self, model, ref_model=None):  # the module the loss forward runs through (DDP, FSDP2)
+        return model
+
+    @contextlib.contextmanager
+    def gathered(self, *models):  # FSDP: the full weights for the block
+        yield
+
+    def same_count(self, n: int) -> int:  # FSDP: the largest n over ranks
+        return n
+
+    def any(self, flag: bool) -> bool:  # FSDP: whether flag holds on any rank
+        return flag
+
+    def sync_grads(self, train_model, enabled: bool) -> None:  # whether the next backward all-reduces gradients
+        pass
+
+    def reduce_metrics(self, metrics: dict) -> dict:  # means over ranks (sums for counts)
+        return metrics
+
+    def full_state_dict(self, model) -> dict | None:  # FSDP: the full weights, gathered, for --save-model
+        return None
+
+    def broadcast(self, obj):  # rank 0's picklable obj on every rank
+        return obj
+
+    def barrier(self) -> None:  # every rank waits for every other
+        pass
+
+    def close(self, then_exit: bool = False, code: int = 0) -> None:  # the end of the process group
+        pass
+
+    def print(self, *a, **k) -> None:
+        """print on rank 0 only, flushed; a closed stdout (`python grpo.py ... | head -1`) does not stop the run: its
+        later output goes to /dev/null."""
+        if self.main:
+            try:
+                print(*a, **k, flush=True)
+            except BrokenPipeError:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """auto: cuda when available, else cpu; otherwise the device named."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def init_distributed(
+    device: str, args: dict, prompts_per_step: int, timeout_s: int = 1800, fsdp: bool = False
+) -> tuple[Dist, torch.device]:
+    """A world of 1, or, under torchrun (WORLD_SIZE > 1), its job (distributed.init_torchrun: the process group,
+    every rank's flags compared, the batch divisible by the world size)."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        dev = pick_device(device)
+        return Dist(device=dev), dev
+    from rlvr_utils import distributed  # extra: torchrun
+
+    return distributed.init_torchrun(device, args, prompts_per_step, timeout_s, fsdp)
+
+
+# ----------------------------------------------------------------------------------------------
+# one writer per run directory: a second process that would write into a live run (a resume beside it, two resumes
+# at once) stops with one line naming the holder, before it loads or writes anything
+# ----------------------------------------------------------------------------------------------
+def lock_run_dir(run_dir: Path):
+    """One writer per run directory: an exclusive lock on <run_dir>/.lock, held for the process's life (the kernel
+    drops it when the process ends, however it ends), whose text names the holder. A second process (a resume beside
+    the live run, two resumes at once) stops with one line before it writes anything. Returns the open lock file."""
+    import fcntl
+    import socket
+
+    key = str(Path(run_dir).resolve())
+    if key in _LOCKS:  # this process holds it already (taken on --resume before the model loaded)
+        return _LOCKS[key]
+    f = open(Path(run_dir) / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        usage_error(
+            f"{run_dir} is in use by {holder}: a run directory has one writer at a time (wait for it, or stop it)"
+        )
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _LOCKS[key] = f
+    return f
+
+
+_LOCKS: dict = {}  # run directory -> its open, locked .lock file (kept open for the process's life)
+
+
+# ----------------------------------------------------------------------------------------------
+# stopping on request: Ctrl-C (SIGINT), SIGTERM (a scheduler's preemption, forwarded by torchrun), SIGHUP (a closing
+# terminal): before the first step one line; afterwards after the step, with a checkpoint, every rank at the same step
+# ----------------------------------------------------------------------------------------------
+class StopNow(SystemExit):
+    """The exit a signal asks for at once (exit code 130): raised from a signal handler, wherever the main thread is
+    (a reward function's code included, which must let it through)."""
+
+
+# Ctrl-C, a scheduler's preemption, and SIGHUP: a closed terminal or ssh session (where the platform has it)
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _ignore_further_signals() -> None:
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_while_loading() -> None:
+    """Until the run's first step (GracefulStop then takes over), Ctrl-C or SIGTERM ends the process with one line,
+    not a traceback from inside the model loading: nothing has been trained, so nothing is saved."""
+
+    def handler(signum, frame):
+        _ignore_further_signals()  # a second Ctrl-C must not interrupt the exit itself (an atexit traceback)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name} before the first step: stopped, nothing was saved", file=sys.stderr, flush=True)
+        raise StopNow(130)
+
+    for sig in SIGNALS:
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+
+
+class GracefulStop:
+    """The first Ctrl-C (SIGINT) or SIGTERM (what a cluster scheduler sends before it preempts a job) asks the run to
+    stop after the step in progress: the script then saves a checkpoint, closes its logs and exits with one line
+    naming the --resume command (exit code 130). A second signal stops at once, with one line and no traceback. Under
+    torchrun every rank must agree on the step: `requested(dist)` all-reduces the flag."""
+
+    def __init__(self):
+        self.flag = False
+        for sig in SIGNALS:
+            try:
+                signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread (e.g. a test runner): the signal keeps its default
+                pass
+
+    def _handler(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.flag:
+            _ignore_further_signals()  # a third signal must not interrupt the exit itself
+            print(f"\n{name} again: stopping now, without a checkpoint of this step", file=sys.stderr, flush=True)
+            raise StopNow(130)
+        self.flag = True
+        what = "the run stops after this step and saves a checkpoint (a second signal stops at once)"
+        print(f"\n{name}: {what}", file=sys.stderr, flush=True)
+
+    def requested(self, dist=None) -> bool:
+        """Whether a stop was asked for (torchrun: on any rank, so every rank stops after the same step)."""
+        return self.flag if dist is None else dist.sum([float(self.flag)])[0] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics: the update's diagnostics and where every metric goes
+# ----------------------------------------------------------------------------------------------
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
+    line that is not a JSON object with an integer step, is an error naming it)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
+                usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
+            rows.append(row)
+        except ValueError:
+            if i < len(lines):
+                usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
+            print(
+                f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
+                file=sys.stderr,
+            )
+    return rows
+
+
+class Logger:
+    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`. `resume_step` k > 0
+    (--resume): the rows after step k are dropped from metrics.jsonl and TensorBoard before the run goes on.
+    `last_eval`: the latest evaluation metrics logged (or read back from metrics.jsonl when resuming)."""
+
+    def __init__(self, run_dir, config: dict, track=False, wandb_project="credit-rlvr", enabled=True, resume_step=0):
+        self.enabled = enabled  # False on torchrun ranks > 0
+        self.run_dir, self.last_eval = Path(run_dir), None
+        if resume_step:
+            rows = read_rows(self.run_dir / "metrics.jsonl")
+            rows = [r for r in rows if r["step"] <= resume_step]
+            self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
+            if enabled:
+                tmp = self.run_dir / "metrics.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                os.replace(tmp, self.run_dir / "metrics.jsonl")
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.run_dir), purge_step=resume_step + 1 if resume_step else None)
+        if not resume_step:
+            table = "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items())
+            self.writer.add_text("hyperparameters", table)
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.wandb = None
+        if track:
+            import wandb
+
+            name, where = self.run_dir.name, str(self.run_dir)
+            self.wandb = wandb.init(project=wandb_project, name=name, id=name, resume="allow", config=config, dir=where)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if "eval/accuracy" in metrics:
+            self.last_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if not self.enabled:
+            return
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.enabled and text:
+            self.writer.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.writer.close()
+        self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class UpdateStats:
+    """The update's diagnostics, TRL's names: clip fractions and kl as token means over every pass, entropy over the
+    first pass, policy_loss and grad_norm as means over optimizer steps, and the vLLM engine's mismatch (`engine`)."""
+
+    def __init__(self, mask: torch.Tensor, passes: int):
+        self.tokens, self.passes = max(float(mask.sum()), 1.0), passes
+        self.sums, self.losses, self.norms, self.loss, self.engine_stats = defaultdict(float), [], [], 0.0, {}
+
+    def engine(self, it: int) -> dict | None:
+        return self.engine_stats if it == 0 else None  # the engine metrics describe the rollouts: once
+
+    def add(self, m, ratio, adv, eps_low, eps_high, entropy=None, kl=None, loss=None) -> None:
+        low, high = ((ratio < 1 - eps_low) & (adv < 0)).float() * m, ((ratio > 1 + eps_high) & (adv > 0)).float() * m
+        self.sums["clip_ratio/low_mean"] += low.sum().item()
+        self.sums["clip_ratio/high_mean"] += high.sum().item()
+        self.sums["clip_ratio/region_mean"] += (low + high).sum().item()
+        if entropy is not None:
+            self.sums["entropy"] += (entropy * m).sum().item()
+        if kl is not None:
+            self.sums["kl"] += (kl.detach() * m).sum().item()
+        self.loss += loss.item() if loss is not None else 0.0
+
+    def step(self, grad_norm) -> None:
+        """After each optimizer step: the mini-batch's loss and gradient norm."""
+        self.losses.append(self.loss)
+        self.norms.append(float(grad_norm))
+        self.loss = 0.0
+
+    def metrics(self) -> dict:
+        out = {k: v / (self.tokens * (1 if k == "entropy" else self.passes)) for k, v in self.sums.items()}
+        out.update(
+            self.engine_stats,
+            policy_loss=sum(self.losses) / len(self.losses),
+            grad_norm=sum(self.norms) / len(self.norms),
+        )
+        return out
+
+
+def completion_metrics(ro, rewards: torch.Tensor, group_size: int, success_threshold: float = 1.0) -> dict:
+    """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths; and
+    frac_groups_unsolved, the share of groups where no completion's verifier score reaches `success_threshold`."""
+    lengths = ro.completion_mask.sum(1).float()
+    r = rewards.float().cpu()
+    _, inv = torch.unique(ro.group_ids.cpu(), return_inverse=True)
+    n = int(inv.max()) + 1
+    hi = torch.full((n,), -float("inf")).scatter_reduce(0, inv, r, "amax")
+    constant = hi == torch.full((n,), float("inf")).scatter_reduce(0, inv, r, "amin")  # all rewards equal
+    score = (ro.scores if ro.scores is not None else rewards).float().cpu()
+    best = torch.full((len(constant),), -float("inf")).scatter_reduce(0, inv, score, "amax")
+    return {
+        "reward": r.mean().item(),
+        "reward_std": r.std().item() if len(r) > 1 else 0.0,
+        "frac_reward_zero_std": constant.float().mean().item(),
+        "frac_groups_unsolved": (best < success_threshold).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/clipped_ratio": ro.truncated.float().mean().item(),
+    }

@@ -19,24 +19,162 @@ import gzip
 import html
 import importlib.util
 import json
+import math
 import sys
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlvr_utils import credit  # noqa: E402
+from rlvr_utils.errors import usage_error  # noqa: E402
+
+
+class BadInput(Exception):
+    """A credit file that cannot be used, as one line naming the file (and line) and what is wrong. The command-line
+    tools (this one and benchmarks/credit_accuracy.py) print it as `error: ...` and exit with code 2, never a
+    traceback: a damaged file is the reader's mistake to report, not a bug to debug."""
+
+
+NUMBER = "a finite number"
+RECORD_KEYS = ("step", "script", "row", "prompt_id", "prompt", "reward", "tokens", "credit", "signals")  # CreditLog's
+
+
+def _json_kind(v) -> str:
+    """How a JSON value reads in an error message: its JSON type (NaN and infinities by name)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number" if math.isfinite(v) else str(v)
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bad_number(values: list) -> int | None:
+    """The index of the first element of `values` that is not a finite number, or None."""
+    return next((i for i, v in enumerate(values) if not _is_number(v)), None)
+
+
+def _is_a(kind: type):
+    return lambda v: isinstance(v, kind)
+
+
+FIELDS = {  # each key of a record: the check of its value, and what the check wants (for the message)
+    "step": (_is_int, "an integer"),
+    "script": (_is_a(str), "a string"),
+    "row": (_is_int, "an integer"),
+    "prompt_id": (_is_int, "an integer"),
+    "prompt": (_is_a(str), "a string"),
+    "reward": (_is_number, NUMBER),
+    "tokens": (_is_a(list), "a list of strings"),
+    "credit": (_is_a(list), f"a list of {NUMBER}s"),
+    "signals": (_is_a(dict), "an object"),
+}
+
+
+def record_problem(rec, required: tuple[str, ...] = RECORD_KEYS) -> str | None:
+    """What makes `rec` (one parsed JSON line) not a credit record, or None. `required`: the keys the reader uses
+    (the viewer needs them all; benchmarks/credit_accuracy.py only step, prompt, reward, tokens and credit); every
+    known key present is checked whatever `required` says, so that no later line can fail on a wrong type."""
+    if not isinstance(rec, dict):
+        return f"{_json_kind(rec)}, not a JSON object"
+    missing = [k for k in required if k not in rec]
+    if missing:
+        return "missing " + ", ".join(repr(k) for k in missing)
+    for key, (ok, want) in FIELDS.items():
+        if key in rec and not ok(rec[key]):
+            return f"{key!r} is {_json_kind(rec[key])}, not {want}"
+    tokens, credit = rec.get("tokens"), rec.get("credit")
+    if tokens is not None:
+        bad = next((i for i, t in enumerate(tokens) if not isinstance(t, str)), None)
+        if bad is not None:
+            return f"'tokens'[{bad}] is {_json_kind(tokens[bad])}, not a string"
+    if credit is not None and (bad := _bad_number(credit)) is not None:
+        return f"'credit'[{bad}] is {_json_kind(credit[bad])}, not {NUMBER}"
+    if tokens is not None and credit is not None and len(tokens) != len(credit):
+        return f"{len(tokens)} tokens but {len(credit)} credit values: one per token"
+    for name, v in rec.get("signals", {}).items():
+        if isinstance(v, list):
+            if (bad := _bad_number(v)) is not None:
+                return f"signal {name!r}[{bad}] is {_json_kind(v[bad])}, not {NUMBER}"
+            if tokens is not None and len(v) != len(tokens):
+                return f"signal {name!r} has {len(v)} values for {len(tokens)} tokens"
+        elif not _is_number(v):
+            return f"signal {name!r} is {_json_kind(v)}, not {NUMBER} or a list of one per token"
+    return None
+
+
+def credit_file(path: str | Path) -> Path:
+    """The credit file of a command-line argument: a run directory's credit.jsonl, or the .jsonl / .jsonl.gz file."""
+    path = Path(path)
+    found = path / "credit.jsonl" if path.is_dir() else path
+    if not found.is_file():
+        raise BadInput(f"{path}: no credit.jsonl there (run the script with --log-credit N)")
+    return found
+
+
+def read_jsonl(path: Path, what: str) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line of a JSON-lines file, gzipped or not (told by its first
+    bytes, whatever its name). Any damage (unreadable, a truncated or corrupt gzip stream, bytes that are not UTF-8, a
+    line that is not JSON) is a BadInput naming the file and, where there is one, the line; `what` names a line's
+    kind in that message (`FILE:LINE: not a <what> (...)`)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read it ({e.strerror or e})") from None
+    if data[:2] == b"\x1f\x8b" or path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-off stream an EOFError
+            raise BadInput(f"{path}: not a readable gzip file ({e})") from None
+    out = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{path}:{n}: not a {what} (byte {raw[e.start]:#04x} at column {e.start + 1} is not UTF-8)")
+        if not line.strip():
+            continue
+        try:
+            out.append((n, json.loads(line)))
+        except ValueError as e:  # JSONDecodeError; also a number too long for int()
+            where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise BadInput(f"{path}:{n}: not a {what} (not JSON: {reason}{where})") from None
+    return out
+
+
+def read_records(path: str | Path, required: tuple[str, ...] = RECORD_KEYS) -> list[dict]:
+    """The credit records of a run directory, a credit .jsonl or a .jsonl.gz file, each checked (record_problem):
+    the one place both this viewer and benchmarks/credit_accuracy.py read them. A BadInput for a missing or empty file
+    and for the first line that is not a credit record (`FILE:LINE: not a credit record (what is wrong)`)."""
+    found = credit_file(path)
+    rows = []
+    for n, rec in read_jsonl(found, "credit record"):
+        problem = record_problem(rec, required)
+        if problem:
+            raise BadInput(f"{found}:{n}: not a credit record ({problem})")
+        rows.append(rec)
+    if not rows:
+        raise BadInput(f"{found}: no credit records in it (an empty file)")
+    return rows
 
 
 def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
     out = []
     for d in dirs:
-        path = Path(d) / "credit.jsonl" if Path(d).is_dir() else Path(d)
-        if not path.is_file():
-            raise SystemExit(f"{d}: no credit.jsonl (run the script with --log-credit N)")
-        data = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        rows = [json.loads(line) for line in data.splitlines() if line.strip()]
-        name = rows[0]["script"] if rows else path.parent.name
+        rows = read_records(d)
+        path = credit_file(d)
         label = path.parent.name if path.name == "credit.jsonl" else f"{path.parent.name}/{path.name.split('.')[0]}"
-        out.append((f"{name} ({label})", rows))
+        out.append((f"{rows[0]['script']} ({label})", rows))
     return out
 
 
@@ -240,16 +378,36 @@ def main() -> None:
     a = ap.parse_args()
     if a.png and importlib.util.find_spec("matplotlib") is None:
         sys.exit("credit_view.py: --png needs matplotlib (pip install matplotlib, or -r requirements-dev.txt)")
-    runs = read_runs(a.runs)
-    if a.step is not None:
-        runs = [(name, [r for r in rows if r["step"] == a.step]) for name, rows in runs]
-    if a.prompt is not None:
-        runs = [(name, [r for r in rows if r["prompt_id"] == a.prompt]) for name, rows in runs]
-    Path(a.out).write_text(page(runs, a.max_rows))
+    if a.max_rows is not None and a.max_rows < 1:
+        usage_error(f"--max-rows {a.max_rows}: must be >= 1 (leave it out for every rollout)")
+    try:
+        runs = read_runs(a.runs)
+    except BadInput as e:
+        usage_error(str(e))
+
+    def chosen(r: dict) -> bool:
+        return (a.step is None or r["step"] == a.step) and (a.prompt is None or r["prompt_id"] == a.prompt)
+
+    for arg, (_, rows) in zip(a.runs, runs):
+        if not any(map(chosen, rows)):  # an empty column (and nothing for --png to draw): say what the file holds
+            picked = " ".join(f"--{k} {v}" for k, v in (("step", a.step), ("prompt", a.prompt)) if v is not None)
+            steps = ", ".join(map(str, sorted({r["step"] for r in rows})))
+            usage_error(f"{arg}: no rollout for {picked} (its recorded steps: {steps})")
+    runs = [(name, [r for r in rows if chosen(r)]) for name, rows in runs]
+    write(a.out, "-o", lambda path: Path(path).write_text(page(runs, a.max_rows)))
     print(f"page: {a.out}")
     if a.png:
-        png(runs, a.png)
+        write(a.png, "--png", lambda path: png(runs, path))
         print(f"picture: {a.png}")
+
+
+def write(path: str, flag: str, save) -> None:
+    """`save(path)`, an output a person named: a path that cannot be written (no such folder, no permission, a
+    directory) ends in one line naming the flag, not a traceback after the work is done."""
+    try:
+        save(path)
+    except OSError as e:
+        usage_error(f"{flag} {path}: cannot write it ({e.strerror or e})")
 
 
 if __name__ == "__main__":

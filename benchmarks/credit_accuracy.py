@@ -37,18 +37,23 @@ length, mixed groups, the median first wrong line of its failed completions).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own directory)
-from harness import read_metrics  # noqa: E402
+from credit_view import BadInput, read_records  # noqa: E402  (tools/: the one reader and check of credit records)
 
 from rlvr_utils.credit import first_wrong_line, token_lines  # noqa: E402  (the definition's rules)
+from rlvr_utils.errors import usage_error  # noqa: E402
+from rlvr_utils.tracking import read_rows  # noqa: E402  (metrics.jsonl's reader: a damaged line is an error)
+
+MEASURED = ("step", "prompt", "reward", "tokens", "credit")  # the keys of a credit record the measure reads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,11 +96,27 @@ def summarize(scores: list[dict]) -> dict:
 
 
 def read_credit(path: Path) -> list[dict]:
-    """The rows of a credit.jsonl: `path` is a run directory holding it, a .jsonl file or a .jsonl.gz file."""
-    if path.is_dir():
-        path = path / "credit.jsonl"
-    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    """The rows of a credit.jsonl: `path` is a run directory holding it, a .jsonl file or a .jsonl.gz file. Read and
+    checked by tools/credit_view.py's reader, so both tools refuse the same damage with the same line (BadInput)."""
+    return read_records(path, MEASURED)
+
+
+METRICS_USED = ("eval/accuracy", "completions/mean_length", "frac_reward_zero_std", "reset/num_parents")
+METRICS_USED += ("reset/oracle_exact", "reset/oracle_after")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics rows (rlvr_utils.tracking.read_rows: each a JSON object with an integer step; [] for no file),
+    each metric `table` and `calibrate` read a number: a damaged file is a BadInput naming it, not a traceback."""
+    try:
+        rows = read_rows(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: cannot read it as metrics ({getattr(e, 'strerror', None) or e})") from None
+    for r in rows:
+        bad = next((k for k in METRICS_USED if k in r and type(r[k]) not in (int, float)), None)  # bool: not one
+        if bad:
+            raise BadInput(f"{path}: not a metrics row (step {r['step']}: {bad!r} is not a number)")
+    return rows
 
 
 def score_run(rows: list[dict], steps: set[int] | None = None) -> dict:
@@ -118,8 +139,6 @@ def run_name(path: Path) -> str:
 
 def cmd_report(a) -> None:
     for p in map(Path, a.runs):
-        if not (p / "credit.jsonl" if p.is_dir() else p).is_file():
-            sys.exit(f"{p}: no credit.jsonl there (run the script with --log-credit N)")
         out = {"run": run_name(p), **score_run(read_credit(p))}
         if not a.by_step:
             out.pop("by_step")
@@ -131,8 +150,11 @@ def cmd_report(a) -> None:
 # ----------------------------------------------------------------------------------------------
 def cmd_run(a) -> None:
     """learning_curves.py's run, recording every row's credit at every evaluation step."""
+    for flag, value in (("--workers", a.workers), ("--threads", a.threads)):
+        if value < 1:  # a pool of 0 workers is a ValueError traceback; 0 torch threads fails every run
+            usage_error(f"{flag} {value}: must be >= 1")
     if a.extra and not a.tag:
-        sys.exit("--extra changes the runs: give them a --tag so they do not mix with the defaults")
+        usage_error("--extra changes the runs: give them a --tag so they do not mix with the defaults")
     lc.cmd_run(a)
 
 
@@ -156,11 +178,12 @@ def cmd_table(a) -> None:
     root = Path(a.results) / a.setting
     files = sorted(root.glob("*/seed*.credit.jsonl.gz"))
     if not files:
-        sys.exit(f"no credit records under {root}: run `credit_accuracy.py run --setting {a.setting}` first")
+        usage_error(f"no credit records under {root}: run `credit_accuracy.py run --setting {a.setting}` first")
     per: dict[str, dict[str, list]] = {}  # method -> column -> values over seeds
     for f in files:
         metrics_file = f.with_name(f.name.replace(".credit.jsonl.gz", ".jsonl"))
-        if not lc.complete(metrics_file, read_metrics(metrics_file)[-1]["step"] if metrics_file.exists() else -1):
+        metrics = read_metrics(metrics_file)
+        if not metrics or "eval/accuracy" not in metrics[-1]:  # learning_curves.complete: ends with an evaluation
             print(f"skipped {f}: its run did not finish")
             continue
         rows = read_credit(f)
@@ -173,7 +196,6 @@ def cmd_table(a) -> None:
                     cols.setdefault(f"{key} {when}", []).append(s[key])
             cols.setdefault(f"n {when}", []).append(s["completions"])
             cols.setdefault(f"steps {when}", []).append(f"{min(steps)}-{max(steps)}")
-            metrics = read_metrics(metrics_file)
             last = max(r["step"] for r in metrics)  # placement: every training step of that third of the run
             third = set(range(1, last // 3 + 1)) if when == "early" else set(range(last - last // 3 + 1, last + 1))
             place = placement(metrics, third)
@@ -200,9 +222,12 @@ def cmd_table(a) -> None:
         )
     table = "\n".join(lines)
     print(table)
-    (root / "credit_accuracy.md").write_text(
-        f"`python benchmarks/credit_accuracy.py table --setting {a.setting}`\n\n{table}\n"
-    )
+    try:
+        (root / "credit_accuracy.md").write_text(
+            f"`python benchmarks/credit_accuracy.py table --setting {a.setting}`\n\n{table}\n"
+        )
+    except OSError as e:
+        usage_error(f"{root / 'credit_accuracy.md'}: cannot write the table ({e.strerror or e})")
     print(f"table: {root / 'credit_accuracy.md'}")
 
 
@@ -212,24 +237,27 @@ def cmd_calibrate(a) -> None:
     root = Path(a.results) / a.setting / "grpo"
     runs = sorted(root.glob("seed*.jsonl"))
     if not runs:
-        sys.exit(f"no GRPO runs under {root}: run `credit_accuracy.py run --setting {a.setting} --methods grpo` first")
+        usage_error(
+            f"no GRPO runs under {root}: run `credit_accuracy.py run --setting {a.setting} --methods grpo` first"
+        )
     step0, lengths, mixed, first = [], [], [], []
     for f in runs:
         rows = read_metrics(f)
         step0 += [r["eval/accuracy"] for r in rows if r["step"] == 0 and "eval/accuracy" in r]
         early = [r for r in rows if 1 <= r["step"] <= 10 and "completions/mean_length" in r]
         lengths += [r["completions/mean_length"] for r in early]
-        mixed += [1 - r["frac_reward_zero_std"] for r in early]
+        mixed += [1 - r["frac_reward_zero_std"] for r in early if "frac_reward_zero_std" in r]
         gz = f.with_name(f.name.replace(".jsonl", ".credit.jsonl.gz"))
         for row in read_credit(gz) if gz.exists() else []:
             k = first_wrong_line(row) if row["reward"] < 1 else None
             first += [k] if k is not None else []
+    mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731  (none logged: null, not NaN, in the JSON)
     out = {
         "setting": a.setting,
         "seeds": len(runs),
-        "step0_greedy_accuracy": float(np.mean(step0)),
-        "mean_completion_tokens_steps_1_10": float(np.mean(lengths)),
-        "mixed_group_share_steps_1_10": float(np.mean(mixed)),
+        "step0_greedy_accuracy": mean(step0),
+        "mean_completion_tokens_steps_1_10": mean(lengths),
+        "mixed_group_share_steps_1_10": mean(mixed),
         "median_first_wrong_line": float(np.median(first)) if first else None,
         "failed_completions": len(first),
     }
@@ -261,7 +289,10 @@ def main() -> None:
     c.add_argument("--setting", default="long")
     c.add_argument("--results", default=str(lc.RESULTS))
     a = ap.parse_args()
-    {"run": cmd_run, "report": cmd_report, "table": cmd_table, "calibrate": cmd_calibrate}[a.cmd](a)
+    try:
+        {"run": cmd_run, "report": cmd_report, "table": cmd_table, "calibrate": cmd_calibrate}[a.cmd](a)
+    except BadInput as e:  # a damaged or empty credit or metrics file: one line naming it, exit code 2
+        usage_error(str(e))
 
 
 if __name__ == "__main__":

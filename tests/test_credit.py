@@ -5,8 +5,10 @@ viewer renders every recorded token with its value."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 
 import pytest
 import torch
@@ -196,14 +198,12 @@ def test_the_page_lines_up_rows_by_prompt_marks_the_first_wrong_line_and_resists
     assert page.count("&larr; first wrong line") == 5 and page.count('class="ln w"') == 5
     assert ">-1 &larr; first wrong line<" in body[0] and ">-0.5 &larr; first wrong line<" in body[0]
     assert "colour scale 1 (95th percentile" in page  # not 64.8: the outlier saturates alone
-    assert "rgb(63,63,255)" in body[0]  # so an ordinary -1 still gets the strongest blue
+    assert "rgb(90,130,255)" in body[0]  # so an ordinary -1 still gets the strongest blue
 
 
 def test_the_page_in_headless_chromium(tmp_path):
     """The page as a person sees it: Chromium (Debian's package) renders it with no console error, and the DOM it
     builds holds every token and the first-wrong-line mark."""
-    import shutil
-
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
@@ -220,7 +220,7 @@ def test_the_page_in_headless_chromium(tmp_path):
     dom = subprocess.run([*flags, "--dump-dom", html_path.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert dom.stdout.count('class="ln w"') == 2 and "first wrong line" in dom.stdout
-    assert dom.stdout.count('class="t"') == 2 * len(rows[0]["tokens"])
+    assert dom.stdout.count('class="t') == 2 * len(rows[0]["tokens"])  # "t" or "t rs" (the reset bar)
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     shot = tmp_path / "p.png"
@@ -228,3 +228,210 @@ def test_the_page_in_headless_chromium(tmp_path):
         [*flags, "--window-size=900,600", f"--screenshot={shot}", html_path.as_uri()], capture_output=True, timeout=120
     )
     assert r.returncode == 0 and shot.stat().st_size > 5000
+
+
+# ----------------------------------------------------------------------------------------------
+# the page: legend, contrast, collapsed groups, SRPO's rows
+# ----------------------------------------------------------------------------------------------
+sys.path.insert(0, str(ROOT / "tools"))
+import credit_view  # noqa: E402
+
+
+def _luminance(rgb) -> float:
+    """WCAG 2's relative luminance of an sRGB colour (0-255 channels)."""
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in rgb)]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def _contrast(a, b) -> float:
+    """WCAG 2's contrast ratio of two colours, (L1 + 0.05) / (L2 + 0.05) with L1 the lighter."""
+    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def _rgb(css: str) -> tuple[int, ...]:
+    """'rgb(r, g, b)' (as the page writes it or a browser computes it) or '#rgb' / '#rrggbb' -> (r, g, b)."""
+    if css.startswith("#"):
+        h = css[1:] if len(css) == 7 else "".join(c * 2 for c in css[1:])
+        return tuple(int(h[i : i + 2], 16) for i in (0, 2, 4))
+    return tuple(int(float(v)) for v in re.findall(r"[\d.]+", css)[:3])
+
+
+def test_the_palette_reaches_wcag_aa_contrast_and_stays_red_and_blue():
+    """Token text on every shade, the strongest ones first, has a WCAG contrast of at least 4.5:1 (AA for normal
+    text; the strongest blue gave 3.4:1 before); the scale stays diverging: white at 0, red up, blue down."""
+    text = _rgb(credit_view.TEXT)
+    for c in (1.0, -1.0, 5.0, -5.0):  # the extremes (and beyond: saturated)
+        assert _contrast(_rgb(credit_view.color(c, 1.0)), text) >= 4.5, c
+    worst = min(_contrast(_rgb(credit_view.color(k / 50, 1.0)), text) for k in range(-50, 51))
+    assert worst >= 4.5
+    assert credit_view.color(0.0, 1.0) == "rgb(255,255,255)"
+    r, g, b = _rgb(credit_view.color(1.0, 1.0))
+    assert r == 255 and g < 100 and b < 100  # red
+    r, g, b = _rgb(credit_view.color(-1.0, 1.0))
+    assert b == 255 and r < 128 and g < 160 and b - max(r, g) > 100  # blue
+    lum = _luminance(credit_view.shade(1.0, 1.0)), _luminance(credit_view.shade(-1.0, 1.0))
+    assert abs(lum[0] - lum[1]) < 0.02  # neither sign looks stronger at the same |credit|
+
+
+class _Dom(HTMLParser):
+    """A small DOM of the page: nodes {tag, attrs, kids, text} (text: all the text inside, as textContent)."""
+
+    VOID = {"br", "col", "meta", "img", "hr", "input", "link", "wbr"}
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.root = {"tag": "root", "attrs": {}, "kids": [], "text": ""}
+        self.stack = [self.root]
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        node = {"tag": tag, "attrs": dict(attrs), "kids": [], "text": ""}
+        self.stack[-1]["kids"].append(node)
+        if tag not in self.VOID:
+            self.stack.append(node)
+
+    def handle_endtag(self, tag):
+        while len(self.stack) > 1 and self.stack[-1]["tag"] != tag:
+            self.stack.pop()  # an end tag HTML lets the page leave out
+        if len(self.stack) > 1:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        for node in self.stack:
+            node["text"] += data
+
+    def find(self, tag=None, cls=None, node=None):
+        """Every node below `node` (the root) with this tag and/or this class, in document order."""
+        for kid in (node or self.root)["kids"]:
+            if (tag is None or kid["tag"] == tag) and (cls is None or cls in kid["attrs"].get("class", "").split()):
+                yield kid
+            yield from self.find(tag, cls, kid)
+
+
+def _page_of(runs: dict) -> str:
+    """credit_view.page over {name: rows}."""
+    return credit_view.page([(name, rows) for name, rows in runs.items()])
+
+
+def test_the_legend_shows_each_columns_scale_with_its_numbers():
+    """The legend holds, per column, the colour at -scale, 0, +scale and the steps between, each swatch written with
+    the credit it stands for on that column's scale, in the colour the tokens get."""
+    a = [_arith_rows("grpo.py", [-0.5, -0.5, -0.5], row=0), _arith_rows("grpo.py", [2.0, 2.0, 2.0], row=1)]
+    b = [_arith_rows("sc_grpo.py", [0.25, -1.0, 0.0], row=0)]
+    dom = _Dom(_page_of({"a": a, "b": b}))
+    (legend,) = dom.find("table", "legend")
+    head = [th["text"] for th in dom.find("th", node=legend)]
+    assert head[:10] == ["column", "-scale", "-0.75\u00d7scale", "-0.5\u00d7scale", "-0.25\u00d7scale", "0"] + [
+        "+0.25\u00d7scale",
+        "+0.5\u00d7scale",
+        "+0.75\u00d7scale",
+        "+scale",
+    ]
+    rows = [tr for tr in dom.find("tr", node=legend) if list(dom.find("td", "sw", tr))]
+    assert [next(dom.find("th", node=tr))["text"] for tr in rows] == ["a", "b"]
+    for tr, scale in zip(rows, (credit_view.robust_scale(a), credit_view.robust_scale(b))):
+        cells = list(dom.find("td", "sw", tr))
+        assert [c["text"] for c in cells] == ["0" if f == 0 else f"{f * scale:+.3g}" for f in credit_view.LEGEND_STEPS]
+        assert cells[0]["attrs"]["style"] == f"background:{credit_view.color(-scale, scale)}"
+        assert cells[4]["attrs"]["style"] == "background:rgb(255,255,255)"
+        assert cells[-1]["attrs"]["style"] == f"background:{credit_view.color(scale, scale)}"
+    assert [c["text"] for c in dom.find("td", "sw", rows[0])][-1] == "+2"  # grpo's 95th percentile of |credit|
+
+
+def test_groups_where_every_rollout_is_right_are_collapsed():
+    """A (step, prompt) whose every rollout in every column has the success reward is folded in a closed <details>
+    whose summary counts its rollouts; a group with one wrong rollout anywhere stays open."""
+    right = [dict(_arith_rows("grpo.py", [0.0] * 3, row=k, prompt_id=7), reward=1.0) for k in range(3)]
+    mixed = [dict(_arith_rows("grpo.py", [0.5] * 3, row=3 + k, prompt_id=8), reward=float(k > 0)) for k in range(3)]
+    other = [dict(r, script="sc_grpo.py") for r in right[:2]] + [dict(r, script="sc_grpo.py") for r in mixed]
+    page = _page_of({"a": right + mixed, "b": other})
+    dom = _Dom(page)
+    (details,) = dom.find("details")
+    assert "open" not in details["attrs"]
+    (summary,) = dom.find("summary", node=details)
+    assert summary["text"].startswith("step 10, prompt 7: 5 rollouts collapsed, every one right (reward 1)")
+    assert len(list(dom.find("td", "k", details))) == 3  # its three rollout positions are inside, folded
+    outside = [td["text"] for td in dom.find("td", "k") if "prompt 8," in td["text"]]
+    assert len(outside) == 3 and "prompt 8" not in details["text"]  # the group with failures is not folded
+    assert "<script" not in page
+
+
+def _srpo_runs() -> dict:
+    """GRPO's rollouts of prompt 7 beside SRPO's: two reset continuations (kept prefix: 6 tokens) and one row sampled
+    whole (reset_at 0)."""
+    grpo = [dict(_arith_rows("grpo.py", [-0.5, -0.5, -0.5], row=k), signals={}) for k in range(3)]
+    srpo = [_arith_rows("srpo.py", [0.0, -1.0, -1.0], row=40 + k) for k in range(2)]
+    srpo[0]["credit"][:6] = [0.0] * 6
+    srpo.append(dict(_arith_rows("srpo.py", [1.0, 1.0, 1.0], row=44), signals={"reset_at": 0.0}))
+    return {"grpo": grpo, "srpo": srpo}
+
+
+def test_srpo_cells_say_which_rollout_they_show():
+    """SRPO's k-th row of a prompt is not the other methods' k-th rollout: each SRPO cell says what it is (a reset
+    continuation, with its kept prefix's length, or a chain sampled whole), its column says so, and the first
+    resampled token is marked; the other columns' cells are unchanged."""
+    dom = _Dom(_page_of(_srpo_runs()))
+    heads = [div["text"] for div in dom.find("div", "m")]
+    assert heads[0::2] == ["row 0, reward 0", "row 1, reward 0", "row 2, reward 0"]
+    srpo = heads[1::2]
+    assert srpo[0].startswith("SRPO: reset continuation of prompt 7, row 40, reward 0. Its first 6 tokens are the kept")
+    assert srpo[1].startswith("SRPO: reset continuation of prompt 7, row 41, reward 0.")
+    assert srpo[2].startswith("SRPO: sampled whole from prompt 7, row 44, reward 0. A fresh chain, or a continuation")
+    column = [th["text"] for th in dom.find("th") if th["text"].startswith("srpocolour scale")]  # its heading
+    assert len(column) == 1 and "not the other columns' k-th rollout" in column[0]
+    bars = list(dom.find("span", "rs"))
+    assert len(bars) == 2 and all(b["text"] == "8" for b in bars)  # token 6: the first of line 2 ("8+2=11")
+    assert all("resampled from here" in b["attrs"]["title"] for b in bars)
+
+
+PROBE = """<script>
+const out = {width: innerWidth, scroll: document.documentElement.scrollWidth, pairs: [], legend: [], details: []};
+for (const el of document.querySelectorAll('.t, .sw')) {
+  const s = getComputedStyle(el);
+  out.pairs.push([el.className, s.color, s.backgroundColor]);
+}
+for (const tr of document.querySelectorAll('table.legend tr'))
+  out.legend.push([...tr.querySelectorAll('td.sw')].map(td => td.textContent));
+for (const d of document.querySelectorAll('details'))
+  out.details.push([d.open, d.querySelector('summary').textContent, d.getBoundingClientRect().height]);
+const pre = document.createElement('pre');
+pre.id = 'probe';
+pre.textContent = JSON.stringify(out);
+document.body.appendChild(pre);
+</script>"""
+
+
+@pytest.mark.parametrize("width", [1280, 1700])
+def test_the_page_in_headless_chromium_legend_contrast_and_folds(tmp_path, width):
+    """In Chromium at 1280 and 1700 px: every token's and legend value's computed text colour on its computed
+    background reaches WCAG AA (4.5:1); the legend has a row of 9 numbered swatches per column; the group whose every
+    rollout is right is a closed <details> (its summary line alone is drawn); the page fits the window's width. A
+    probe script is added to a copy of the page (the page itself has none) and reads the DOM Chromium builds."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
+    runs = _srpo_runs()
+    runs["grpo"] += [dict(_arith_rows("grpo.py", [0.0] * 3, row=9, prompt_id=3), reward=1.0)]  # a group all right
+    runs["sc_grpo"] = [_arith_rows("sc_grpo.py", [0.3, -2.0, -0.2], row=k) for k in range(3)]
+    page = _page_of(runs)
+    assert "<script" not in page
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", PROBE + "</body>"))
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    flags += [f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},900"]
+    dom = subprocess.run([*flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
+    assert found, dom.stdout[-2000:]
+    out = json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<"))
+    assert out["width"] == width and out["scroll"] <= width  # no horizontal scrolling
+    tokens = sum(len(r["tokens"]) for rows in runs.values() for r in rows)
+    assert len([p for p in out["pairs"] if p[0].startswith("t")]) == tokens
+    assert len([p for p in out["pairs"] if p[0] == "sw"]) == 9 * len(runs)
+    worst = min(_contrast(_rgb(fg), _rgb(bg)) for _, fg, bg in out["pairs"])
+    assert worst >= 4.5, worst
+    assert [row for row in out["legend"] if row][1][0] == "-1"  # sc_grpo: scale 1 (its 95th percentile)
+    ((opened, summary, height),) = out["details"]
+    assert not opened and summary.startswith("step 10, prompt 3: 1 rollout collapsed") and height < 40

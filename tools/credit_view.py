@@ -6,10 +6,17 @@
 Reads each run's credit.jsonl (written by any script with --log-credit N at its evaluation steps) and writes one
 self-contained HTML page (no network, no JavaScript): one column per run, the rollouts of a step side by side when the
 runs share a seed (same step, same prompt: the k-th rollout of each), each token on a diverging scale (red: pushed
-up, blue: pushed down, white: no credit; each column scaled to the 95th percentile of its |credit|), each line's mean
-credit written after it, the first wrong line of a failed arith rollout outlined, and each token's exact credit and
-the method's signals in a tooltip. `--png` also draws one rollout of every
-run as a picture (matplotlib), for the docs, each on its own colour scale.
+up, blue: pushed down, white: no credit; each column scaled to the 95th percentile of its |credit|, a legend giving
+each column's numbers; black text on every shade at WCAG AA contrast or better), each line's mean credit written
+after it, the first wrong line of a failed arith rollout outlined, and each token's exact credit and the method's
+signals in a tooltip. A group (step, prompt) whose every rollout is right is collapsed (<details>). SRPO's rows are
+not the k-th sampled rollout of a prompt: each says whether it is a reset continuation (its kept prefix marked) or a
+chain sampled whole. `--png` also draws one rollout of every run as a picture (matplotlib), for the docs, each on its
+own colour scale.
+
+A file that cannot be read as credit records (damaged, truncated, empty, a record of the wrong schema) or an output
+that cannot be written ends in one line, `error: FILE:LINE: not a credit record (...)` and the like, exit code 2;
+benchmarks/credit_accuracy.py reads records through the same read_records.
 """
 
 from __future__ import annotations
@@ -18,33 +25,186 @@ import argparse
 import gzip
 import html
 import importlib.util
+import itertools
 import json
+import math
 import sys
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlvr_utils import credit  # noqa: E402
+from rlvr_utils.errors import usage_error  # noqa: E402
+
+
+class BadInput(Exception):
+    """A credit file that cannot be used, as one line naming the file (and line) and what is wrong. The command-line
+    tools (this one and benchmarks/credit_accuracy.py) print it as `error: ...` and exit with code 2, never a
+    traceback: a damaged file is the reader's mistake to report, not a bug to debug."""
+
+
+NUMBER = "a finite number"
+RECORD_KEYS = ("step", "script", "row", "prompt_id", "prompt", "reward", "tokens", "credit", "signals")  # CreditLog's
+
+
+def _json_kind(v) -> str:
+    """How a JSON value reads in an error message: its JSON type (NaN and infinities by name)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number" if math.isfinite(v) else str(v)
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bad_number(values: list) -> int | None:
+    """The index of the first element of `values` that is not a finite number, or None."""
+    return next((i for i, v in enumerate(values) if not _is_number(v)), None)
+
+
+def _is_a(kind: type):
+    return lambda v: isinstance(v, kind)
+
+
+FIELDS = {  # each key of a record: the check of its value, and what the check wants (for the message)
+    "step": (_is_int, "an integer"),
+    "script": (_is_a(str), "a string"),
+    "row": (_is_int, "an integer"),
+    "prompt_id": (_is_int, "an integer"),
+    "prompt": (_is_a(str), "a string"),
+    "reward": (_is_number, NUMBER),
+    "tokens": (_is_a(list), "a list of strings"),
+    "credit": (_is_a(list), f"a list of {NUMBER}s"),
+    "signals": (_is_a(dict), "an object"),
+}
+
+
+def record_problem(rec, required: tuple[str, ...] = RECORD_KEYS) -> str | None:
+    """What makes `rec` (one parsed JSON line) not a credit record, or None. `required`: the keys the reader uses
+    (the viewer needs them all; benchmarks/credit_accuracy.py only step, prompt, reward, tokens and credit); every
+    known key present is checked whatever `required` says, so that no later line can fail on a wrong type."""
+    if not isinstance(rec, dict):
+        return f"{_json_kind(rec)}, not a JSON object"
+    missing = [k for k in required if k not in rec]
+    if missing:
+        return "missing " + ", ".join(repr(k) for k in missing)
+    for key, (ok, want) in FIELDS.items():
+        if key in rec and not ok(rec[key]):
+            return f"{key!r} is {_json_kind(rec[key])}, not {want}"
+    tokens, credit = rec.get("tokens"), rec.get("credit")
+    if tokens is not None:
+        bad = next((i for i, t in enumerate(tokens) if not isinstance(t, str)), None)
+        if bad is not None:
+            return f"'tokens'[{bad}] is {_json_kind(tokens[bad])}, not a string"
+    if credit is not None and (bad := _bad_number(credit)) is not None:
+        return f"'credit'[{bad}] is {_json_kind(credit[bad])}, not {NUMBER}"
+    if tokens is not None and credit is not None and len(tokens) != len(credit):
+        return f"{len(tokens)} tokens but {len(credit)} credit values: one per token"
+    for name, v in rec.get("signals", {}).items():
+        if isinstance(v, list):
+            if (bad := _bad_number(v)) is not None:
+                return f"signal {name!r}[{bad}] is {_json_kind(v[bad])}, not {NUMBER}"
+            if tokens is not None and len(v) != len(tokens):
+                return f"signal {name!r} has {len(v)} values for {len(tokens)} tokens"
+        elif not _is_number(v):
+            return f"signal {name!r} is {_json_kind(v)}, not {NUMBER} or a list of one per token"
+    return None
+
+
+def credit_file(path: str | Path) -> Path:
+    """The credit file of a command-line argument: a run directory's credit.jsonl, or the .jsonl / .jsonl.gz file."""
+    path = Path(path)
+    found = path / "credit.jsonl" if path.is_dir() else path
+    if not found.is_file():
+        raise BadInput(f"{path}: no credit.jsonl there (run the script with --log-credit N)")
+    return found
+
+
+def read_jsonl(path: Path, what: str) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line of a JSON-lines file, gzipped or not (told by its first
+    bytes, whatever its name). Any damage (unreadable, a truncated or corrupt gzip stream, bytes that are not UTF-8, a
+    line that is not JSON) is a BadInput naming the file and, where there is one, the line; `what` names a line's
+    kind in that message (`FILE:LINE: not a <what> (...)`)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read it ({e.strerror or e})") from None
+    if data[:2] == b"\x1f\x8b" or path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut-off stream an EOFError
+            raise BadInput(f"{path}: not a readable gzip file ({e})") from None
+    out = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{path}:{n}: not a {what} (byte {raw[e.start]:#04x} at column {e.start + 1} is not UTF-8)")
+        if not line.strip():
+            continue
+        try:
+            out.append((n, json.loads(line)))
+        except ValueError as e:  # JSONDecodeError; also a number too long for int()
+            where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise BadInput(f"{path}:{n}: not a {what} (not JSON: {reason}{where})") from None
+    return out
+
+
+def read_records(path: str | Path, required: tuple[str, ...] = RECORD_KEYS) -> list[dict]:
+    """The credit records of a run directory, a credit .jsonl or a .jsonl.gz file, each checked (record_problem):
+    the one place both this viewer and benchmarks/credit_accuracy.py read them. A BadInput for a missing or empty file
+    and for the first line that is not a credit record (`FILE:LINE: not a credit record (what is wrong)`)."""
+    found = credit_file(path)
+    rows = []
+    for n, rec in read_jsonl(found, "credit record"):
+        problem = record_problem(rec, required)
+        if problem:
+            raise BadInput(f"{found}:{n}: not a credit record ({problem})")
+        rows.append(rec)
+    if not rows:
+        raise BadInput(f"{found}: no credit records in it (an empty file)")
+    return rows
 
 
 def read_runs(dirs: list[str]) -> list[tuple[str, list[dict]]]:
     out = []
     for d in dirs:
-        path = Path(d) / "credit.jsonl" if Path(d).is_dir() else Path(d)
-        if not path.is_file():
-            raise SystemExit(f"{d}: no credit.jsonl (run the script with --log-credit N)")
-        data = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        rows = [json.loads(line) for line in data.splitlines() if line.strip()]
-        name = rows[0]["script"] if rows else path.parent.name
+        rows = read_records(d)
+        path = credit_file(d)
         label = path.parent.name if path.name == "credit.jsonl" else f"{path.parent.name}/{path.name.split('.')[0]}"
-        out.append((f"{name} ({label})", rows))
+        out.append((f"{rows[0]['script']} ({label})", rows))
     return out
 
 
-def color(c: float, scale: float) -> str:
-    """A diverging colour: red for positive credit, blue for negative, white at 0; strongest at |c| >= scale."""
+# The strongest shades (|credit| >= the column's scale): red pushed up, blue pushed down, of equal luminance (0.25) so
+# that neither sign looks stronger, and light enough that black text on them has a WCAG contrast of 6.0:1 (AA asks
+# 4.5:1). Every other shade lies between white and one of them, lighter, so its contrast is higher still.
+RED, BLUE = (255, 63, 63), (90, 130, 255)
+TEXT = "#000"  # every token's and legend value's text colour, set on them (not inherited), the one the contrast assumes
+LEGEND_STEPS = (-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0)  # the legend's swatches, in units of the scale
+SUCCESS = 1.0  # a right rollout's reward (the built-in tasks' success value): a group all at it is collapsed
+
+
+def shade(c: float, scale: float) -> tuple[int, int, int]:
+    """A diverging colour: from white at 0 to RED at c >= scale and to BLUE at c <= -scale, linear in between."""
     x = max(-1.0, min(1.0, c / scale)) if scale > 0 else 0.0
-    fade = int(255 * (1 - 0.75 * abs(x)))  # the strongest shade stays light enough to read the token on
-    return f"rgb(255,{fade},{fade})" if x >= 0 else f"rgb({fade},{fade},255)"
+    end = RED if x >= 0 else BLUE
+    return tuple(round(255 + (e - 255) * abs(x)) for e in end)
+
+
+def color(c: float, scale: float) -> str:
+    """shade() as CSS."""
+    return "rgb({},{},{})".format(*shade(c, scale))
 
 
 def robust_scale(rows: list[dict], q: float = 0.95) -> float:
@@ -61,8 +221,9 @@ def first_wrong_line(row: dict) -> int | None:
 
 def row_html(row: dict, scale: float) -> str:
     """The tokens, shaded, line by line, each line followed by its mean credit (readable without a mouse); the first
-    wrong line of a failed arith rollout outlined and labelled; each token's exact credit and signals in its tooltip."""
-    lines, wrong = credit.token_lines(row["tokens"]), first_wrong_line(row)
+    wrong line of a failed arith rollout outlined and labelled; each token's exact credit and signals in its tooltip;
+    on an SRPO continuation, a bar before the first resampled token (the kept prefix ends there)."""
+    lines, wrong, reset = credit.token_lines(row["tokens"]), first_wrong_line(row), reset_point(row)
     out, spans, values = [], [], []
 
     def close(line: int) -> None:
@@ -78,15 +239,66 @@ def row_html(row: dict, scale: float) -> str:
         tip = [f"credit {row['credit'][i]:+.4g}"]
         for name, v in row["signals"].items():
             tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else f"{name} {v:.4g}")
+        if i == reset:
+            tip.append("resampled from here (the tokens before it are the kept prefix)")
         text = html.escape(tok.replace("\n", "")) + ("&#8629;" if "\n" in tok else "")
         style = f"background:{color(row['credit'][i], scale)}"
-        spans.append(f'<span class="t" style="{style}" title="{" | ".join(tip)}">{text}</span>')
+        cls = "t rs" if i == reset else "t"
+        spans.append(f'<span class="{cls}" style="{style}" title="{html.escape(" | ".join(tip))}">{text}</span>')
         values.append(row["credit"][i])
         if "\n" in tok:  # the line ends: its mean credit, then a line break
             close(lines[i])
             out.append("<br>")
     close(lines[-1] if lines else 0)
     return "".join(out)
+
+
+def reset_point(row: dict) -> int | None:
+    """An SRPO continuation's first resampled token (its `reset_at` signal, when inside the row), else None."""
+    n = row["signals"].get("reset_at")
+    return int(n) if isinstance(n, (int, float)) and 0 < n < len(row["tokens"]) else None
+
+
+def is_srpo(row: dict) -> bool:
+    """SRPO's (and RRPO's) rows carry the suffix start `reset_at`: they are not the k-th sampled rollout of a prompt,
+    as the other methods' rows are, but a reset continuation or a chain sampled whole."""
+    return "reset_at" in row["signals"]
+
+
+def kind(row: dict) -> tuple[str, str]:
+    """What an SRPO row is, in words: (which row, how it came about). Its rows are not the other methods' k-th
+    rollout of the prompt, so the page says this where they line up. reset_at 0 cannot tell a fresh chain from a
+    continuation reset before its first thought (an empty kept prefix): the words say both."""
+    n = int(row["signals"]["reset_at"])
+    if n > 0:
+        return (
+            f"reset continuation of prompt {row['prompt_id']}, row {row['row']}",
+            f"Its first {n} tokens are the kept prefix of a failed rollout (no credit by design); the rest was "
+            "resampled from the bar",
+        )
+    return (
+        f"sampled whole from prompt {row['prompt_id']}, row {row['row']}",
+        "A fresh chain, or a continuation reset before its first thought",
+    )
+
+
+def cell_head(row: dict) -> str:
+    """The line above a rollout: which row it is (for SRPO, which kind of row), its reward and its row-level
+    signals."""
+    sig = [f"{k} {v:.3g}" for k, v in row["signals"].items() if not isinstance(v, list) and k != "reset_at"]
+    sig = "; " + ", ".join(sig) if sig else ""
+    if not is_srpo(row):
+        return html.escape(f"row {row['row']}, reward {row['reward']:.3g}{sig}")
+    which, how = kind(row)  # reset_at: said in words
+    name = "SRPO" if row["script"] == "srpo.py" else row["script"]
+    return html.escape(f"{name}: {which}, reward {row['reward']:.3g}{sig}. {how}.")
+
+
+def _fraction(f: float) -> str:
+    """A legend column's heading: its place on the scale (-scale, -0.75×scale, ..., 0, ..., +scale)."""
+    if f == 0:
+        return "0"
+    return ("+" if f > 0 else "-") + ("" if abs(f) == 1 else f"{abs(f):g}&times;") + "scale"
 
 
 def keyed(rows: list[dict]) -> dict:
@@ -99,41 +311,99 @@ def keyed(rows: list[dict]) -> dict:
     return out
 
 
+def legend(runs: list[tuple[str, list[dict]]], scales: list[float]) -> str:
+    """The colour scale as a table: one row per column of the page, the colour at -scale, 0, +scale and the steps
+    between, each swatch holding the credit it stands for in that column (its own scale): read off the page, not
+    hovered."""
+    head = "".join(f"<th>{_fraction(f)}</th>" for f in LEGEND_STEPS)
+    rows = []
+    for (name, _), s in zip(runs, scales):
+        cells = "".join(
+            f'<td class="sw" style="background:{color(f * s, s)}">{"0" if f == 0 else f"{f * s:+.3g}"}</td>'
+            for f in LEGEND_STEPS
+        )
+        note = "" if s > 0 else " <small>(no credit: every token white)</small>"
+        rows.append(f"<tr><th>{html.escape(name)}{note}</th>{cells}</tr>")
+    caption = (
+        "Colour scale: the credit each shade stands for, per column (red: pushed up, blue: pushed down, white: none; "
+        "beyond &plusmn;scale, the strongest shade)"
+    )
+    return f'<table class="legend"><caption>{caption}</caption><tr><th>column</th>{head}</tr>{"".join(rows)}</table>'
+
+
+def table_row(key: tuple, index: list[dict], scales: list[float]) -> str:
+    """One rollout position (step, prompt, k) across the columns: the k-th recorded row of that prompt in each."""
+    cells = []
+    for ix, scale in zip(index, scales):
+        row = ix.get(key)
+        if row is None:
+            cells.append("<td></td>")
+            continue
+        cells.append(f'<td><div class="m">{cell_head(row)}</div>{row_html(row, scale)}</td>')
+    prompt = next(ix[key]["prompt"] for ix in index if key in ix)
+    label = f"step {key[0]}, prompt {key[1]}, rollout {key[2] + 1}<pre>{html.escape(prompt)}</pre>"
+    return f"<tr><td class='k'>{label}</td>{''.join(cells)}</tr>"
+
+
 def page(runs: list[tuple[str, list[dict]]], max_rows: int | None = None) -> str:
+    """The self-contained page (no JavaScript, no network): the legend, then one column per run, a row per rollout
+    position; a group (step, prompt) whose every rollout in every column is right is collapsed in a <details>."""
     index = [keyed(rows) for _, rows in runs]
     keys = sorted({k for ix in index for k in ix})[:max_rows]
     scales = [robust_scale(rows) for _, rows in runs]
+    srpo_note = (
+        "<br><small>SRPO's rows are its own: a reset continuation or a chain sampled whole, not the other columns' "
+        "k-th rollout; each cell says which it shows</small>"
+    )
     head = "".join(
         f"<th>{html.escape(name)}<br><small>colour scale {s:.3g} (95th percentile of |credit|); max "
-        f"{max((abs(c) for r in rows for c in r['credit']), default=0.0):.3g}</small></th>"
+        f"{max((abs(c) for r in rows for c in r['credit']), default=0.0):.3g}</small>"
+        f"{srpo_note if any(map(is_srpo, rows)) else ''}</th>"
         for (name, rows), s in zip(runs, scales)
     )
+    cols = f'<colgroup><col class="kc">{"<col>" * len(runs)}</colgroup>'
     body = []
-    for key in keys:
-        cells = []
-        for ix, scale in zip(index, scales):
-            row = ix.get(key)
-            if row is None:
-                cells.append("<td></td>")
-                continue
-            sig = ", ".join(f"{k} {v:.3g}" for k, v in row["signals"].items() if not isinstance(v, list))
-            head_line = f"row {row['row']}, reward {row['reward']:.3g}{'; ' + sig if sig else ''}"
-            cells.append(f'<td><div class="m">{head_line}</div>{row_html(row, scale)}</td>')
-        prompt = next(ix[key]["prompt"] for ix in index if key in ix)
-        label = f"step {key[0]}, prompt {key[1]}, rollout {key[2] + 1}<pre>{html.escape(prompt)}</pre>"
-        body.append(f"<tr><td class='k'>{label}</td>{''.join(cells)}</tr>")
+    for (step, prompt_id), group in itertools.groupby(keys, key=lambda k: k[:2]):
+        group = list(group)
+        trs = "".join(table_row(key, index, scales) for key in group)
+        shown = [ix[k] for k in group for ix in index if k in ix]
+        if all(r["reward"] >= SUCCESS for r in shown):  # nothing failed: nothing to compare, folded away
+            n = f"{len(shown)} rollout{'s' * (len(shown) != 1)}"
+            summary = (
+                f"step {step}, prompt {prompt_id}: {n} collapsed, every one right (reward {SUCCESS:g}) in every "
+                "column; open to show them"
+            )
+            body.append(
+                f'<tr class="ok"><td colspan="{len(runs) + 1}"><details><summary>{summary}</summary>'
+                f"<table>{cols}{trs}</table></details></td></tr>"
+            )
+        else:
+            body.append(trs)
+    srpo = any(is_srpo(r) for _, rows in runs for r in rows)
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>token credit</title><style>
-body{{font-family:sans-serif;font-size:13px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;
-vertical-align:top;padding:4px;max-width:34em}} .t{{font-family:monospace;white-space:pre}} .m{{color:#555}}
+body{{font-family:sans-serif;font-size:13px;color:#000;background:#fff}}
+table{{border-collapse:collapse;table-layout:fixed;width:100%}} col.kc{{width:16em}}
+td,th{{border:1px solid #ccc;vertical-align:top;padding:4px;overflow-wrap:anywhere}} th small{{font-weight:normal}}
+.t{{font-family:monospace;white-space:pre-wrap;color:{TEXT}}} .rs{{border-left:2px solid #000}} .m{{color:#555}}
 .w{{outline:2px solid #000;outline-offset:1px}} .v{{font-size:10px;color:#444;margin-left:6px}}
-.wv{{color:#000;font-weight:bold}} .k pre{{margin:2px 0;white-space:pre-wrap}}</style></head><body>
+.wv{{color:#000;font-weight:bold}} .k pre{{margin:2px 0;white-space:pre-wrap}}
+tr.ok>td{{padding:0}} tr.ok table{{border-style:hidden}} summary{{padding:4px;cursor:pointer;color:#333}}
+.legend{{width:auto;table-layout:auto;margin:6px 0 12px}} .legend caption{{text-align:left;padding:2px 0}}
+.legend td.sw{{font-family:monospace;text-align:center;min-width:5em;color:{TEXT}}}</style></head><body>
 <p>Each token shaded by its effective credit: the gradient its log-prob gets in the loss, in advantage units
 (red: pushed up, blue: pushed down, white: none). Each column has its own colour scale, the 95th percentile of its
-nonzero |credit| (tokens beyond it get the strongest shade, so one outlier cannot wash out the rest). The number after
-each line is the line's mean credit; on a failed arith rollout the first wrong line is outlined. Rows line up by step
-and prompt (the k-th rollout of the prompt in each run). Hover a token for its exact value and the method's
-signals.</p>
-<table><tr><th>rollout</th>{head}</tr>{"".join(body)}</table></body></html>"""
+nonzero |credit| (tokens beyond it get the strongest shade, so one outlier cannot wash out the rest); the legend below
+gives each column's numbers. The number after each line is the line's mean credit; on a failed arith rollout the first
+wrong line is outlined. Rows line up by step and prompt (the k-th rollout of the prompt in each run). A group whose
+every rollout is right (reward {SUCCESS:g}) in every column is collapsed: open its line to see it. Hover a token for
+its exact value and the method's signals.{
+        " SRPO's rows are not sampled as the other methods' are: a reset continuation keeps a failed rollout's first "
+        "tokens (no credit) and resamples the rest from the bar; each SRPO cell says which kind of row it shows."
+        if srpo
+        else ""
+    }</p>
+{legend(runs, scales)}
+<table>{cols}<tr><th>rollout</th>{head}</tr>{"".join(body)}</table></body></html>"""
 
 
 def png(runs: list[tuple[str, list[dict]]], path: str, width: int = 60) -> None:
@@ -225,7 +495,7 @@ def _positions(line):
 
 
 def _rgb(c: float, scale: float) -> tuple[float, float, float]:
-    r, g, b = (int(v) / 255 for v in color(c, scale)[4:-1].split(","))
+    r, g, b = (v / 255 for v in shade(c, scale))
     return r, g, b
 
 
@@ -240,16 +510,36 @@ def main() -> None:
     a = ap.parse_args()
     if a.png and importlib.util.find_spec("matplotlib") is None:
         sys.exit("credit_view.py: --png needs matplotlib (pip install matplotlib, or -r requirements-dev.txt)")
-    runs = read_runs(a.runs)
-    if a.step is not None:
-        runs = [(name, [r for r in rows if r["step"] == a.step]) for name, rows in runs]
-    if a.prompt is not None:
-        runs = [(name, [r for r in rows if r["prompt_id"] == a.prompt]) for name, rows in runs]
-    Path(a.out).write_text(page(runs, a.max_rows))
+    if a.max_rows is not None and a.max_rows < 1:
+        usage_error(f"--max-rows {a.max_rows}: must be >= 1 (leave it out for every rollout)")
+    try:
+        runs = read_runs(a.runs)
+    except BadInput as e:
+        usage_error(str(e))
+
+    def chosen(r: dict) -> bool:
+        return (a.step is None or r["step"] == a.step) and (a.prompt is None or r["prompt_id"] == a.prompt)
+
+    for arg, (_, rows) in zip(a.runs, runs):
+        if not any(map(chosen, rows)):  # an empty column (and nothing for --png to draw): say what the file holds
+            picked = " ".join(f"--{k} {v}" for k, v in (("step", a.step), ("prompt", a.prompt)) if v is not None)
+            steps = ", ".join(map(str, sorted({r["step"] for r in rows})))
+            usage_error(f"{arg}: no rollout for {picked} (its recorded steps: {steps})")
+    runs = [(name, [r for r in rows if chosen(r)]) for name, rows in runs]
+    write(a.out, "-o", lambda path: Path(path).write_text(page(runs, a.max_rows)))
     print(f"page: {a.out}")
     if a.png:
-        png(runs, a.png)
+        write(a.png, "--png", lambda path: png(runs, path))
         print(f"picture: {a.png}")
+
+
+def write(path: str, flag: str, save) -> None:
+    """`save(path)`, an output a person named: a path that cannot be written (no such folder, no permission, a
+    directory) ends in one line naming the flag, not a traceback after the work is done."""
+    try:
+        save(path)
+    except OSError as e:
+        usage_error(f"{flag} {path}: cannot write it ({e.strerror or e})")
 
 
 if __name__ == "__main__":

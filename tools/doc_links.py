@@ -7,6 +7,10 @@ go stale when code moves: this rewrites them; a quote that no longer matches the
 
     python tools/doc_links.py            # rewrite every stale link in place
     python tools/doc_links.py --check    # list the stale or broken links, exit 1 if any (tests/test_docs.py runs it)
+    python tools/doc_links.py --check docs/srpo.md    # only the pages named
+
+A page or a linked file that cannot be read as UTF-8 text, or a linked Python file with a syntax error, stops either
+mode with one line naming the file and the cause (exit 2): its links cannot be checked until it is fixed.
 """
 
 from __future__ import annotations
@@ -21,8 +25,32 @@ ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[`([^`]+)`\]\(((?:\.{1,2}/)*(?:[\w.-]+/)*[\w.-]+\.py)#L(\d+)(?:-L(\d+))?\)")
 
 
+class Unreadable(Exception):
+    """A page or a linked file that cannot be read as text (no permission, bytes that are not UTF-8) or, for a linked
+    name, parsed as Python: one line naming the file and the cause, which the command line prints as `error: ...`
+    (exit 2) in place of a traceback."""
+
+
 def pages() -> list[Path]:
     return sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+
+def show(path: Path) -> str:
+    """`path` as a message names it: relative to the repository when it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def read(path: Path) -> str:
+    """The text of a page or a linked file (UTF-8); Unreadable when it cannot be read or is not UTF-8 text."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise Unreadable(f"{show(path)}: cannot read it ({e.strerror or e})") from None
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise Unreadable(f"{show(path)}: not UTF-8 text (byte {data[e.start]:#04x} on line {line})") from None
 
 
 def locate(path: Path, fragment: str, quote: list[str] | None = None) -> tuple[int, int]:
@@ -32,7 +60,7 @@ def locate(path: Path, fragment: str, quote: list[str] | None = None) -> tuple[i
     first, last = _span(path, fragment)
     if quote:
         last = max(last, first + len(quote) - 1) if not re.fullmatch(r"\w+", fragment) else last
-        held = [line.strip() for line in path.read_text().splitlines()[first - 1 : last]]
+        held = [line.strip() for line in read(path).splitlines()[first - 1 : last]]
         stale = [q.strip() for q in quote if q.strip() and q.strip() not in held]
         if stale:
             raise ValueError(f"`{fragment}`: the quoted line {stale[0]!r} is not in {path.name}{anchor(first, last)}")
@@ -40,9 +68,14 @@ def locate(path: Path, fragment: str, quote: list[str] | None = None) -> tuple[i
 
 
 def _span(path: Path, fragment: str) -> tuple[int, int]:
-    src = path.read_text()
+    src = read(path)
     if re.fullmatch(r"\w+", fragment):
-        for node in ast.parse(src).body:
+        try:
+            tree = ast.parse(src, filename=show(path))
+        except (SyntaxError, ValueError) as e:  # ValueError: a null byte (Python < 3.12)
+            where = f"line {e.lineno}: {e.msg}" if isinstance(e, SyntaxError) else str(e)
+            raise Unreadable(f"{show(path)}: not valid Python ({where}), so `{fragment}` cannot be found") from None
+        for node in tree.body:
             names = [node.name] if hasattr(node, "name") else []
             names += [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
             names += [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else []
@@ -66,7 +99,7 @@ def quoted(text: str, m: re.Match) -> list[str] | None:
 
 def links(page: Path) -> list[tuple[str, Path, int, int, list[str] | None]]:
     """(fragment, file, first, last, quoted block) of every code-line link of a page, as written."""
-    text, out = page.read_text(), []
+    text, out = read(page), []
     for m in LINK.finditer(text):
         target = (page.parent / m.group(2)).resolve()
         out.append((m.group(1), target, int(m.group(3)), int(m.group(4) or m.group(3)), quoted(text, m)))
@@ -77,13 +110,14 @@ def anchor(first: int, last: int) -> str:
     return f"#L{first}" if first == last else f"#L{first}-L{last}"
 
 
-def check() -> tuple[list[str], int]:
-    """(problems, number of links): a link whose lines no longer hold its fragment, or whose fragment is gone."""
+def check(only: list[Path] | None = None) -> tuple[list[str], int]:
+    """(problems, number of links) of the pages (`only` these, else every page): a link whose lines no longer hold
+    its fragment, or whose fragment is gone. Unreadable for a page or a linked file that cannot be read or parsed."""
     problems, n = [], 0
-    for page in pages():
+    for page in only or pages():
         for fragment, target, first, last, quote in links(page):
             n += 1
-            name = page.relative_to(ROOT)
+            name = show(page)
             if not target.is_file():
                 problems.append(f"{name}: `{fragment}` links to a missing file {target}")
                 continue
@@ -97,19 +131,22 @@ def check() -> tuple[list[str], int]:
     return problems, n
 
 
-def rewrite() -> int:
-    """Rewrite stale line numbers in place; returns how many links changed (broken ones are left and reported)."""
+def rewrite(only: list[Path] | None = None) -> int:
+    """Rewrite stale line numbers in place (in `only` these pages, else every page); returns how many links changed
+    (broken ones are left and reported). Unreadable for a file that cannot be read or parsed, or a page written."""
     changed = 0
-    for page in pages():
-        text = page.read_text()
+    for page in only or pages():
+        text = read(page)
 
         def fix(m: re.Match) -> str:
             nonlocal changed
             target = (page.parent / m.group(2)).resolve()
             try:
+                if not target.is_file():
+                    raise ValueError(f"`{m.group(1)}` links to a missing file {target}")
                 first, last = locate(target, m.group(1), quoted(text, m))
-            except (ValueError, FileNotFoundError) as e:
-                print(f"{page.relative_to(ROOT)}: {e}", file=sys.stderr)
+            except ValueError as e:
+                print(f"{show(page)}: {e}", file=sys.stderr)
                 return m.group(0)
             new = f"[`{m.group(1)}`]({m.group(2)}{anchor(first, last)})"
             changed += new != m.group(0)
@@ -117,15 +154,29 @@ def rewrite() -> int:
 
         new_text = LINK.sub(fix, text)
         if new_text != text:
-            page.write_text(new_text)
+            try:
+                page.write_text(new_text)
+            except OSError as e:
+                raise Unreadable(f"{show(page)}: cannot write it ({e.strerror or e})") from None
     return changed
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only report stale or broken links (exit 1 if any)")
-    if ap.parse_args().check:
-        problems, n = check()
-        print("\n".join(problems) or f"{n} links, all current")
-        sys.exit(1 if problems else 0)
-    print(f"{rewrite()} links updated")
+    ap.add_argument("pages", nargs="*", type=Path, help="only these pages (default: docs/*.md and README.md)")
+    a = ap.parse_args(argv)
+    only = [p.resolve() for p in a.pages]
+    try:
+        if a.check:
+            problems, n = check(only)
+            print("\n".join(problems) or f"{n} links, all current")
+            sys.exit(1 if problems else 0)
+        print(f"{rewrite(only)} links updated")
+    except Unreadable as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -263,6 +263,12 @@ def records(data: dict) -> list[dict]:
     return out
 
 
+def minus_text(r: dict, ci) -> str:
+    """The paired difference from RRPO with its seed count: `+0.016 [-0.132, +0.163] (n=3)`, `+0.057 (one seed)`."""
+    n = r["minus_random_n"]
+    return "–" if not n else ci(r["minus_random"], "+") + (f" (n={n})" if n > 1 else "")
+
+
 def markdown(recs: list[dict], setting: str) -> str:
     ci = lambda t, sign="": lc.fmt_ci(t, sign) if t[0] is not None else "–"  # noqa: E731
     loc = [r for r in recs if r["table"] == "localization"]
@@ -278,12 +284,12 @@ def markdown(recs: list[dict], setting: str) -> str:
         "(a) Reset points at or before the parent's first wrong line (the kept prefix holds no error), every training "
         "step, weighted by its number of parents:",
         "",
-        "| method | reset | seeds | per seed | at or before, 95% t | exactly at, 95% t | minus RRPO (n), 95% t "
+        "| method | reset | seeds | per seed | at or before, 95% t | exactly at, 95% t | minus RRPO, paired 95% t "
         "| parents per seed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in loc:
-        minus = f"{ci(r['minus_random'], '+')} ({r['minus_random_n']})" if r["minus_random_n"] else "–"
+        minus = minus_text(r, ci)
         out.append(
             f"| {r['method']} | {r['reset']} | {len(r['seeds'])} | {', '.join(f'{x:.3f}' for x in r['per_seed'])} | "
             f"{ci(r['at_or_before'])} | {ci(r['exact'])} | {minus} | {', '.join(map(str, r['parents_per_seed']))} |"
@@ -293,12 +299,12 @@ def markdown(recs: list[dict], setting: str) -> str:
         "(b) Credit AUC (credit_accuracy.py's) on the reset rows only (reset_at > 0), recorded steps pooled per seed; "
         "RRPO is the control (masking alone):",
         "",
-        "| method | seeds | per seed | AUC, 95% t | AUC, rows with credit, 95% t | minus RRPO (n), 95% t "
+        "| method | seeds | per seed | AUC, 95% t | AUC, rows with credit, 95% t | minus RRPO, paired 95% t "
         "| scored reset rows per seed (of reset rows) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in auc:
-        minus = f"{ci(r['minus_random'], '+')} ({r['minus_random_n']})" if r["minus_random_n"] else "–"
+        minus = minus_text(r, ci)
         per = ", ".join("–" if x is None else f"{x:.3f}" for x in r["per_seed"])
         counts = ", ".join(f"{s} ({t})" for s, t in zip(r["scored_per_seed"], r["reset_rows_per_seed"]))
         out.append(

@@ -184,6 +184,7 @@ def test_cli_on_a_small_results_tree(tmp_path):
     md = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert md.returncode == 0, md.stderr
     text = (root / "localization.md").read_text()
-    assert "| srpo | self | 2 | 0.750, 1.000 | 0.875 [" in text
+    assert "| srpo | self | 2 | 0.750, 1.000 | 0.875 [" in text and "| +0.250 [+0.250, +0.250] (n=2) | 8, 2 |" in text
+    assert "| srpo@x | self | 1 | 1.000 | 1.000 (one seed) | 0.000 (one seed) | +0.250 (one seed) | 1 |" in text
     assert "| grpo | all | 1 of 2 correct (50.0%) | 0.0% | 0.0% | 100.0% |" in text
     assert "| grpo | all | 1 failed | 100.0% |" in text

@@ -12,13 +12,16 @@ git commit. A run whose file is complete is skipped, so an interrupted `run` con
 several `run` processes may share the work (each (method, seed) is claimed with a lock file; remove stale
 *.lock files after an interruption).
 
-`report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds, 95%
-bootstrap interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems), the mean
-accuracy over all evaluations (step 0 included; a less noisy view of speed than one crossing), the first evaluated
-step at which each method's mean curve reaches GRPO's final mean accuracy over the same seeds (and the same in
-generated tokens), and plots of accuracy against step and against generated tokens (mean and 95% bootstrap band) in
-docs/img/: one for the methods at their defaults, one per swept method for its `--tag` sweeps beside it (needs
-matplotlib: pip install -r benchmarks/requirements.txt).
+`report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds with its 95%
+Student-t interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems; the mean
+of the per-seed differences over the n seeds both finished, with their 95% t-interval) and the lowest per-seed ratio
+to GRPO's final (a collapse on one seed), the mean accuracy over all evaluations (step 0 included; a less noisy view
+of speed than one crossing), the first evaluated step at which each method's mean curve reaches GRPO's final mean
+accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and against
+generated tokens (mean and 95% t band) in docs/img/: one for the methods at their defaults, one per swept method for
+its `--tag` sweeps beside it (needs matplotlib: pip install -r benchmarks/requirements.txt). `report --json` prints
+one JSON line per method instead (`versus_grpo` defines its fields) and writes nothing. Intervals are t-intervals
+(`t_interval`), not a bootstrap: over 3 seeds a percentile bootstrap of the mean covers far less than 95%.
 
 Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
@@ -34,6 +37,7 @@ Settings (the bundled tiny model, the built-in arith task):
 import argparse
 import gzip
 import json
+import math
 import os
 import random
 import subprocess
@@ -137,8 +141,9 @@ def cmd_run(a) -> None:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
-def load(setting: str, results: Path) -> dict:
-    """name -> seed -> list of (step, generated tokens so far, eval accuracy)."""
+def load(setting: str, results: Path, quiet: bool = False) -> dict:
+    """name -> seed -> list of (step, generated tokens so far, eval accuracy) of the finished runs (`quiet`: the
+    unfinished ones are left out without a word, for a JSON-only stdout)."""
     curves = {}
     for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
         for f in sorted(d.glob("seed*.jsonl")):
@@ -147,7 +152,8 @@ def load(setting: str, results: Path) -> dict:
             if (
                 not rows or "eval/accuracy" not in rows[-1]
             ):  # a run that stopped early (run_one writes only finished ones)
-                print(f"skipped {f}: it does not end with an evaluation")
+                if not quiet:
+                    print(f"skipped {f}: it does not end with an evaluation")
                 continue
             for r in rows:
                 tokens += r.get("reset/generated_tokens", r.get("num_tokens", 0))
@@ -157,8 +163,69 @@ def load(setting: str, results: Path) -> dict:
     return curves
 
 
+def t_two_sided(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with `df` (a positive integer) degrees of freedom, in closed form (Abramowitz and
+    Stegun 26.7.3-4): with theta = atan(t / sqrt(df)), s = sin(theta), c = cos(theta),
+      df odd:  (2 / pi) * (theta + s * (c + 2/3 c^3 + (2*4)/(3*5) c^5 + ...
+                                       + (2*4*...*(df-3))/(3*5*...*(df-2)) c^(df-2)))   (df = 1: 2 theta / pi);
+      df even: s * (1 + 1/2 c^2 + (1*3)/(2*4) c^4 + ... + (1*3*...*(df-3))/(2*4*...*(df-2)) c^(df-2))."""
+    if df < 1 or int(df) != df:
+        raise ValueError(f"degrees of freedom must be a positive integer, got {df}")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2:
+        term, total = math.cos(theta), 0.0  # the c^1 term; each next one: * c^2 * (2j) / (2j + 1)
+        for j in range(1, (df - 1) // 2 + 1):
+            total += term
+            term *= c2 * (2 * j) / (2 * j + 1)
+        return 2 / math.pi * (theta + s * total)
+    term, total = 1.0, 0.0  # the c^0 term; each next one: * c^2 * (2j - 1) / (2j)
+    for j in range(1, df // 2 + 1):
+        total += term
+        term *= c2 * (2 * j - 1) / (2 * j)
+    return s * total
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t with `df` degrees of freedom (t_{0.975, 2} = 4.303): `t_two_sided` inverted by
+    bisection to 1e-12 relative (it is increasing in t), by symmetry for p < 0.5."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    target = 2 * p - 1  # P(|T| <= q) for the p-quantile q
+    lo, hi = 0.0, 1.0
+    while t_two_sided(hi, df) < target:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-12 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided(mid, df) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(xs: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """Mean and the `level` Student-t interval of the mean over seeds: mean -+ t_{(1+level)/2, n-1} * sd / sqrt(n),
+    sd the sample standard deviation (n - 1 in its denominator). The seeds are the independent replicates; with
+    n = 3 the 95% half-width is 4.303 * sd / sqrt(3). (mean, None, None) for a single seed: no interval."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, None, None
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    half = t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def fmt_ci(ci: tuple[float, float | None, float | None], sign: str = "") -> str:
+    """`mean [lo, hi]` with three decimals (`sign` "+": signed), or the mean alone when there is no interval."""
+    m, lo, hi = ci
+    f = f"{{:{sign}.3f}}"
+    return f"{f.format(m)} [{f.format(lo)}, {f.format(hi)}]" if lo is not None else f"{f.format(m)} (one seed)"
+
+
 def bootstrap_ci(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean and 95% percentile-bootstrap interval of the mean, resampling seeds with replacement."""
+    """Mean and 95% percentile-bootstrap interval of the mean, resampling seeds with replacement. (Over a handful of
+    seeds it covers far less than 95%: the report uses `t_interval`.)"""
     rng = random.Random(seed)
     m = sum(xs) / len(xs)
     if len(xs) < 2:
@@ -168,13 +235,15 @@ def bootstrap_ci(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float,
 
 
 def mean_curve(by_seed: dict) -> list[tuple[int, float, float, float, float]]:
-    """(step, mean generated tokens, mean accuracy, 95% low, 95% high) at the steps every seed evaluated."""
+    """(step, mean generated tokens, mean accuracy, 95% low, 95% high: the t-interval over seeds, the mean itself for
+    one seed) at the steps every seed evaluated."""
     steps = sorted(set.intersection(*({p[0] for p in pts} for pts in by_seed.values())))
     out = []
     for s in steps:
         acc = [p[2] for pts in by_seed.values() for p in pts if p[0] == s]
         tok = [p[1] for pts in by_seed.values() for p in pts if p[0] == s]
-        out.append((s, sum(tok) / len(tok), *bootstrap_ci(acc)))
+        m, lo, hi = t_interval(acc)
+        out.append((s, sum(tok) / len(tok), m, m if lo is None else lo, m if hi is None else hi))
     return out
 
 
@@ -183,8 +252,36 @@ def first_reach(curve, target: float):
     return next(((s, t) for s, t, m, _, _ in curve if m >= target - 1e-9), (None, None))
 
 
+def versus_grpo(by_seed: dict, grpo_final: dict) -> dict:
+    """A method's final greedy accuracy over its seeds and against GRPO's on the same seeds (same seed: same held-out
+    problems and first batches, so the paired difference is the sharper test):
+      final            mean over its seeds of the final accuracy, with its 95% t-interval (final_lo, final_hi);
+      n                the seeds both it and GRPO finished;
+      diff             mean over those n seeds of (its final - GRPO's final), with the 95% paired t-interval (lo, hi):
+                       the t-interval of the n per-seed differences;
+      min_ratio        min over those seeds of (its final / GRPO's final): a collapse on one seed shows here even when
+                       the mean hides it (seeds where GRPO's final is 0 are left out; None when none is left)."""
+    finals = [pts[-1][2] for pts in by_seed.values()]
+    final, final_lo, final_hi = t_interval(finals)
+    shared = sorted(k for k in by_seed if k in grpo_final)
+    diffs = [by_seed[k][-1][2] - grpo_final[k] for k in shared]
+    diff, lo, hi = t_interval(diffs) if diffs else (None, None, None)
+    ratios = [by_seed[k][-1][2] / grpo_final[k] for k in shared if grpo_final[k] > 0]
+    return dict(
+        n=len(shared),
+        diff=diff,
+        lo=lo,
+        hi=hi,
+        final=final,
+        final_lo=final_lo,
+        final_hi=final_hi,
+        seeds=len(finals),
+        min_ratio=min(ratios) if ratios else None,
+    )
+
+
 def cmd_report(a) -> None:
-    curves = load(a.setting, Path(a.results))
+    curves = load(a.setting, Path(a.results), quiet=a.json)
     if not curves:
         sys.exit(
             f"no results under {Path(a.results) / a.setting}: run `learning_curves.py run --setting {a.setting}` first"
@@ -194,34 +291,43 @@ def cmd_report(a) -> None:
     target = base[-1][2] if base else None
     final_step = base[-1][0] if base else None
     grpo_final = {k: pts[-1][2] for k, pts in curves.get("grpo", {}).items()}  # GRPO's final accuracy, by seed
-    lines = [
-        f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
-        "held-out problems; mean over seeds with a 95% bootstrap interval over seeds.",
-        "",
-        "| method | seeds | step 0 | final (step) | final, 95% CI | final − GRPO, paired 95% CI "
-        "| mean over evals, 95% CI | steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for m, curve in sorted(means.items(), key=lambda kv: ("@" in kv[0], kv[0] != "grpo")):  # defaults, then sweeps
-        by_seed = curves[m]
-        ends = sorted({pts[-1][0] for pts in by_seed.values()})
+    order = sorted(means, key=lambda m: ("@" in m, m != "grpo", m))  # GRPO, the defaults, then sweeps
+    for m in order:
+        ends = sorted({pts[-1][0] for pts in curves[m].values()})
         if len(ends) > 1:
             sys.exit(f"{m}: its seeds end at different steps {ends}; rerun or remove the short ones")
-        finals = [pts[-1][2] for pts in by_seed.values()]
-        mean, lo, hi = bootstrap_ci(finals)
-        # same seed = same held-out problems and same first batches: the paired difference is the sharper test
-        shared = [k for k in by_seed if k in grpo_final]
-        paired = [by_seed[k][-1][2] - grpo_final[k] for k in shared]
-        d = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*bootstrap_ci(paired)) if paired else "–"
-        auc = bootstrap_ci([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # mean over all evaluations
+    if a.json:  # one JSON line per method, nothing written
+        for m in order:
+            print(json.dumps({"method": m, **versus_grpo(curves[m], grpo_final)}))
+        return
+    lines = [
+        f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
+        "held-out problems; mean over seeds with its 95% Student-t interval over seeds (n - 1 degrees of freedom); "
+        "the difference from GRPO is paired by seed (the seeds both finished: n paired) with the t-interval of the "
+        "per-seed differences; min ratio: the lowest, over those seeds, of the method's final / GRPO's final on the "
+        "same seed (a collapse on one seed shows there).",
+        "",
+        "| method | seeds | step 0 | final (step) | final, 95% t-interval | n paired "
+        "| final − GRPO, paired 95% t-interval | min ratio to GRPO | mean over evals, 95% t-interval "
+        "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in order:
+        curve, by_seed = means[m], curves[m]
+        v = versus_grpo(by_seed, grpo_final)
+        d = fmt_ci((v["diff"], v["lo"], v["hi"]), "+") if v["n"] else "–"
+        ratio = f"{v['min_ratio']:.2f}" if v["min_ratio"] is not None else "–"
+        auc = t_interval([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # mean over all evaluations
         # GRPO's final over the same seeds (a 2-seed sweep is measured against those 2 seeds of GRPO)
+        shared = [k for k in by_seed if k in grpo_final]
         same = sum(grpo_final[k] for k in shared) / len(shared) if shared else target
         s, tok = first_reach(curve, same) if target is not None else (None, None)
         speed = f"{final_step / s:.2f}x" if s else ("–" if s is None else "at step 0")
         tok_step = curve[-1][1] / curve[-1][0] if curve[-1][0] else 0
+        final = fmt_ci((v["final"], v["final_lo"], v["final_hi"]))
         lines.append(
-            f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {mean:.3f} ({curve[-1][0]}) | [{lo:.3f}, {hi:.3f}] | {d} | "
-            f"{auc[0]:.3f} [{auc[1]:.3f}, {auc[2]:.3f}] | "
+            f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {v['final']:.3f} ({curve[-1][0]}) | {final} | {v['n']} | "
+            f"{d} | {ratio} | {fmt_ci(auc)} | "
             f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
             f"{tok_step:.0f} |"
         )
@@ -233,7 +339,7 @@ def cmd_report(a) -> None:
     plot(
         main,
         Path(a.img) / f"learning_curves_{a.setting}.png",
-        f"arith '{a.setting}', tiny model: mean of {max(len(curves[m]) for m in main)} seeds, 95% bootstrap band",
+        f"arith '{a.setting}', tiny model: mean of {max(len(curves[m]) for m in main)} seeds, 95% t band",
     )
     sweeps = {m: c for m, c in means.items() if "@" in m}  # --tag runs: each beside its method at the defaults
     for base in sorted({m.split("@")[0] for m in sweeps}):  # one plot per swept method
@@ -372,6 +478,12 @@ def main() -> None:
     p.add_argument("--setting", default="headroom")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON line per method (method, n, diff, lo, hi, final, final_lo, final_hi, seeds, min_ratio) "
+        "and write nothing",
+    )
     a = ap.parse_args()
     if a.cmd == "run" and a.extra and not a.tag:
         sys.exit("--extra changes the runs: give them a --tag so they do not mix with the defaults")

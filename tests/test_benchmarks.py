@@ -179,7 +179,8 @@ def test_script_memory_runs_every_script_at_a_small_vocabulary(tmp_path):
 
 
 def test_learning_curves_report_from_raw_results(tmp_path):
-    """The report is rebuilt from the raw per-run metrics: bootstrap interval, steps to GRPO's final accuracy."""
+    """The report is rebuilt from the raw per-run metrics: t-intervals over seeds, the paired difference from GRPO
+    and the lowest per-seed ratio to it, steps to GRPO's final accuracy; `--json` prints the same and writes nothing."""
     runs = {
         "srpo@lr": [[0.2, 0.1, 0.0]],
         "grpo": [[0.2, 0.4, 0.5], [0.2, 0.5, 0.6]],
@@ -219,8 +220,13 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     assert "0.550 (20)" in grpo and "| 20 | 1.00x |" in grpo  # GRPO's final mean 0.55, reached at its last step
     assert "skipped" in r.stdout and "| srpo | 2 |" in srpo  # the unfinished run is left out, and said so
     assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast
-    assert "| +0.100 [+0.100, +0.100] |" in srpo  # paired by seed: 0.6 - 0.5 and 0.7 - 0.6
-    assert "| 0.400 [0.367, 0.433] |" in grpo  # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3
+    # paired by seed: 0.6 - 0.5 and 0.7 - 0.6 (no spread: a zero-width interval) over n = 2 seeds; the lowest ratio
+    # to GRPO's final on the same seed: min(0.6 / 0.5, 0.7 / 0.6) = 1.1667
+    assert "| 2 | +0.100 [+0.100, +0.100] | 1.17 |" in srpo
+    # finals 0.5 and 0.6: mean 0.55 -+ t_{0.975, 1} * sd / sqrt(2) = 12.706 * 0.0707 / 1.414 = 0.635
+    assert "| 0.550 [-0.085, 1.185] |" in grpo
+    # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3: 0.400 -+ 12.706 * 0.04714 / 1.414 = 0.424
+    assert "| 0.400 [-0.024, 0.824] |" in grpo
     results, mechanisms = table.split("What explains it")
     names = [
         line.split("|")[1].strip() for line in results.splitlines() if line.startswith("| ") and "seeds" not in line
@@ -229,6 +235,24 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     # the mechanism table: the mean over steps of each step's mean over seeds (steps 1 and 2 here)
     assert "| grpo | `frac_groups_unsolved` | 0.500 | 0.500 |" in mechanisms  # ((0.6+0.5)/2 + (0.5+0.4)/2) / 2
     assert "| srpo | `frac_groups_unsolved` | 0.400 | 0.400 |" in mechanisms  # ((0.4+0.5)/2 + (0.4+0.3)/2) / 2
+    js = subprocess.run(
+        [sys.executable, "benchmarks/learning_curves.py", "report", "--setting", "headroom", "--json"]
+        + ["--results", str(tmp_path), "--img", str(tmp_path / "img2")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert js.returncode == 0, js.stderr[-3000:]
+    out = {r["method"]: r for r in map(json.loads, js.stdout.splitlines())}  # every stdout line is JSON
+    assert list(out) == ["grpo", "srpo", "srpo@lr"] and not (tmp_path / "img2").exists()
+    assert out["srpo"]["n"] == 2 and out["srpo"]["diff"] == pytest.approx(0.1) and out["srpo"]["seeds"] == 2
+    assert out["srpo"]["lo"] == pytest.approx(0.1) and out["srpo"]["hi"] == pytest.approx(0.1)
+    assert out["srpo"]["min_ratio"] == pytest.approx(0.7 / 0.6)
+    assert out["grpo"]["final_lo"] == pytest.approx(0.55 - 12.7062 * 0.05, abs=1e-4)  # sd / sqrt(2) = 0.05
+    lr = out["srpo@lr"]  # one seed: paired with GRPO's seed 1; no interval
+    assert (lr["n"], lr["lo"], lr["hi"], lr["final_lo"]) == (1, None, None, None)
+    assert lr["diff"] == pytest.approx(-0.5) and lr["min_ratio"] == 0.0
     if importlib.util.find_spec("matplotlib"):  # a benchmark-only requirement
         assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
             "learning_curves_headroom.png",

@@ -43,7 +43,7 @@ import credit_accuracy as ca  # noqa: E402  (benchmarks/ is the script's own dir
 import learning_curves as lc  # noqa: E402
 from harness import read_metrics  # noqa: E402
 
-from rlvr_utils import arith  # noqa: E402
+from rlvr_utils import tasks  # noqa: E402
 from rlvr_utils.credit import ARITH_PROMPT, SPECIAL  # noqa: E402  (how a recorded row's problem and text are read)
 
 CLASSES = ("slip", "wrong_value", "skipped_or_reordered", "foreign", "other")
@@ -79,12 +79,12 @@ def reset_row_auc(rows: list[dict]) -> dict:
     return {**ca.summarize(scores), "scored": len(scores), "reset_rows": len(resets)}
 
 
-def first_error_class(problem: arith.ArithProblem | str, completion: str) -> tuple[int, str, str] | None:
-    """(c) The completion's first wrong line k (arith.arith_first_error: 1-based over its non-empty lines), its class
+def first_error_class(problem: tasks.ArithProblem | str, completion: str) -> tuple[int, str, str] | None:
+    """(c) The completion's first wrong line k (tasks.arith_first_error: 1-based over its non-empty lines), its class
     and a detail; None when no line is wrong.
 
     The problem is a start v_0 and operations o_1..o_n, o_i = (op_i, b_i); v_i is the running value after o_i, and a
-    right line i <= n reads `v_{i-1}<op_i>b_i=v_i` (arith.ARITH_STEP_RE: `a<op>b=c`, spaces allowed), line n + 1
+    right line i <= n reads `v_{i-1}<op_i>b_i=v_i` (tasks.ARITH_STEP_RE: `a<op>b=c`, spaces allowed), line n + 1
     `#### v_n`. Lines 1..k-1 are right, so the operations still to do at line k are o_k..o_n (none when k = n + 1).
     Line L = the completion's k-th non-empty line:
       other                 L is absent (the completion stopped; detail `missing`) or does not match `a<op>b=c`:
@@ -103,16 +103,16 @@ def first_error_class(problem: arith.ArithProblem | str, completion: str) -> tup
     With 16 operations drawn from 18 (sign, operand) pairs, a wrong operation often matches a later one by chance:
     skipped_or_reordered is an upper bound on deliberate skips."""
     if isinstance(problem, str):
-        problem = arith.parse_arith_problem(problem)
-    k = arith.arith_first_error(problem, completion)
+        problem = tasks.parse_arith_problem(problem)
+    k = tasks.arith_first_error(problem, completion)
     if k is None:
         return None
     lines = [ln for ln in completion.split("\n") if ln.strip()]
     if k > len(lines):
         return k, "other", "missing"
-    m = arith.ARITH_STEP_RE.match(lines[k - 1])
+    m = tasks.ARITH_STEP_RE.match(lines[k - 1])
     if not m:
-        return k, "other", "answer" if arith.ANSWER_LINE_RE.match(lines[k - 1]) else "garbled"
+        return k, "other", "answer" if tasks.ANSWER_LINE_RE.match(lines[k - 1]) else "garbled"
     a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
     detail = "arith_ok" if c == (a + b if op == "+" else a - b) else "arith_bad"
     remaining = problem.ops[k - 1 :]  # o_k..o_n (empty at k = n + 1)

@@ -1,4 +1,4 @@
-"""The built-in arith task (arith.py): problems, solutions, the reward and the first-wrong-step oracle."""
+"""The built-in arith task (tasks.py): problems, solutions, the reward and the first-wrong-step oracle."""
 
 import random
 

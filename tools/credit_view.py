@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlvr_utils import credit  # noqa: E402
-from rlvr_utils.errors import usage_error  # noqa: E402
+from rlvr_utils.runtime import usage_error  # noqa: E402
 
 
 class BadInput(Exception):

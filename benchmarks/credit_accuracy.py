@@ -50,10 +50,7 @@ import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own dir
 from credit_view import BadInput, read_records  # noqa: E402  (tools/: the one reader and check of credit records)
 
 from rlvr_utils.credit import first_wrong_line, token_lines  # noqa: E402  (the definition's rules)
-from rlvr_utils.runtime import (
-    read_rows,  # noqa: E402  (metrics.jsonl's reader: a damaged line is an error)
-    usage_error,  # noqa: E402
-)
+from rlvr_utils.runtime import read_rows, usage_error  # noqa: E402  (read_rows: a damaged metrics line is an error)
 
 MEASURED = ("step", "prompt", "reward", "tokens", "credit")  # the keys of a credit record the measure reads
 

@@ -290,14 +290,14 @@ def aggregate_loss(
     raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {LOSS_AGG_MODES}")
 
 
-def engine_correction(ro, rows, old_logp, mask, flags, stats: dict | None, num_tokens: float):
-    """--engine vllm: importance weights toward the engine's sampling distribution and the
-    engine-trainer mismatch into `stats` (engines.engine_correction, --vllm-is-mode, --vllm-is-cap);
-    1.0 with Hugging Face generate (the trainer sampled the rollouts itself)."""
+def engine_correction(ro, rows, old_logp, mask, args, stats: UpdateStats, it: int):
+    """--engine vllm: importance weights toward the engine's sampling distribution, and on the first
+    pass (`it` 0) the engine-trainer mismatch into `stats` (engines.engine_correction: --vllm-is-mode,
+    --vllm-is-cap); 1.0 with Hugging Face generate (the trainer sampled the rollouts itself)."""
     if ro.engine_logp is None:
         return 1.0
     engines = runtime.extra("engines", "--engine vllm")
-    return engines.engine_correction(ro, rows, old_logp, mask, flags, stats, num_tokens)
+    return engines.engine_correction(ro, rows, old_logp, mask, args, stats.engine(it), stats.tokens)
 
 
 def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Tensor]:

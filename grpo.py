@@ -1,15 +1,16 @@
 """GRPO: group-relative policy optimization, the baseline every method here is measured against.
 
-For each prompt, sample G completions, score them with a verifiable reward, and give every token of
-a completion the same advantage: its reward minus the group's mean, divided by the group's std.
+For each prompt, sample G completions, score them with a verifiable reward, and give every token
+of a completion the same advantage: its reward minus the group's mean, divided by the group's std.
 The policy maximizes a PPO-clipped surrogate of that advantage, optionally with a k3 KL penalty to
-a frozen reference. Flags reproduce the common variants: DAPO (token-mean, clip-higher, dynamic sampling,
-overlong shaping, several mini-batch steps per batch) and Dr. GRPO (no std scaling, constant-length normalization).
+a frozen reference. Flags reproduce the common variants: DAPO (token-mean, clip-higher, dynamic
+sampling, overlong shaping, several mini-batch steps per batch) and Dr. GRPO (no std scaling,
+constant-length normalization).
 Paper: Shao et al. 2024, DeepSeekMath (arXiv 2402.03300). Docs: README.md, docs/grpo_variants.md.
 
-    python grpo.py                                              # bundled tiny model, built-in task, CPU
-    python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --learning-rate 1e-6 --max-new-tokens 512 \\
-        --gradient-checkpointing
+    python grpo.py                              # bundled tiny model, built-in task, CPU
+    python grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --learning-rate 1e-6 \\
+        --max-new-tokens 512 --gradient-checkpointing
 """
 
 import copy
@@ -23,121 +24,92 @@ from rlvr_utils import cli
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """GRPO: the shared flags only (rlvr_utils/cli.py: run, model, task, sampling, optimizer, evaluation, engine)."""
+    """GRPO: the shared flags only (rlvr_utils/cli.py: run, model, task, sampling, optimizer,
+    evaluation, engine, torchrun)."""
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
     args = cli.parse(Args)  # tyro.cli(Args), every check before anything loads (one-line errors)
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(
-        args, tokenizer
-    )  # before the model: a task that yields nothing stops at once
+    task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(
-        model, ref_model
-    )  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
-    )
-    run.start(
-        model, tokenizer, optimizer, task
-    )  # prompt batches, --resume, the vLLM engine, logging, step-0 eval
-    dist, G = run.dist, args.num_generations
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    lr, decay = args.learning_rate, args.weight_decay
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    run.start(model, tokenizer, optimizer, task)  # batches, --resume, vLLM, logs, step-0 eval
+    dist = run.dist
+    G = args.num_generations
 
     for step in run.steps():
-        # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
-        #      DAPO's dynamic sampling and overlong penalty when asked
+        # 1-2. rollouts: G completions per prompt, one reward per completion (the verifier sees the
+        #      decoded text); DAPO's dynamic sampling and overlong penalty when asked
         ro, rewards, sampling = common.rollouts_with_rewards(
             model, tokenizer, task, run.batches, dist, args
         )
-        mask = (
-            ro.completion_mask * ~ro.truncated[:, None]
-            if args.mask_truncated_completions
-            else ro.completion_mask
-        )
+        mask = ro.completion_mask  # [N, T]
+        if args.mask_truncated_completions:  # DAPO's overlong filtering
+            mask = mask * ~ro.truncated[:, None]
         T = mask.shape[1]
         run.lap("generation")
 
-        # 3. ALGO LOGIC: credit assignment. GRPO gives every token of a completion the same advantage.
-        #    torchrun: taken over the global batch (--scale-rewards batch: its std), each rank keeping its own rows.
+        # 3. ALGO LOGIC: credit assignment. GRPO gives every token of a completion the same
+        #    advantage. torchrun: over the global batch (--scale-rewards batch: its std).
         gid = ro.group_ids.cpu()
         advantages = dist.over_global_batch(
             common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid
-        )
+        )  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
-        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
-        #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
+        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
+        #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
         with torch.no_grad():
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = (
-                None
-                if on_policy
-                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            )
-            ref_logp = (
-                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
-                if ref_model
-                else None
-            )
+            old_logp = None
+            if not on_policy:
+                old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            ref_logp = None
+            if ref_model is not None:
+                ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
         run.lap("logprobs")
 
-        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
-        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one
+        #    optimizer step each, in micro-batches (the loss is normalized over the mini-batch)
         stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
+                agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
                 micro = rows.split(args.micro_batch_size)
                 for k, mb in enumerate(micro):
-                    dist.sync_grads(
-                        train_model, k == len(micro) - 1
-                    )  # all-reduce once per optimizer step
+                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per step
                     m = mask[mb].float()
-                    logp, entropy = common.token_logprobs(
-                        train_model,
-                        input_ids[mb],
-                        attn[mb],
-                        T,
-                        args.temperature,
-                        with_entropy=it == 0,
-                    )
-                    run.watch_credit(
-                        logp, mb, m, num_tokens, num_seqs
-                    )  # LOGS: --log-credit records dL/dlog p
+                    batch = (input_ids[mb], attn[mb], T, args.temperature)
+                    logp, entropy = common.token_logprobs(train_model, *batch, with_entropy=it == 0)
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                    log_ratio = torch.clamp(
-                        logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO
-                    )  # fp32, as verl
+                    log_ratio = (logp - old).clamp(-common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
                     ratio = torch.exp(log_ratio)
                     A = token_adv[mb]
-                    surrogate = torch.min(
-                        ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
-                    )
+                    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
+                    surrogate = torch.min(ratio * A, clipped * A)
                     per_token_loss = -surrogate
-                    # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * common.engine_correction(
-                        ro, mb, old, m, args, stats.engine(it), stats.tokens
-                    )
-                    kl = (
-                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
-                    )  # KL(pi || pi_ref), k3
-                    if kl is not None:
+                    # vLLM rollouts: importance weights toward the engine's sampling (HF: 1)
+                    engine_w = common.engine_correction(ro, mb, old, m, args, stats, it)
+                    per_token_loss = per_token_loss * engine_w
+                    kl = None  # KL(pi || pi_ref), k3, with --beta > 0
+                    if ref_logp is not None:
+                        kl = common.k3_kl(logp, ref_logp[mb])
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(
-                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
-                    )
+                    loss = common.aggregate_loss(per_token_loss, m, *agg)
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(
-                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
-                    )  # LOGS: diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()

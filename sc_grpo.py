@@ -1,22 +1,27 @@
-"""SC-GRPO: Self-Conditioned GRPO. The model, shown one of its own verified solutions, says which tokens matter.
+"""SC-GRPO: Self-Conditioned GRPO. The model, shown one of its own verified solutions, says which
+tokens matter.
 
-Groups are routed by n_c, their number of correct rollouts. Partial-solve groups (2 <= n_c < G): a teacher, the current
-policy (no gradient) shown tau, a correct sibling, before the problem, re-scores each rollout; f = D / (D + c), D =
-KL(teacher || student) per token, c = max(P75 of D, 1e-4), multiplies each token's clipped surrogate (the reward sets
-the direction, f the magnitude). Solve-none groups (n_c = 0): one rollout is everyone's reference, the others add
+Groups are routed by n_c, their number of correct rollouts. Partial-solve groups (2 <= n_c < G): a
+teacher, the current policy (no gradient) shown tau, a correct sibling, before the problem,
+re-scores each rollout; f = D / (D + c), D = KL(teacher || student) per token,
+c = max(P75 of D, 1e-4), multiplies each token's clipped surrogate (the reward sets the direction,
+f the magnitude). Solve-none groups (n_c = 0): one rollout is everyone's reference, the others add
 alpha * zscore(mean f) to their advantage.
-Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no official code). Docs: docs/sc_grpo.md.
+Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no official code).
+Docs: docs/sc_grpo.md. The teacher's memory-bounded forward: rlvr_utils/teacher.py.
 
-Differences from grpo.py (the teacher's memory-bounded forward: rlvr_utils/teacher.py):
-1. step 3 routes the groups and builds each routed row's teacher prompt (its text and construction: teacher_prompt)
-2. f and the solve-none bonus need D: per micro-batch in step 5, in step 4 with --kl-threshold-scope batch
-3. step 5: micro-batches of whole groups (--micro-batch-size enters the algorithm), the surrogate times f
-4. the advantage's std: population + 1e-6 (--outcome-std; grpo.py's: unbiased + 1e-4); no shared default changes
+Differences from grpo.py:
+1. step 3 routes the groups and builds each routed row's teacher prompt (teacher_prompt)
+2. D, then f and the solve-none bonus: per micro-batch in step 5 (the paper's), or in step 4 over
+   the whole batch with --kl-threshold-scope batch (the table above the loop says when D is made)
+3. step 5: micro-batches of whole groups (--micro-batch-size enters the algorithm); the clipped
+   surrogate times f
+4. the advantage's std: population + 1e-6 (--outcome-std; grpo.py's: unbiased + 1e-4)
 
-    python sc_grpo.py                                           # bundled tiny model, built-in task, CPU
-    python sc_grpo.py --weight-mode none --outcome-std unbiased # exactly grpo.py
-    python sc_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --learning-rate 1e-6 --max-new-tokens 512 \\
-        --gradient-checkpointing
+    python sc_grpo.py                                            # tiny model, built-in task, CPU
+    python sc_grpo.py --weight-mode none --outcome-std unbiased  # exactly grpo.py
+    python sc_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --task gsm8k --learning-rate 1e-6 \\
+        --max-new-tokens 512 --gradient-checkpointing
 """
 
 import copy
@@ -33,201 +38,68 @@ from rlvr_utils import cli, tasks, teacher
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """SC-GRPO: the shared flags (rlvr_utils/cli.py) and the method's own, at the paper's values (docs/sc_grpo.md)."""
+    """SC-GRPO: the shared flags (rlvr_utils/cli.py) and the method's own, at the paper's values
+    (docs/sc_grpo.md)."""
 
     weight_mode: Literal["multiply", "none"] = "multiply"
-    """multiply: the clipped surrogate times f(D); none: f = 1, no teacher (with --outcome-std unbiased: grpo.py)"""
+    """multiply: the clipped surrogate times f(D); none: f = 1, no teacher (with --outcome-std
+    unbiased: grpo.py)"""
     weighted_groups: tuple[Literal["partial", "none", "single", "all"], ...] = ("partial", "none")
-    """groups with a teacher, by n_c correct of G: partial (2 <= n_c < G), none (0), single (1), all (G)"""
+    """groups with a teacher, by n_c correct of G: partial (2 <= n_c < G), none (0), single (1),
+    all (G)"""
     percentile: float = 75.0
     """c = max(this percentile of D over the micro-batch's weighted tokens, --c-min)"""
     kl_threshold_scope: Literal["micro-batch", "batch"] = "micro-batch"
-    """c's percentile is over the weighted tokens of: micro-batch (the paper's: --micro-batch-size // G groups, so that
-    size changes f) or batch (the step's, all ranks' under torchrun: f independent of the micro-batch size, for one
-    extra no-grad pass of students and teachers)"""
+    """c's percentile is over the weighted tokens of: micro-batch (the paper's: --micro-batch-size //
+    G groups, so that size changes f) or batch (the step's, all ranks' under torchrun: f
+    independent of the micro-batch size, for one extra no-grad pass of students and teachers)"""
     c_min: float = 1e-4
     """floor of the scale c in f = D / (D + c)"""
     alpha: float = 0.1
     """scale (>= 0) of the solve-none diversity pseudo-advantage alpha * zscore(s_i)"""
     outcome_std: Literal["population", "unbiased"] = "population"
-    """the std of the GRPO advantage and the solve-none z-score: population + 1e-6 (ours; verl: unbiased + 1e-6; the
-    paper writes one std for both) or unbiased + 1e-4 (grpo.py's, TRL's); one for both, so their ratio does not move
-    with G (docs/sc_grpo.md)"""
+    """the std of the GRPO advantage and the solve-none z-score: population + 1e-6 (ours; verl:
+    unbiased + 1e-6; the paper writes one std for both) or unbiased + 1e-4 (grpo.py's, TRL's); one
+    for both, so their ratio does not move with G (docs/sc_grpo.md)"""
     kl_loss_coef: float = 0.0
-    """the additive distillation baseline (>= 0; 0 = off): add this times D, with its gradient, to the loss"""
+    """the additive distillation baseline (>= 0; 0 = off): add this times D, with its gradient, to
+    the loss"""
     max_reference_tokens: int = 8192
-    """a reference longer than this (or than the context window allows) is resampled, else its middle is cut"""
+    """a reference longer than this (or than the context window allows) is resampled, else its
+    middle is cut"""
     divergence: Literal["kl", "sampled-logratio"] = "kl"
-    """D per token: kl (the paper's, KL(teacher || student) over the vocabulary) or sampled-logratio (an ablation of
-    ours, not the paper's: the sampled token's teacher-minus-student log-prob, as on-policy distillation uses, signed
-    by the row's advantage, so a failed rollout's weight goes where the teacher disowns the sampled token)"""
+    """D per token: kl (the paper's: KL(teacher || student) over the vocabulary) or
+    sampled-logratio (an ablation of ours: the sampled token's teacher-minus-student log-prob,
+    signed by the row's advantage; rlvr_utils/sc_ablations.py)"""
 
 
-# ALGO LOGIC: SC-GRPO's own functions (pure; the equations are in docs/sc_grpo.md, the paper's §5.1)
-class Role(enum.IntEnum):
-    """How a row's teacher enters its loss (build_teachers sets it, weights_and_advantages reads it; paper §5.1)."""
-
-    PLAIN = 0  # no teacher: plain GRPO, weight f = 1
-    WEIGHTED = 1  # partial-solve (and the single / all ablations): f = D / (D + c) times the GRPO surrogate
-    DIVERSITY = (
-        2  # solve-none: weighted as above, plus the bonus alpha * zscore(mean f) on its advantage
-    )
-    REFERENCE = 3  # solve-none's reference o_r: no loss (weight 0, advantage 0)
-
-
-GUIDE = (
-    "Below is a verified correct solution to this problem. Use it as a reference when reasoning about "
-    "the problem.\n\nReference solution:\n"
-)  # chat models: the teacher's system message, then tau (paper App. E.1; docs/sc_grpo.md)
-
-
-def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
-    """Token ids of the teacher's prompt: the student's context plus the reference tau (paper §1.2). Chat: the system
-    message is the student's own (or the template's default) + GUIDE + tau, the user turns the student's. Plain text:
-    "Reference solution:\\n<tau>\\n" + the student's prompt."""
-    tau, default = tau.strip(), teacher.default_system_message
-    if example.meta.get(
-        "chat"
-    ):  # a custom task's messages: the guide and tau join its own system message
-        msgs = list(example.meta["prompt"])
-        own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
-        base = own or (default(tokenizer) + "\n\n" if default(tokenizer) else "")
-        system = [{"role": "system", "content": base + GUIDE + tau}]
-        text = tokenizer.apply_chat_template(
-            system + msgs, add_generation_prompt=True, tokenize=False
-        )
-    elif "chat" in example.meta:  # a custom task's plain string prompt, seen as it is
-        text = f"Reference solution:\n{tau}\n{example.prompt}"
-    elif tasks.has_chat_template(tokenizer):
-        if not example.user:
-            raise ValueError(
-                f"example {example.id} has no user turn (Example.user): the chat teacher repeats it"
-            )
-        base = default(tokenizer)
-        system = (base + "\n\n" if base else "") + GUIDE + tau
-        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=system)
-    else:  # plain text (the bundled tiny model was trained on this block: tools/train_tiny_model.py)
-        text = f"Reference solution:\n{tau}\n{example.prompt}"
-    return tasks.encode_prompt(tokenizer, text)
-
-
-def build_teachers(
-    tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int, generator
-):
-    """Each row's teacher prompt ids (None: no teacher), Role, weighted length wlen and the bad-input counts (paper
-    §5.1). examples: each group's Example by group id; tau_row [N]: each row's tau / o_r (route_groups). A tau whose
-    prompt exceeds `limit` tokens (the context minus the completions) or `max_ref_tokens` is replaced by another
-    correct sibling (never the row itself), drawn uniformly, else its middle is cut, else the row is PLAIN
-    (teacher.fit_reference). wlen [N]: |o_i|, or min(|o_i|, |o_r|) in solve-none groups. role, wlen on the rows'
-    device."""
-    lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
-    counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
-    prompts, role, wlen = [None] * len(ro), torch.zeros(len(ro), dtype=torch.long), lengths.clone()
-    role[(tau_row < 0) & ~correct & torch.isin(torch.arange(len(ro)), tau_row)] = (
-        Role.REFERENCE
-    )  # solve-none's o_r
-    for i in (tau_row >= 0).nonzero().flatten().tolist():
-        j, same = int(tau_row[i]), (gids == gids[i]).nonzero().flatten().tolist()
-        sibs = [
-            k for k in same if correct[j] and correct[k] and k not in (i, j)
-        ]  # a partial group's other taus
-        taus = [
-            ro.texts[k]
-            for k in [j]
-            + [sibs[p] for p in torch.randperm(len(sibs), generator=generator).tolist()]
-        ]
-        make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
-        prompts[i], how = teacher.fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
-        if how != "drawn":  # resampled, truncated or none fits
-            counts[f"sc/{how}"] += 1
-        if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
-            role[i] = Role.WEIGHTED
-        elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|) tokens
-            role[i], wlen[i] = Role.DIVERSITY, min(lengths[i], lengths[j])
-    return prompts, role.to(ro.completion_mask.device), wlen.to(ro.completion_mask.device), counts
-
-
+# ALGO LOGIC: the paper's equations (§5.1), pure tensor functions (docs/sc_grpo.md, each equation)
 def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full vocabulary, fp32
-    (paper §5.1). Logits [.., V] already divided by the temperature; returns [..]. teacher.logprobs_and_kl computes
-    this a few positions at a time, or fused through the lm_head (FusedLinearKL) so no [b, T, V] tensor exists."""
-    lt, ls = (
-        torch.log_softmax(teacher_logits.float(), -1),
-        torch.log_softmax(student_logits.float(), -1),
-    )
+    """D = KL(softmax(teacher) || softmax(student)) = sum_v p_T (log p_T - log p_S) over the full
+    vocabulary, fp32 (paper §5.1). Logits [.., V] already divided by the temperature; returns [..].
+    The training path computes it fused through the lm_head (teacher.FusedLinearKL), never as
+    [b, T, V] logits: tests/test_sc_grpo.py::test_fused_path_gives_the_unfused_d_f_and_gradient_in_float64."""
+    lt = torch.log_softmax(teacher_logits.float(), -1)
+    ls = torch.log_softmax(student_logits.float(), -1)
     return (lt.exp() * (lt - ls)).sum(-1)
 
 
-def route_groups(
-    correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"), scores=None
-):
-    """Each group's mode by n_c, its number of correct rollouts, and each rollout's reference row tau_row [N] (§5.1).
-    correct [N] bool; groups share a group_ids value (default: blocks of group_size); modes: one per group, in order of
-    first appearance. partial (2 <= n_c < G): each rollout draws a correct one other than itself, uniformly. none (n_c
-    = 0, all scores equal): one rollout o_r, drawn uniformly, is every other one's reference. A group with n_c = 0 whose
-    graded `scores` differ (the code task), a kind not in `weighted` (single: n_c = 1 and all: n_c = G, ablations,
-    follow the partial rule) or a group of one is plain (f = 1). tau_row -1: no teacher. Draws: `generator` only."""
-    correct, modes = correct.bool().cpu(), []
-    gids = torch.arange(len(correct)) // group_size if group_ids is None else group_ids.cpu()
-    scores = correct.float() if scores is None else scores.float().cpu()
-    tau_row, ids = torch.full((len(correct),), -1, dtype=torch.long), gids.tolist()
-    for u in dict.fromkeys(ids):  # the groups in order of first appearance
-        rows = torch.tensor([i for i, g in enumerate(ids) if g == u])
-        if len(rows) != group_size:
-            raise ValueError(f"every group must have {group_size} completions, got {len(rows)}")
-        nc = int(correct[rows].sum())
-        kind = (
-            "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
-        )
-        graded = kind == "none" and bool(
-            scores[rows].max() > scores[rows].min()
-        )  # partial credit: GRPO advantages
-        modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
-        if modes[-1] == "none":
-            r = rows[torch.randint(len(rows), (1,), generator=generator)]
-            tau_row[rows], tau_row[r] = r, -1
-        elif modes[-1] != "plain":
-            good = rows[correct[rows]]
-            for i in rows.tolist():
-                if len(others := good[good != i]):
-                    tau_row[i] = others[torch.randint(len(others), (1,), generator=generator)]
-    return modes, tau_row
-
-
-def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) -> torch.Tensor:
-    """The tokens f weighs, and c's percentile is over: a WEIGHTED or DIVERSITY row's first wlen tokens (wlen: |o_i|,
-    or min(|o_i|, |o_r|) in a solve-none group, paper §5.1), within the mask. mask [N, T], role, wlen [N]; [N, T]."""
-    span = (
-        torch.arange(mask.shape[1], device=mask.device) < wlen.to(mask.device)[:, None]
-    )  # each row's first wlen
-    return (
-        mask
-        * (
-            span & ((role == Role.WEIGHTED) | (role == Role.DIVERSITY)).to(mask.device)[:, None]
-        ).float()
-    )
-
-
-def kl_weights(
-    kl: torch.Tensor, mask: torch.Tensor, percentile: float = 75.0, c_min: float = 1e-4
-) -> torch.Tensor:
-    """The per-token weight f = D / (D + c), c = max(percentile of D over the active tokens, c_min) (paper §5.1).
-    kl, mask [B, T] (mask: the active, weighted, tokens). Returns f [B, T], detached, in [0, 1), 0 where mask is 0.
-    A NaN D counts as 0 and +inf as 1e6 (both left out of the percentile), so f is never NaN."""
+def kl_weights(kl: torch.Tensor, mask: torch.Tensor, percentile=75.0, c_min=1e-4) -> torch.Tensor:
+    """The per-token weight f = D / (D + c), c = max(percentile of D over the active tokens, c_min)
+    (paper §5.1). kl, mask [B, T] (mask: the active, weighted, tokens). Returns f [B, T], detached,
+    in [0, 1), 0 where mask is 0. A NaN D counts as 0 and +inf as 1e6 (both left out of the
+    percentile), so f is never NaN."""
     kl = kl.detach().float()
-    D, ok = (
-        torch.nan_to_num(kl, nan=0.0, posinf=1e6, neginf=0.0).clamp(min=0),
-        mask.bool() & torch.isfinite(kl),
-    )
+    D = torch.nan_to_num(kl, nan=0.0, posinf=1e6, neginf=0.0).clamp(min=0)
+    ok = mask.bool() & torch.isfinite(kl)
     c = max(torch.quantile(D[ok], percentile / 100).item(), c_min) if ok.any() else c_min
     return torch.where(mask.bool(), D / (D + c), torch.zeros_like(D))
 
 
-def diversity_advantage(
-    scores, group_ids, alpha: float = 0.1, eps: float = 1e-6, unbiased: bool = False
-):
-    """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group, population std unless
-    `unbiased` (paper §5.1, ablation A3). scores, group_ids [n]: s_i = mean f over o_i's first min(|o_i|, |o_r|)."""
+def diversity_advantage(scores, group_ids, alpha=0.1, eps=1e-6, unbiased=False) -> torch.Tensor:
+    """Solve-none pseudo-advantage alpha * (s_i - mean s) / (std s + eps) within each group,
+    population std unless `unbiased` (paper §5.1, ablation A3). scores, group_ids [n]:
+    s_i = mean f over o_i's first min(|o_i|, |o_r|) tokens."""
     out = torch.zeros_like(scores)
     for g in group_ids.unique():
         rows = (group_ids == g).to(scores.device)
@@ -236,264 +108,310 @@ def diversity_advantage(
     return out
 
 
+class Role(enum.IntEnum):
+    """How a row's teacher enters its loss (build_teachers sets it; paper §5.1)."""
+
+    PLAIN = 0  # no teacher: plain GRPO, weight f = 1
+    WEIGHTED = 1  # partial-solve (and the single / all ablations): f times the GRPO surrogate
+    DIVERSITY = 2  # solve-none: weighted as above, plus alpha * zscore(mean f) on its advantage
+    REFERENCE = 3  # solve-none's reference o_r: no loss (weight 0, advantage 0)
+
+
 def weights_and_advantages(
     kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1, unbiased=False
 ):
-    """SC-GRPO's credit (paper §5.1) over a micro-batch (the paper's scope of c) or the batch: f and the advantages.
-    kl, active, adv [n, T]: D, the weighted tokens, the rows' token_adv; role [n] (Role); group_ids [n]. Returns
-    weights [n, T] (1 on PLAIN rows, else f = kl_weights(kl, active)), the advantages [n, T] (DIVERSITY rows + alpha *
-    zscore of s_i = mean f over their weighted tokens; REFERENCE: 0) and f; `unbiased`: the GRPO advantage's std."""
+    """SC-GRPO's credit (paper §5.1) over a micro-batch (the paper's scope of c) or the batch.
+    kl, active, adv [n, T]: D, the weighted tokens, the rows' token advantages; role [n] (Role);
+    group_ids [n]. Returns the weights [n, T] (1 on PLAIN rows, else f = kl_weights(kl, active)),
+    the advantages [n, T] (DIVERSITY rows + alpha * zscore of s_i = mean f over their weighted
+    tokens; REFERENCE rows: 0) and f; `unbiased`: the GRPO advantage's std convention."""
     f = kl_weights(kl, active, percentile, c_min)  # c from these rows' weighted tokens
     weights = torch.where((role == Role.PLAIN)[:, None], 1.0, f)  # [n, T]
-    adv, div = adv.clone(), role == Role.DIVERSITY
+    adv = adv.clone()
+    div = role == Role.DIVERSITY
     if div.any():
-        s_div, eps = (f * active).sum(-1) / active.sum(-1).clamp(min=1), 1e-4 if unbiased else 1e-6
-        adv[div] = (
-            adv[div]
-            + diversity_advantage(s_div[div], group_ids[div.cpu()], alpha, eps, unbiased)[:, None]
-        )
+        s = (f * active).sum(-1) / active.sum(-1).clamp(min=1)  # [n] mean f over weighted tokens
+        eps = 1e-4 if unbiased else 1e-6
+        bonus = diversity_advantage(s[div], group_ids[div.cpu()], alpha, eps, unbiased)
+        adv[div] = adv[div] + bonus[:, None]
     adv[role == Role.REFERENCE] = 0.0
     return weights, adv, f
 
 
-def signed_logratio(delta: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """--divergence sampled-logratio (ours, an ablation): D = relu(sign(A) * delta), delta [n, T] = log pi_teacher(o_t)
-    - log pi(o_t), adv [n] the GRPO advantages: A < 0 weighs the tokens the teacher finds less likely than the student
-    (where a failed rollout left the verified path), A > 0 the more likely, A = 0 (solve-none) |delta|. [n, T] >= 0."""
-    sign = torch.sign(adv).to(delta)[:, None]
-    return torch.where(sign == 0, delta.abs(), torch.relu(sign * delta))
+def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) -> torch.Tensor:
+    """The tokens f weighs, and c's percentile is over: a WEIGHTED or DIVERSITY row's first wlen
+    tokens (wlen: |o_i|, or min(|o_i|, |o_r|) in a solve-none group, paper §5.1), within the mask.
+    mask [N, T], role, wlen [N]; returns [N, T]."""
+    span = torch.arange(mask.shape[1], device=mask.device) < wlen.to(mask.device)[:, None]
+    routed = ((role == Role.WEIGHTED) | (role == Role.DIVERSITY)).to(mask.device)[:, None]
+    return mask * (span & routed).float()
+
+
+# ALGO LOGIC: who gets a teacher, and what the teacher sees (paper §5.1; §1.2 and App. E.1)
+def route_groups(correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"),
+                 scores=None):  # fmt: skip
+    """Each group's mode by n_c, its number of correct rollouts, and each rollout's reference row
+    tau_row [N] (-1: no teacher). correct [N] bool; groups share a group_ids value (default: blocks
+    of group_size); modes: one per group, in order of first appearance.
+    partial (2 <= n_c < G): each rollout draws a correct one other than itself, uniformly.
+    none (n_c = 0, all scores equal): one rollout o_r, drawn uniformly, is the others' reference.
+    Plain (f = 1): a group with n_c = 0 whose graded `scores` differ (the code task), a kind not in
+    `weighted` (single: n_c = 1 and all: n_c = G are ablations that follow the partial rule), a
+    group of one. Draws come from `generator` only."""
+    correct, modes = correct.bool().cpu(), []
+    gids = torch.arange(len(correct)) // group_size if group_ids is None else group_ids.cpu()
+    scores = correct.float() if scores is None else scores.float().cpu()
+    tau_row = torch.full((len(correct),), -1, dtype=torch.long)
+    ids = gids.tolist()
+    for u in dict.fromkeys(ids):  # the groups in order of first appearance
+        rows = torch.tensor([i for i, g in enumerate(ids) if g == u])
+        if len(rows) != group_size:
+            raise ValueError(f"every group must have {group_size} completions, got {len(rows)}")
+        nc = int(correct[rows].sum())
+        kind = (
+            "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
+        )
+        graded = kind == "none" and bool(scores[rows].max() > scores[rows].min())  # partial credit
+        modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
+        if modes[-1] == "none":
+            r = rows[torch.randint(len(rows), (1,), generator=generator)]
+            tau_row[rows] = r
+            tau_row[r] = -1
+        elif modes[-1] != "plain":
+            good = rows[correct[rows]]
+            for i in rows.tolist():
+                if len(others := good[good != i]):
+                    tau_row[i] = others[torch.randint(len(others), (1,), generator=generator)]
+    return modes, tau_row
+
+
+GUIDE = (
+    "Below is a verified correct solution to this problem. Use it as a reference when reasoning "
+    "about the problem.\n\nReference solution:\n"
+)  # chat models: the teacher's system message, then tau (paper App. E.1; docs/sc_grpo.md)
+
+
+def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
+    """Token ids of the teacher's prompt: the student's context plus the reference tau (paper
+    §1.2). Chat: the system message is the student's own (or the template's default) + GUIDE + tau,
+    the user turns the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's
+    prompt (the block the bundled tiny model was trained on: tools/train_tiny_model.py)."""
+    tau = tau.strip()
+    default = (
+        teacher.default_system_message(tokenizer) if tasks.has_chat_template(tokenizer) else ""
+    )
+    if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its system turn
+        msgs = list(example.meta["prompt"])
+        own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
+        base = own or (default + "\n\n" if default else "")
+        system = [{"role": "system", "content": base + GUIDE + tau}]
+        text = tokenizer.apply_chat_template(
+            system + msgs, add_generation_prompt=True, tokenize=False
+        )
+    elif tasks.has_chat_template(tokenizer) and "chat" not in example.meta:  # a built-in task
+        if not example.user:
+            raise ValueError(f"example {example.id} has no user turn: the chat teacher repeats it")
+        system = (default + "\n\n" if default else "") + GUIDE + tau
+        text = tasks.render_prompt(tokenizer, example.user, example.prompt, system=system)
+    else:  # plain text (a custom task's string prompt is seen as it is)
+        text = f"Reference solution:\n{tau}\n{example.prompt}"
+    return tasks.encode_prompt(tokenizer, text)
+
+
+def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int,
+                   generator):  # fmt: skip
+    """Each row's teacher prompt ids (None: no teacher), Role, weighted length wlen [N] and the
+    bad-input counts (paper §5.1). examples: each group's Example by group id; tau_row [N]: each
+    row's tau / o_r (route_groups). A tau whose prompt exceeds `limit` tokens (the context minus
+    the completions) or `max_ref_tokens` is replaced by another correct sibling (never the row
+    itself), drawn uniformly, else its middle is cut, else the row is PLAIN (teacher.fit_reference).
+    wlen: |o_i|, or min(|o_i|, |o_r|) in solve-none groups. role, wlen on the rows' device."""
+    lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
+    counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
+    prompts = [None] * len(ro)
+    role = torch.zeros(len(ro), dtype=torch.long)
+    wlen = lengths.clone()
+    is_reference = (tau_row < 0) & ~correct & torch.isin(torch.arange(len(ro)), tau_row)
+    role[is_reference] = Role.REFERENCE  # solve-none's o_r
+    for i in (tau_row >= 0).nonzero().flatten().tolist():
+        j = int(tau_row[i])
+        same = (gids == gids[i]).nonzero().flatten().tolist()
+        sibs = [k for k in same if correct[j] and correct[k] and k not in (i, j)]  # other taus
+        order = torch.randperm(len(sibs), generator=generator).tolist()
+        taus = [ro.texts[k] for k in [j] + [sibs[p] for p in order]]
+        make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
+        prompts[i], how = teacher.fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
+        if how != "drawn":  # resampled, truncated or none fits
+            counts[f"sc/{how}"] += 1
+        if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
+            role[i] = Role.WEIGHTED
+        elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|)
+            role[i] = Role.DIVERSITY
+            wlen[i] = min(lengths[i], lengths[j])
+    device = ro.completion_mask.device
+    return prompts, role.to(device), wlen.to(device), counts
 
 
 def validate(args: Args) -> Args:
-    """SC-GRPO's own checks (cli.parse has run the shared ones)."""
-    ranges = dict(
-        percentile="[0, 100]",
-        c_min="> 0",
-        alpha=">= 0",
-        kl_loss_coef=">= 0",
-        max_reference_tokens=">= 1",
-    )
-    cli.need_ranges(args, **ranges)
-    cli.need(
-        len(args.weighted_groups) > 0,
-        "--weighted-groups needs at least one of partial, none, single, all",
-    )
+    """SC-GRPO's own checks (cli.parse has run the shared ones); the ablation's extra, if asked."""
+    ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0")
+    cli.need_ranges(args, **ranges, max_reference_tokens=">= 1")
+    groups = "--weighted-groups needs at least one of partial, none, single, all"
+    cli.need(len(args.weighted_groups) > 0, groups)
     no_grad = "--kl-loss-coef needs --divergence kl (the sampled log-ratio has no gradient)"
     cli.need(args.divergence == "kl" or args.kl_loss_coef == 0, no_grad)
+    if args.divergence != "kl":
+        cli.extra("sc_ablations", "--divergence sampled-logratio")
     return args
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
-    args = cli.parse(
-        Args, validate
-    )  # tyro.cli(Args), every check before anything loads (one-line errors)
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
+    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(
-        args, tokenizer
-    )  # before the model: a task that yields nothing stops at once
+    task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(
-        model, ref_model
-    )  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
-    )
-    routing = torch.Generator().manual_seed(
-        args.seed
-    )  # ALGO LOGIC: its own RNG (sampling's stays grpo.py's), saved
-    run.start(
-        model, tokenizer, optimizer, task, state={"routing": routing}
-    )  # prompt batches, --resume, vLLM, step 0
-    dist, G = run.dist, args.num_generations
-    # ALGO LOGIC: the teacher's context window; each row's example, by its group id; DAPO keeps the solve-none groups
-    context, examples = (
-        getattr(model.config, "max_position_embeddings", None) or 10**9,
-        {e.id: e for e in task.train},
-    )
-    keep = (
-        (lambda s: bool((s < args.success_threshold).all()))
-        if "none" in args.weighted_groups
-        else None
-    )
-    multiply, pad, kl_grad = (
-        args.weight_mode == "multiply",
-        tokenizer.pad_token_id,
-        args.kl_loss_coef > 0,
-    )
-    per_batch = multiply and args.kl_threshold_scope == "batch"  # f in step 4 (else in step 5)
-    unbiased, eps = (
-        args.outcome_std == "unbiased",
-        {"unbiased": 1e-4, "population": 1e-6}[args.outcome_std],
-    )  # A, bonus
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    lr, decay = args.learning_rate, args.weight_decay
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    routing = torch.Generator().manual_seed(args.seed)  # ALGO LOGIC: its own RNG, checkpointed
+    run.start(model, tokenizer, optimizer, task, state={"routing": routing})
+    dist = run.dist
+    G = args.num_generations
+    # ALGO LOGIC: the set-up of the method. When the teacher runs and where D comes from:
+    #   default                     step 5, first pass: D of each micro-batch, then its f and bonus
+    #   --kl-threshold-scope batch  step 4: D of every row, then f with c over the whole batch
+    #   --kl-loss-coef > 0          step 5, every pass as well: D with its gradient (additive term)
+    #   --weight-mode none          never (f = 1), unless --kl-loss-coef
+    f_per_micro_batch = args.weight_mode == "multiply" and args.kl_threshold_scope == "micro-batch"
+    f_per_batch = args.weight_mode == "multiply" and args.kl_threshold_scope == "batch"
+    kl_grad = args.kl_loss_coef > 0
+    unbiased = args.outcome_std == "unbiased"
+    eps = 1e-4 if unbiased else 1e-6  # the std of A and of the solve-none z-score (--outcome-std)
     flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
-    f_and_bonus = functools.partial(
-        weights_and_advantages, **flags
-    )  # ALGO LOGIC: f, and the solve-none bonus
-    sampled = (
-        args.divergence == "sampled-logratio"
-    )  # ALGO LOGIC (ablation, ours): D from the sampled token
-    kw = dict(pad_id=pad, kl_grad=kl_grad, dist=dist, sampled=sampled, kl_fn=token_kl)
-    with_teacher = functools.partial(
-        teacher.logprobs_and_kl, **kw
-    )  # ALGO LOGIC: the student's log-probs and D
+    f_and_bonus = functools.partial(weights_and_advantages, **flags)  # f and the solve-none bonus
+    teach = dict(pad_id=tokenizer.pad_token_id, kl_grad=kl_grad, dist=dist, kl_fn=token_kl)
+    if args.divergence != "kl":  # ablation (ours): D from the sampled token, signed by A
+        ablation = cli.extra("sc_ablations", "--divergence sampled-logratio")
+        f_and_bonus = ablation.signed_first(f_and_bonus)
+        teach["divergence"] = ablation.sampled_logratio
+    with_teacher = functools.partial(teacher.logprobs_and_kl, **teach)  # log-probs and D
+    context = getattr(model.config, "max_position_embeddings", None) or 10**9  # the teacher's room
+    examples = {e.id: e for e in task.train}  # each row's example, by its group id
+    keep = None  # DAPO's dynamic sampling keeps the solve-none groups (they get the bonus)
+    if "none" in args.weighted_groups:
+        keep = lambda s: bool((s < args.success_threshold).all())  # noqa: E731
 
     for step in run.steps():
-        # 1-2. rollouts: G completions per prompt, and one reward per completion (the verifier sees the decoded text);
-        #      DAPO's dynamic sampling and overlong penalty when asked
+        # 1-2. rollouts: G completions per prompt, one reward per completion (the verifier sees the
+        #      decoded text); DAPO's dynamic sampling and overlong penalty when asked
         ro, rewards, sampling = common.rollouts_with_rewards(
             model, tokenizer, task, run.batches, dist, args, keep
         )
-        mask = (
-            ro.completion_mask * ~ro.truncated[:, None]
-            if args.mask_truncated_completions
-            else ro.completion_mask
-        )
+        mask = ro.completion_mask  # [N, T]
+        if args.mask_truncated_completions:  # DAPO's overlong filtering
+            mask = mask * ~ro.truncated[:, None]
         T = mask.shape[1]
         run.lap("generation")
 
-        # 3. ALGO LOGIC: credit assignment. Groups are routed by n_c, each routed row gets a teacher prompt (§5.1). f,
-        #    the bonus need D: `f_and_bonus` runs per micro-batch in step 5 (c: the micro-batch's percentile, §5.1), in
-        #    step 4 with --kl-threshold-scope batch. token_adv [N, T]: what reaches the loss; weights [N, T]: f.
+        # 3. ALGO LOGIC: credit assignment. The GRPO advantage; the groups routed by n_c; each routed
+        #    row's teacher prompt (§5.1). f and the bonus need D: made in step 5 per micro-batch
+        #    (c: the micro-batch's percentile, §5.1) or in step 4 over the batch (the table above).
         gid = ro.group_ids.cpu()
         advantages = dist.over_global_batch(
             common.group_advantages, rewards, G, args.scale_rewards, eps, gid, unbiased
-        )
-        token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T]
+        )  # [N]
+        token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T] + the bonus
         correct = ro.scores >= args.success_threshold  # a verified success (not the shaped reward)
         modes, tau_row = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
+        limit = context - T  # the teacher prompt's room beside the completion
+        max_ref = args.max_reference_tokens
         teachers, role, wlen, bad = build_teachers(
-            tokenizer,
-            args.task,
-            ro,
-            examples,
-            correct,
-            tau_row,
-            context - T,
-            args.max_reference_tokens,
-            routing,
+            tokenizer, args.task, ro, examples, correct, tau_row, limit, max_ref, routing
         )
-        active = weighted_tokens(
-            mask, role, wlen
-        )  # [N, T] the tokens f weighs (and c's percentile is over)
-        weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f: 1 on plain rows
-        sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, for the sc/* metrics
+        active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (c's percentile)
+        weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f, 1 on plain rows
+        sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, the sc/* metrics
 
-        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
-        #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
+        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
+        #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with (
-            torch.no_grad(),
-            dist.gathered(model, ref_model),
-        ):  # FSDP: teacher passes differ in number per rank
+        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: teacher passes vary by rank
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = (
-                None
-                if on_policy
-                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            )
-            ref_logp = (
-                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
-                if ref_model
-                else None
-            )
-            if per_batch:  # ALGO LOGIC: --kl-threshold-scope batch: D of every row first, then f with c over the batch
+            old_logp = None
+            if not on_policy:
+                old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            ref_logp = None
+            if ref_model is not None:
+                ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
+            if f_per_batch:  # ALGO LOGIC: D of every row, then f with c over the whole batch
                 D = teacher.kl_of_every_row(
-                    model,
-                    ro,
-                    teachers,
-                    args.temperature,
-                    G,
-                    args.micro_batch_size,
-                    sc_log,
-                    with_teacher,
-                )
-                D = signed_logratio(D, advantages.to(D.device)) if sampled else D  # ablation (ours)
+                    model, ro, teachers, args.temperature, G, args.micro_batch_size, sc_log, with_teacher
+                )  # fmt: skip
                 weights, token_adv, f = dist.over_global_batch(
                     f_and_bonus, D, active, role, gid, token_adv
                 )  # [N, T] each
                 sc_log.add(D, f, active)  # LOGS
         run.lap("logprobs")
 
-        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
-        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one
+        #    optimizer step each, in micro-batches (the loss is normalized over the mini-batch)
         stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
             for rows in common.minibatches(ro.group_ids, args.num_minibatches):
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
+                agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                # ALGO LOGIC: micro-batches of whole groups (c: a micro-batch's percentile, §5.1)
+                size = args.micro_batch_size
                 micro = teacher.micro_batches_of_groups(
-                    rows, gid, G, args.micro_batch_size, multiply
-                )  # ALGO LOGIC
+                    rows, gid, G, size, args.weight_mode == "multiply"
+                )
                 for k, mb in enumerate(micro):
-                    dist.sync_grads(
-                        train_model, k == len(micro) - 1
-                    )  # all-reduce once per optimizer step
+                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per step
                     m = mask[mb].float()
-                    first = (
-                        it == 0 and multiply and not per_batch
-                    )  # f from pass 1 (the teacher is the current policy)
-                    prompts = [teachers[i] for i in mb.tolist()] if first or kl_grad else None
-                    logp, entropy, D, cost = (
-                        with_teacher(  # ALGO LOGIC: and D to each row's teacher
-                            train_model,
-                            input_ids[mb],
-                            attn[mb],
-                            T,
-                            args.temperature,
-                            prompts,
-                            with_entropy=it == 0,
-                        )
+                    batch = (input_ids[mb], attn[mb], T, args.temperature)
+                    # ALGO LOGIC: the same forward gives each routed row's D: fused through the
+                    # lm_head, never [b, T, V]; it equals token_kl (see token_kl's test)
+                    f_here = it == 0 and f_per_micro_batch  # f from pass 1 (the current policy)
+                    need_teacher = f_here or kl_grad
+                    prompts = [teachers[i] for i in mb.tolist()] if need_teacher else None
+                    logp, entropy, D, cost = with_teacher(
+                        train_model, *batch, prompts, with_entropy=it == 0
                     )
-                    if (
-                        first and sampled
-                    ):  # ablation (ours): D from the sampled token, signed by the advantage
-                        D = signed_logratio(D, advantages.to(D.device)[mb])
-                    if first:  # f with c from this micro-batch's weighted tokens; solve-none: alpha * zscore(s)
+                    if f_here:  # f with c from this micro-batch's weighted tokens; the bonus
+                        A0 = token_adv[mb]
                         weights[mb], token_adv[mb], f = f_and_bonus(
-                            D, active[mb], role[mb], gid[mb.cpu()], token_adv[mb]
+                            D, active[mb], role[mb], gid[mb.cpu()], A0
                         )
-                    seen = (
-                        it == 0 and prompts is not None and not per_batch
-                    )  # LOGS: D once per row, for sc/*
-                    sc_log.add(D if seen else None, f if first else None, active[mb], cost)  # LOGS
-                    run.watch_credit(
-                        logp, mb, m, num_tokens, num_seqs
-                    )  # LOGS: --log-credit records dL/dlog p
+                    logged = it == 0 and need_teacher and not f_per_batch  # LOGS: D once per row
+                    sc_log.add(
+                        D if logged else None, f if f_here else None, active[mb], cost
+                    )  # LOGS
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the per-token advantage
-                    log_ratio = torch.clamp(
-                        logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO
-                    )  # fp32, as verl
+                    log_ratio = (logp - old).clamp(-common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
                     ratio = torch.exp(log_ratio)
                     A = token_adv[mb]
-                    surrogate = torch.min(
-                        ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
-                    )
-                    per_token_loss = (
-                        -surrogate * weights[mb]
-                    )  # ALGO LOGIC: times the token's weight f
-                    # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * common.engine_correction(
-                        ro, mb, old, m, args, stats.engine(it), stats.tokens
-                    )
+                    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
+                    surrogate = torch.min(ratio * A, clipped * A)
+                    per_token_loss = -surrogate * weights[mb]  # ALGO LOGIC: times the weight f
+                    # vLLM rollouts: importance weights toward the engine's sampling (HF: 1)
+                    engine_w = common.engine_correction(ro, mb, old, m, args, stats, it)
+                    per_token_loss = per_token_loss * engine_w
                     if kl_grad:  # ALGO LOGIC: the additive baseline: distill toward the teacher
                         per_token_loss = per_token_loss + args.kl_loss_coef * D * active[mb]
-                    kl = (
-                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
-                    )  # KL(pi || pi_ref), k3
-                    if kl is not None:
+                    kl = None  # KL(pi || pi_ref), k3, with --beta > 0
+                    if ref_logp is not None:
+                        kl = common.k3_kl(logp, ref_logp[mb])
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(
-                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
-                    )
+                    loss = common.aggregate_loss(per_token_loss, m, *agg)
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(
-                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
-                    )  # LOGS: diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
@@ -501,11 +419,8 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.credit_signals(
-            f=weights, role=role
-        )  # LOGS: --log-credit's token weight f and the row's role
-        run.end_step(
-            step, ro, rewards, stats, sampling | sc_log.metrics(modes, bad, ro.texts, run.device)
-        )  # + sc/*
+        run.credit_signals(f=weights, role=role)  # LOGS: --log-credit's weight f and row role
+        sc_metrics = sc_log.metrics(modes, bad, ro.texts, run.device)  # LOGS: the sc/* metrics
+        run.end_step(step, ro, rewards, stats, sampling | sc_metrics)
 
     run.finish()

@@ -133,7 +133,7 @@ def logprobs_and_kl(
     time_chunk: int = 128,
     fused: bool | None = None,
     dist=None,
-    sampled: bool = False,
+    divergence: Callable | None = None,
     kl_fn: Callable | None = None,
 ):
     """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
@@ -147,9 +147,9 @@ def logprobs_and_kl(
     (sc_grpo.token_kl: D from logits) `time_chunk` positions at a time (models whose logits are not lm_head(h)).
     `dist` (FSDP): a chunk where any rank has a teacher row runs a teacher forward on every rank (an idle one,
     discarded, where it has none). Returns logp, entropy (or None), D, and the teacher pass's {"seconds",
-    "peak_bytes": the step's peak GPU memory so far when the last teacher pass ended (CUDA; 0 on CPU)}. `sampled`
-    (sc_grpo.py's --divergence sampled-logratio, an ablation): D is instead the sampled token's log pi_teacher(o_t)
-    - log pi(o_t), detached (no KL is computed).
+    "peak_bytes": the step's peak GPU memory so far when the last teacher pass ended (CUDA; 0 on CPU)}. `divergence`
+    (an ablation's, sc_ablations.sampled_logratio): D = divergence(teacher's output, targets, student's log-probs,
+    lm_head or None, temperature, positions), under no_grad, instead of the KL.
     """
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
@@ -183,17 +183,10 @@ def logprobs_and_kl(
             idx = torch.tensor(rows, device=ids.device)
             zs = out[idx] if kl_grad else out.detach()[idx]
             with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
-                if sampled:  # the teacher's log-prob of the sampled token minus the student's, no gradient
+                if divergence is not None:  # an ablation's D (no gradient)
                     with torch.no_grad():
-                        tgt = ids[rows, -T:]
-                        if fused:
-                            lt = logprob_kernels.FusedLinearLogProb.apply(
-                                zt.flatten(0, 1), lm.weight, lm.bias, tgt.flatten(), temperature, positions, False
-                            )[0].view(len(rows), T)
-                        else:
-                            zt = zt.float() / temperature
-                            lt = zt.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zt, dim=-1)
-                        kl = lt - logps[-1].detach()[idx]
+                        student = logps[-1].detach()[idx]
+                        kl = divergence(zt, ids[rows, -T:], student, lm if fused else None, temperature, positions)
                 elif fused:  # [positions, V] fp32 temporaries of about 64 MB
                     kl = FusedLinearKL.apply(
                         zs.flatten(0, 1),

@@ -12,7 +12,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import sc_grpo
-from rlvr_utils import tasks, teacher
+from rlvr_utils import sc_ablations, tasks, teacher
 from sc_grpo import Role
 
 
@@ -206,7 +206,7 @@ def test_sampled_logratio_ablation_is_the_teacher_minus_student_log_prob_of_the_
     ref = reference_prompt(tasks.parse_arith_problem("12+3-4"), comps[0])
     teach = [tasks.encode_prompt(tok, ref), None]
     with torch.no_grad():
-        kw = dict(fused=None if fused else False, sampled=True)
+        kw = dict(fused=None if fused else False, divergence=sc_ablations.sampled_logratio)
         _, _, D, _ = logprobs_and_kl(model, ids, attn, T, 0.8, teach, tok.pad_token_id, **kw)
         comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
         L, tgt = len(comp), torch.tensor(comp)[:, None]
@@ -218,7 +218,7 @@ def test_sampled_logratio_ablation_is_the_teacher_minus_student_log_prob_of_the_
 
 def test_signed_logratio_hand_cases():
     delta = torch.tensor([[-2.0, 0.5, 0.0], [-2.0, 0.5, 0.0], [-2.0, 0.5, 0.0]])
-    got = sc_grpo.signed_logratio(delta, torch.tensor([-1.3, 0.7, 0.0]))
+    got = sc_ablations.signed_logratio(delta, torch.tensor([-1.3, 0.7, 0.0]))
     # A < 0: where the teacher finds the token less likely (2.0); A > 0: more likely (0.5); A = 0: |delta|
     assert torch.equal(got, torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.5, 0.0], [2.0, 0.5, 0.0]]))
 

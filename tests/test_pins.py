@@ -24,10 +24,9 @@ def test_ep_grpo_polarity_is_the_verifiers_not_the_shaped_reward():
     old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -1.0, -0.2], [-0.7, -2.5, -1.0], [-1.2, -0.3, -0.9]])
     ref = torch.full((B, T), -1.0)
     rewards = torch.full((B,), 0.8)
-    kw = dict(return_parts=True)
-    _, parts = ep_grpo.ep_advantages(H, old, ref, mask, rewards, 4, scores=torch.ones(B), **kw)
+    _, parts = ep_grpo.ep_advantages(H, old, ref, mask, rewards, 4, scores=torch.ones(B), return_parts=True)
     assert parts["polarity"].tolist() == [1.0] * B
-    _, unscored = ep_grpo.ep_advantages(H, old, ref, mask, rewards, 4, **kw)  # no scores: the rewards decide
+    _, unscored = ep_grpo.ep_advantages(H, old, ref, mask, rewards, 4, return_parts=True)  # no scores: rewards decide
     assert unscored["polarity"].tolist() == [-1.0] * B
 
 

@@ -85,8 +85,7 @@ if __name__ == "__main__":
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
                 agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
                 micro = rows.split(args.micro_batch_size)
-                for k, mb in enumerate(micro):
-                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per step
+                for mb in dist.micro_batches(train_model, micro):  # all-reduce in the last
                     m = mask[mb].float()
                     batch = (input_ids[mb], attn[mb], T, args.temperature)
                     logp, entropy = common.token_logprobs(train_model, *batch, with_entropy=it == 0)

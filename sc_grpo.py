@@ -369,8 +369,7 @@ if __name__ == "__main__":
                 micro = teacher.micro_batches_of_groups(
                     rows, gid, G, size, args.weight_mode == "multiply"
                 )
-                for k, mb in enumerate(micro):
-                    dist.sync_grads(train_model, k == len(micro) - 1)  # all-reduce once per step
+                for mb in dist.micro_batches(train_model, micro):  # all-reduce in the last
                     m = mask[mb].float()
                     batch = (input_ids[mb], attn[mb], T, args.temperature)
                     # ALGO LOGIC: the same forward gives each routed row's D: fused through the

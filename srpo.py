@@ -3,21 +3,22 @@
 Of each prompt's 8 trajectories, 4 are fresh chains (the base group); the other 4 continue a failed
 "parent" chain from just before its first erroneous thought. SRPO asks the policy itself which
 thought was first wrong (`--reset self`), RRPO picks it uniformly (`--reset random`), and
-`--reset oracle` uses the task's exact first wrong step (the built-in arith task has one). Each group
-is z-scored on its own; the loss is REINFORCE on suffix tokens only (the shared prefix is masked).
-Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md. Its generate calls: rlvr_utils/chains.py.
+`--reset oracle` uses the task's exact first wrong step (the built-in arith task has one). Each
+group is z-scored on its own; the loss is REINFORCE on suffix tokens only (the prefix is masked).
+Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md. Generate calls: rlvr_utils/chains.py.
 
 Differences from grpo.py:
-  1. Rollouts: fresh chains, a parent search, reset points (self / random / oracle) and continuations, in at most
-     four generate calls per step (`collect_rollouts`); the parents are never trained on.
-  2. Advantages: each normalization group (base, each reset group, or the fallback group) z-scored with its
-     population std and no epsilon; continuations are trained on their suffix only (`suffix_mask`).
+  1. Rollouts: fresh chains, a parent search, reset points (self / random / oracle) and
+     continuations, in at most four generate calls per step (collect_rollouts); parents never train.
+  2. Advantages: each normalization group (base, each reset group, or the fallback group) z-scored
+     with its population std and no epsilon; continuations are trained on their suffix only.
   3. Loss: REINFORCE (no ratio, no clip) unless --clip (PPO with verl's dual-clip 3).
-  4. No dynamic sampling, overlong shaping or --scale-rewards; --num-generations is the budget --split divides.
+  4. No dynamic sampling, overlong shaping or --scale-rewards; --num-generations is the budget
+     --split divides.
   5. Defaults: the shared ones (docs/srpo.md, "Defaults: paper versus this project").
 
-    python srpo.py                        # SRPO on the bundled tiny model and the built-in task
-    python srpo.py --reset random         # RRPO
+    python srpo.py                  # SRPO on the bundled tiny model and the built-in task
+    python srpo.py --reset random   # RRPO
 """
 
 import collections
@@ -32,83 +33,85 @@ import torch
 
 import common
 from rlvr_utils import chains, cli, tasks
-from rlvr_utils.tasks import last_boxed
 
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """SRPO / RRPO: the shared flags (rlvr_utils/cli.py) and the resets'. --num-generations is the paper's budget of 8
-    trained trajectories per prompt, divided as --split says; --max-new-tokens caps a continuation's response, its
-    kept prefix included; --epsilon and --epsilon-high act only with --clip."""
+    """SRPO / RRPO: the shared flags (rlvr_utils/cli.py) and the resets'. --num-generations is the
+    paper's budget of 8 trained trajectories per prompt, divided as --split says; --max-new-tokens
+    caps a continuation's response, its kept prefix included; --epsilon and --epsilon-high act only
+    with --clip."""
 
     # ALGO LOGIC: resets
     reset: Literal["self", "random", "oracle"] = "self"
-    """where to reset a failed parent: self (SRPO, the policy localizes), random (RRPO), oracle (task's first error)"""
+    """where to reset a failed parent: self (SRPO, the policy localizes), random (RRPO), oracle (the
+    task's first error)"""
     split: Literal["1x4", "2x4", "1x8"] = "1x4"
-    """1x4: 4 fresh + 4 suffixes of one parent; 2x4: 2 parents x 4 suffixes; 1x8: 1 parent x 8 suffixes"""
+    """1x4: 4 fresh + 4 suffixes of one parent; 2x4: 2 parents x 4 suffixes; 1x8: 1 parent x 8"""
     max_fresh_attempts: int = 12
-    """fresh chains sampled per prompt while looking for failed parents; none found: plain GRPO on fresh chains"""
+    """fresh chains sampled per prompt while looking for failed parents; none found: plain GRPO on
+    fresh chains"""
     thought_reserve: int | None = None
-    """a new thought starts only while at least this many tokens (>= 0) of the --max-new-tokens budget are left, and a
-    thought the budget cuts short is dropped (the official code: 256, its per-thought cap, of a 5120-token budget;
-    default: min(256, max-new-tokens // 20), the same ratio)"""
+    """a new thought starts only while at least this many tokens (>= 0) of the --max-new-tokens
+    budget are left, and a thought the budget cuts short is dropped (the official code: 256, its
+    per-thought cap, of a 5120-token budget; default: min(256, max-new-tokens // 20), that ratio)"""
     thought_delimiter: str | None = None
     """string that ends a thought (default: a newline for arith, a blank line for gsm8k/math)"""
     localization_temperature: float = 0.3
-    """sampling temperature of the self-localization call (the official code's default; the paper does not state it)"""
+    """sampling temperature of the self-localization call (the official code's; the paper is
+    silent)"""
     localization_max_new_tokens: int | None = None
-    """token cap (>= 1) of the localization reply (default: 4096; arith: max(192, 20 x (operations + 2)))"""
+    """token cap (>= 1) of the localization reply (default: 4096; arith: max(192, 20 x (operations +
+    2)))"""
     clip: bool = False
-    """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official ablation also used
-    --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch, so the ratio leaves 1)"""
+    """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official
+    ablation also used --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch,
+    so the ratio leaves 1)"""
     no_mask: bool = False
     """ablation: train continuations on prefix tokens too (unmasked)"""
 
 
-DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (a negative A's token loss <= 3|A|)
-Chain = collections.namedtuple(
-    "Chain", "ids text reward"
-)  # a sampled response: kept token ids (never re-tokenized)
-Reset = collections.namedtuple(
-    "Reset", "example parent prefix k n oracle"
-)  # a parent cut before thought k of its n
-Row = collections.namedtuple(
-    "Row", "example ids suffix_start group reward"
-)  # a trained trajectory and its group key
+# ALGO LOGIC: the resets' rules (docs/srpo.md): where a parent is reset, which tokens train, and
+# how each group is normalized; the loss itself is in step 5 (REINFORCE on the suffix)
+def reset_index(mode: str, num_thoughts: int, rng=None, reply=None, oracle_step=None) -> int:
+    """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1; the
+    paper's reset state s_k): self: parse_reply(reply) (SRPO); random: uniform on 1..num_thoughts
+    (RRPO); oracle: the task's first wrong step (None, no wrong thought found: the last thought).
+    Clamped to [1, num_thoughts]."""
+    if mode == "self":
+        return parse_reply(reply or "", num_thoughts)[0]
+    if mode == "random":
+        return (rng or random).randint(1, num_thoughts)
+    if mode == "oracle":
+        k = oracle_step if oracle_step is not None else num_thoughts
+        return min(max(k, 1), num_thoughts)
+    raise ValueError(f"unknown reset mode {mode!r}: choose self, random or oracle")
 
 
-@dataclasses.dataclass
-class Search:
-    """A prompt's parent search: parents, base chains, every chain assigned (seen), spares, chains tried."""
-
-    parents: list = dataclasses.field(default_factory=list)
-    base: list = dataclasses.field(default_factory=list)
-    seen: list = dataclasses.field(default_factory=list)
-    spare: list = dataclasses.field(default_factory=list)
-    tried: int = 0
+def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> torch.Tensor:
+    """completion_mask [B, T] restricted to t >= suffix_start[b] (the trained suffix U_i)."""
+    T = completion_mask.shape[1]
+    after = torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None]
+    return completion_mask * after
 
 
-# ALGO LOGIC: the chain protocol (docs/srpo.md, "The chain protocol"): a chain is a list of thoughts separated by a
-# delimiter; it ends after the thought that holds `\boxed{` and after 20 thoughts (a continuation's prefix included)
-MAX_THOUGHTS, THOUGHT_TOKENS = (
-    20,
-    256,
-)  # the official chain: at most 20 thoughts; thoughts over 256 tokens are counted
-LOCALIZATION_PROMPT = (
-    "Your task is to localize the first erroneous step in your own previous solution to a problem.\n\n"
-    "Problem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
-    "The final answer of this chain is incorrect, so at least one step is wrong. Find the step where the error "
-    "originates, not the step where the failure becomes visible: misreadings, unjustified assumptions and logical "
-    "flaws can look fine for several steps. A step is erroneous if its claims cannot be justified from the problem "
-    "statement and the earlier steps alone.\nDo not re-solve the problem; your only task is the step number.\n"
-    "Requirements: commit to exactly one step number between 1 and {n}; stop at the first step you cannot justify; "
-    "end your response with \\boxed{{N}} on its own line, where N is the step number (not the problem's answer), "
-    "with nothing after it."
-)  # the official code's "originating step" prompt (docs/srpo.md, self-localization)
+def srpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / std_g r over each normalization group g (the base chains, each
+    reset group, the fallback group), with the population std and no epsilon as the official code;
+    0 where a group's rewards are all equal. rewards, group_ids [N] (groups of any size); [N]."""
+    return common.group_advantages(rewards, None, eps=0.0, group_ids=group_ids, unbiased=False)
+
+
+# ALGO LOGIC: the chain protocol (docs/srpo.md, "The chain protocol"): a chain is a list of thoughts
+# separated by a delimiter; it ends after the thought that holds `\boxed{` and after 20 thoughts
+# (a continuation's prefix included); thoughts over 256 tokens are counted
+MAX_THOUGHTS = 20
+THOUGHT_TOKENS = 256
 
 
 def split_thoughts(text: str, delimiter: str) -> list[str]:
-    """The thoughts of a response: pieces between delimiters, whitespace-stripped, empty ones dropped."""
+    """The thoughts of a response: pieces between delimiters, whitespace-stripped, empty ones
+    dropped."""
     if not delimiter:
         raise ValueError("the thought delimiter must be a non-empty string")
     return [piece.strip() for piece in text.split(delimiter) if piece.strip()]
@@ -124,10 +127,70 @@ def thought_starts(text: str, delimiter: str) -> list[int]:
     return starts
 
 
+def protocol_cut(tokenizer, ids, text, delimiter, max_thoughts=MAX_THOUGHTS, budget=None, reserve=0,
+                 truncated=False, continuation=False) -> list[int]:  # fmt: skip
+    """The official chain's stops applied after the fact: the chain ends after the first thought
+    holding `\\boxed{`, after `max_thoughts` thoughts, and before a thought that would start with
+    fewer than `reserve` of the `budget` tokens left; a thought the budget or the cap (`truncated`)
+    cut short is dropped (the official safety truncation). No whole thought fits: a `continuation`
+    adds nothing, a fresh chain keeps its first `budget` tokens. Returns the kept token ids, a
+    prefix of `ids` (never re-tokenized).
+
+    A worked example, one token per character, delimiter "\\n":
+      text "ab\\ncd \\boxed{1}\\nef"                -> "ab\\ncd \\boxed{1}" (the boxed thought ends it)
+      text "ab\\ncd\\nefgh", budget 8, reserve 0    -> "ab\\ncd" (thought 3 ends past the budget)
+      text "ab\\ncd\\nefgh", budget 12, reserve 7   -> "ab\\ncd" (thought 3 starts at token 6, and
+                                                     6 + 7 > 12 tokens: it may not open)
+      text "abcdefgh", budget 4                    -> "abcd" (a fresh chain; a continuation: "")"""
+    starts = thought_starts(text, delimiter)
+    ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
+    boxed = (i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e])
+    last = min(next(boxed, len(starts) - 1), max_thoughts - 1)  # the last thought kept
+    over = budget is not None and len(ids) > budget
+    if budget is not None:
+        room = len(tokenizer.decode(ids[:budget], skip_special_tokens=True)) if over else len(text)
+        # a thought is whole when a delimiter or the end of the text ends it, within the budget
+        whole = [(e < len(text) or not truncated) and e <= room for e in ends]
+        # it may open while `reserve` tokens are left (a continuation's prefix counts)
+        opens = [chains.tokens_before(tokenizer, ids, s) + reserve <= budget for s in starts]
+        fits = (k - 1 for k in range(len(starts)) if not (whole[k] and opens[k]))
+        last = min(last, next(fits, len(starts) - 1))
+        if last < 0 and starts:  # nothing whole fits: a continuation adds nothing (official),
+            return [] if continuation else ids[:budget]  # a fresh chain keeps its first tokens
+    if last < 0 or (last == len(starts) - 1 and not over):
+        return ids  # nothing after the last kept thought but its own end
+    return ids[: chains.tokens_before(tokenizer, ids, ends[last])]
+
+
+def thought_budget(tokenizer, prefix_ids: list[int], args) -> tuple[int, int]:
+    """(thoughts, tokens) a response may add after `prefix_ids` (a continuation's kept prefix; []
+    for a fresh chain): the official chain stops at 20 thoughts and at --max-new-tokens, the
+    response's budget, the prefix's included."""
+    prefix = tokenizer.decode(prefix_ids, skip_special_tokens=True)
+    thoughts = max(MAX_THOUGHTS - len(split_thoughts(prefix, args.thought_delimiter)), 1)
+    return thoughts, max(args.max_new_tokens - len(prefix_ids), 1)
+
+
+# ALGO LOGIC: self-localization (SRPO): the policy is asked for the first wrong thought of its own
+# failed chain; its reply is parsed as the official code does (docs/srpo.md, self-localization)
+LOCALIZATION_PROMPT = (
+    "Your task is to localize the first erroneous step in your own previous solution to a "
+    "problem.\n\nProblem: {question}\n\nYour incorrect reasoning chain:\n{steps}\n\n"
+    "The final answer of this chain is incorrect, so at least one step is wrong. Find the step "
+    "where the error originates, not the step where the failure becomes visible: misreadings, "
+    "unjustified assumptions and logical flaws can look fine for several steps. A step is "
+    "erroneous if its claims cannot be justified from the problem statement and the earlier "
+    "steps alone.\nDo not re-solve the problem; your only task is the step number.\n"
+    "Requirements: commit to exactly one step number between 1 and {n}; stop at the first step "
+    "you cannot justify; end your response with \\boxed{{N}} on its own line, where N is the step "
+    "number (not the problem's answer), with nothing after it."
+)  # the official code's "originating step" prompt
+
+
 def localization_prompt(tokenizer, task_name: str, question: str, thoughts: list[str]) -> list[int]:
-    """The prompt ids asking the policy for the first wrong thought of its own chain: LOCALIZATION_PROMPT (in the chat
-    template when the tokenizer has one); on arith without a chat template, the format the bundled tiny model was
-    trained to answer (arith_localization_prompt)."""
+    """The prompt ids asking the policy for the first wrong thought of its own chain:
+    LOCALIZATION_PROMPT (in the chat template when the tokenizer has one); on arith without a chat
+    template, the format the bundled tiny model was trained to answer (arith_localization_prompt)."""
     if task_name == "arith" and not tasks.has_chat_template(tokenizer):
         plain = arith_localization_prompt(tasks.parse_arith_problem(question), thoughts)
     else:
@@ -144,136 +207,72 @@ def arith_localization_prompt(problem: tasks.ArithProblem, thoughts: list[str]) 
 
 
 def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
-    """The 1-based first wrong step a localization reply names, in [1, num_thoughts], and the reply's kind (ok, empty,
-    no_error, out_of_range, unparsable; for the logs): the last `\\boxed{N}` with N in range, else the last "Step N" in
-    range, else 1 (a reset to the start). A boxed 0 ("no error") also gives 1, as in the official code."""
+    """The 1-based first wrong step a localization reply names, in [1, num_thoughts], and the
+    reply's kind (ok, empty, no_error, out_of_range, unparsable; for the logs): the last
+    `\\boxed{N}` with N in range, else the last "Step N" in range, else 1 (a reset to the start). A
+    boxed 0 ("no error") also gives 1, as in the official code."""
     if num_thoughts < 1:
         raise ValueError("a parent needs at least one thought")
-    boxed = last_boxed(text := text or "")
+    text = text or ""
+    boxed = tasks.last_boxed(text)
     v = int(boxed) if boxed is not None and re.fullmatch(r"\s*\d+\s*", boxed) else None
-    kind = (
-        "unparsable"
-        if v is None
-        else "ok"
-        if 1 <= v <= num_thoughts
-        else "no_error"
-        if v == 0
-        else "out_of_range"
-    )
+    if v is None:
+        kind = "unparsable"
+    elif 1 <= v <= num_thoughts:
+        kind = "ok"
+    else:
+        kind = "no_error" if v == 0 else "out_of_range"
     kind = "empty" if not text.strip() else kind
+    if kind == "ok":
+        return v, kind
     steps = [int(n) for n in re.findall(r"[Ss]tep\s+(\d+)", text)]
-    return v if kind == "ok" else steps[-1] if v != 0 and steps and 1 <= steps[
-        -1
-    ] <= num_thoughts else 1, kind
+    named = v != 0 and steps and 1 <= steps[-1] <= num_thoughts
+    return (steps[-1] if named else 1), kind
 
 
-def protocol_cut(
-    tokenizer, ids, text, delimiter, max_thoughts=MAX_THOUGHTS, budget=None, reserve=0, truncated=False,
-    continuation=False,
-) -> list[int]:  # fmt: skip
-    """The official chain's stops applied after the fact (docs/srpo.md, "The chain protocol"): the chain ends after the
-    first thought holding `\\boxed{`, after `max_thoughts` thoughts, and before a thought that would start with fewer
-    than `reserve` of the `budget` tokens left; a thought the budget or the cap (`truncated`) cut short is dropped (the
-    official safety truncation). No whole thought fits: a `continuation` adds nothing, a fresh chain keeps its first
-    `budget` tokens. Returns the kept token ids, a prefix of `ids` (never re-tokenized)."""
-    starts = thought_starts(text, delimiter)
-    ends = [text.find(delimiter, s) if text.find(delimiter, s) >= 0 else len(text) for s in starts]
-    last = next(
-        (i for i, (s, e) in enumerate(zip(starts, ends)) if "\\boxed{" in text[s:e]),
-        len(starts) - 1,
-    )
-    last = min(last, max_thoughts - 1)
-    over = budget is not None and len(ids) > budget
-    if budget is not None:
-        room = len(tokenizer.decode(ids[:budget], skip_special_tokens=True)) if over else len(text)
-        whole = [
-            (e < len(text) or not truncated) and e <= room for e in ends
-        ]  # ended by a delimiter or EOS, in budget
-        opens = [
-            chains.tokens_before(tokenizer, ids, s) + reserve <= budget for s in starts
-        ]  # a prefix counts
-        last = min(
-            last,
-            next(
-                (k - 1 for k in range(len(starts)) if not (whole[k] and opens[k])), len(starts) - 1
-            ),
-        )
-        if (
-            last < 0 and starts
-        ):  # nothing whole fits: a continuation adds nothing (official); a fresh chain keeps
-            return (
-                [] if continuation else ids[:budget]
-            )  # its first `budget` tokens (a response is never empty)
-    if last < 0 or (last == len(starts) - 1 and not over):
-        return ids  # nothing after the last kept thought but its own end
-    return ids[: chains.tokens_before(tokenizer, ids, ends[last])]
+# The search and the step's rollouts: the records passed from stage to stage, by name
+Chain = collections.namedtuple(
+    "Chain", "ids text reward"
+)  # a response: kept ids, never re-tokenized
+Parent = collections.namedtuple(
+    "Parent", "example index chain"
+)  # a prompt's index-th failed parent
+Point = collections.namedtuple("Point", "k n oracle")  # its reset thought k of n; the task's k
+Reset = collections.namedtuple("Reset", "example parent prefix k n oracle")  # a parent cut before k
+Row = collections.namedtuple("Row", "example ids suffix_start kind parent reward")  # a trained row
+# a Row's kind: reset (a parent's continuation), base (a fresh chain), fresh (the fallback group)
 
 
-def thought_budget(tokenizer, prefix_ids: list[int], args) -> tuple[int, int]:
-    """(thoughts, tokens) a response may add after `prefix_ids` (a continuation's kept prefix; [] for a fresh chain):
-    the official chain stops at 20 thoughts and at --max-new-tokens, the response's budget, the prefix's included."""
-    prefix = tokenizer.decode(prefix_ids, skip_special_tokens=True)
-    thoughts = max(MAX_THOUGHTS - len(split_thoughts(prefix, args.thought_delimiter)), 1)
-    return thoughts, max(args.max_new_tokens - len(prefix_ids), 1)
+@dataclasses.dataclass
+class Search:
+    """A prompt's parent search: parents, base chains, every chain assigned (seen), spares, tries."""
 
-
-def reset_index(
-    mode: str,
-    num_thoughts: int,
-    rng: random.Random | None = None,
-    reply: str | None = None,
-    oracle_step=None,
-) -> int:
-    """1-based index k of the thought to resample from (the prefix keeps thoughts 1..k-1; the paper's reset state s_k):
-    self: parse_reply(reply) (SRPO); random: uniform on 1..num_thoughts (RRPO); oracle: the task's first wrong step
-    (None, i.e. no wrong thought found, gives the last thought). Clamped to [1, num_thoughts]."""
-    if mode == "self":
-        return parse_reply(reply or "", num_thoughts)[0]
-    if mode == "random":
-        return (rng or random).randint(1, num_thoughts)
-    if mode == "oracle":
-        return min(max(oracle_step if oracle_step is not None else num_thoughts, 1), num_thoughts)
-    raise ValueError(f"unknown reset mode {mode!r}: choose self, random or oracle")
-
-
-def srpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """A_i = (r_i - mean_g r) / std_g r over each normalization group g (the base chains, each reset group, the
-    fallback group), with the population std and no epsilon as the official code; 0 where a group's rewards are all
-    equal. rewards, group_ids [N] (groups of any size); returns [N] (docs/srpo.md, the advantage)."""
-    return common.group_advantages(rewards, None, eps=0.0, group_ids=group_ids, unbiased=False)
-
-
-def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> torch.Tensor:
-    """completion_mask [B, T] restricted to positions t >= suffix_start[b] (the trained suffix U_i of docs/srpo.md)."""
-    T = completion_mask.shape[1]
-    return completion_mask * (
-        torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None]
-    )
+    parents: list = dataclasses.field(default_factory=list)
+    base: list = dataclasses.field(default_factory=list)
+    seen: list = dataclasses.field(default_factory=list)
+    spare: list = dataclasses.field(default_factory=list)
+    tried: int = 0
 
 
 def split_sizes(args) -> tuple[int, int, int]:
-    """(parents, K continuations per parent, base chains) per prompt: --split of the --num-generations budget."""
+    """(parents, K continuations per parent, base chains) per prompt: --split of the budget."""
     n_parents = 2 if args.split == "2x4" else 1
     K = args.num_generations if args.split == "1x8" else args.num_generations // 2
     return n_parents, K, args.num_generations - n_parents * K
 
 
 def assign(st: Search, found: list[Chain], args) -> None:
-    """The official order: a failed chain with >= 1 thought is a parent while parents are missing, any other chain
-    fills the base group while it has room; a chain drawn after the prompt is settled is surplus."""
+    """The official order: a failed chain with >= 1 thought is a parent while parents are missing,
+    any other chain fills the base group while it has room; one drawn after the prompt is settled
+    is surplus."""
     n_parents, _, n_base = split_sizes(args)
     for chain in found:
-        if (
-            len(st.parents) == n_parents
-            and len(st.base) == n_base
-            or st.tried >= args.max_fresh_attempts
-        ):
+        settled = len(st.parents) == n_parents and len(st.base) == n_base
+        if settled or st.tried >= args.max_fresh_attempts:
             break
         st.tried += 1
         st.seen.append(chain)
-        failed = (
-            chain.reward < args.success_threshold
-        )  # a parent failed: its reward is below the threshold
+        failed = chain.reward < args.success_threshold  # a parent's reward is below the threshold
         if (
             split_thoughts(chain.text, args.thought_delimiter)
             and failed
@@ -284,23 +283,29 @@ def assign(st: Search, found: list[Chain], args) -> None:
             st.base.append(chain)
 
 
-def parents(sampler, search: dict[int, Search], examples, args, riders=None) -> list:
-    """Fresh chains and the parent search, one generate call: the first parents + base chains of every prompt, or with
-    `riders` (continuations' prompts, budgets: sampled in the same call, returned) the remaining attempts of prompts
-    missing parents, plus the spare chains their fallback groups may need. Chains are used in sampling order."""
+def first_search(sampler, search: dict[int, Search], examples, args) -> None:
+    """Fresh chains, one generate call: the first parents and base chains of every prompt."""
     n_parents, _, n_base = split_sizes(args)
-    if riders is None:
-        counts = {e.id: (n_parents + n_base, 0) for e in examples}
-    else:
-        spare = args.num_generations - (
-            n_base if args.split == "1x4" else 0
-        )  # what a fallback group may need
-        left = {
-            e.id: args.max_fresh_attempts - search[e.id].tried for e in examples
-        }  # attempts still allowed
-        pending = [e for e in examples if len(search[e.id].parents) < n_parents and left[e.id] > 0]
-        counts = {e.id: (left[e.id], spare) for e in pending}
-    prompts, budgets = riders or ([], [])
+    counts = {e.id: (n_parents + n_base, 0) for e in examples}
+    sample_chains(sampler, search, examples, counts, args)
+
+
+def more_search(sampler, search: dict[int, Search], examples, args, riders) -> list:
+    """One generate call: the remaining attempts of the prompts still missing parents, plus the
+    spare chains their fallback groups may need, and `riders` (continuations' prompts and budgets,
+    sampled in the same call and returned)."""
+    n_parents, _, n_base = split_sizes(args)
+    spare = args.num_generations - (n_base if args.split == "1x4" else 0)  # a fallback's need
+    left = {e.id: args.max_fresh_attempts - search[e.id].tried for e in examples}  # attempts left
+    pending = [e for e in examples if len(search[e.id].parents) < n_parents and left[e.id] > 0]
+    counts = {e.id: (left[e.id], spare) for e in pending}
+    return sample_chains(sampler, search, examples, counts, args, riders)
+
+
+def sample_chains(sampler, search, examples, counts: dict, args, riders=([], [])) -> list:
+    """Sample `counts[id]` = (search, spare) fresh chains per prompt beside the riders in one call;
+    the search chains are assigned in sampling order, the spares kept. Returns the riders'."""
+    prompts, budgets = riders
     owners = [e for e in examples if e.id in counts for _ in range(sum(counts[e.id]))]
     fresh = thought_budget(sampler.tokenizer, [], args)
     out = sampler.sample(prompts + [e.prompt_ids for e in owners], budgets + [fresh] * len(owners))
@@ -308,207 +313,174 @@ def parents(sampler, search: dict[int, Search], examples, args, riders=None) -> 
     for e in (e for e in examples if e.id in counts):
         n_search, n_spare = counts[e.id]
         assign(search[e.id], found[:n_search], args)
-        search[e.id].spare, found = (
-            found[n_search : n_search + n_spare],
-            found[n_search + n_spare :],
-        )
+        search[e.id].spare = found[n_search : n_search + n_spare]
+        found = found[n_search + n_spare :]
     sampler.info["fresh_chains"] = sum(st.tried for st in search.values())
     return out[: len(prompts)]
 
 
-def settled_parents(search: dict[int, Search], examples, n_parents: int) -> list[tuple]:
-    """(example, parent index, parent Chain) of every prompt that has found all its parents, in prompt order."""
+def settled_parents(search: dict[int, Search], examples, n_parents: int) -> list[Parent]:
+    """The parents of every prompt that has found all its parents, in prompt order."""
     settled = [e for e in examples if len(search[e.id].parents) == n_parents]
-    return [(e, j, p) for e in settled for j, p in enumerate(search[e.id].parents)]
+    return [Parent(e, j, p) for e in settled for j, p in enumerate(search[e.id].parents)]
 
 
-def localization(
-    sampler, task, todo: list, args, rng: random.Random
-) -> list[tuple[int, int, int | None]]:
-    """Reset points of the parents `todo` [(example, parent index, Chain)]: SRPO asks the policy which thought was
-    first wrong (one generate call for all of them), RRPO draws it uniformly, the oracle takes the task's first wrong
-    step. Returns (k, the parent's thoughts T0, the oracle's k on arith, else None) per parent."""
+def localization(sampler, task, todo: list[Parent], args, rng: random.Random) -> list[Point]:
+    """Reset points of the parents `todo`: SRPO asks the policy which thought was first wrong (one
+    generate call for all of them), RRPO draws it uniformly, the oracle takes the task's first wrong
+    step. Each Point: k, the parent's thoughts n, and the oracle's k on arith (else None)."""
     info, tok = sampler.info, sampler.tokenizer
-    thoughts = [split_thoughts(parent.text, args.thought_delimiter) for _, _, parent in todo]
+    thoughts = [split_thoughts(p.chain.text, args.thought_delimiter) for p in todo]
     replies = [None] * len(todo)
     if args.reset == "self" and todo:
         cap = max(192, 20 * (args.arith_steps + 2)) if task.name == "arith" else 4096
         cap = args.localization_max_new_tokens or cap
-        prompts = [
-            localization_prompt(tok, task.name, e.question, th)
-            for (e, _, _), th in zip(todo, thoughts)
+        asks = [
+            localization_prompt(tok, task.name, p.example.question, th)
+            for p, th in zip(todo, thoughts)
         ]
-        replies = sampler.localize(prompts, cap, max(args.localization_temperature, 1e-5))
+        replies = sampler.localize(asks, cap, max(args.localization_temperature, 1e-5))
     points = []
-    for (e, _, parent), th, reply in zip(todo, thoughts, replies):
-        oracle = tasks.arith_first_error(e.question, parent.text) if task.name == "arith" else None
+    for p, th, reply in zip(todo, thoughts, replies):
+        oracle = None
+        if task.name == "arith":
+            oracle = tasks.arith_first_error(p.example.question, p.chain.text)
         kind = parse_reply(reply, len(th))[1] if reply is not None else "ok"
         if kind != "ok":  # LOGS: the localization's failures, as reset/loc_<kind>
             info["loc_" + kind] += 1
         k = reset_index(args.reset, len(th), rng, reply, oracle)
-        info["oracle_early_stop"] += oracle is not None and oracle > len(
-            th
-        )  # every line right, stopped early
-        points.append(
-            (k, len(th), min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None)
-        )
+        info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # stopped early
+        known = min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None
+        points.append(Point(k, len(th), known))
     return points
 
 
-def resets(sampler, todo: list, points: list, max_pos: int, delimiter: str) -> list[Reset]:
-    """Each parent cut just before thought k: its first tokens (the sampled ids, never re-tokenized). A prefix that
-    would fill the context window resets to the start (k = 1)."""
+def resets(
+    sampler, todo: list[Parent], points: list[Point], max_pos: int, delimiter: str
+) -> list[Reset]:
+    """Each parent cut just before thought k: its first tokens (the sampled ids, never
+    re-tokenized). A prefix that would fill the context window resets to the start (k = 1)."""
     info, cuts = sampler.info, []
-    for (e, j, parent), (k, n, oracle) in zip(todo, points):
-        starts = thought_starts(parent.text, delimiter)  # the prefix keeps thoughts 1..k-1
-        n_prefix = (
-            chains.tokens_before(sampler.tokenizer, parent.ids, starts[k - 1])
-            if 2 <= k <= len(starts)
-            else 0
-        )
-        if len(e.prompt_ids) + n_prefix >= max_pos - 1:
+    for p, point in zip(todo, points):
+        k = point.k
+        starts = thought_starts(p.chain.text, delimiter)  # the prefix keeps thoughts 1..k-1
+        n_prefix = 0
+        if 2 <= k <= len(starts):
+            n_prefix = chains.tokens_before(sampler.tokenizer, p.chain.ids, starts[k - 1])
+        if len(p.example.prompt_ids) + n_prefix >= max_pos - 1:
             info["prefix_overflow"] += 1
             k, n_prefix = 1, 0
-        info["parent_one_thought"] += n == 1
-        cuts.append(Reset(e, j, parent.ids[:n_prefix], k, n, oracle))
+        info["parent_one_thought"] += point.n == 1
+        cuts.append(Reset(p.example, p.index, p.chain.ids[:n_prefix], k, point.n, point.oracle))
     return cuts
 
 
 def suffixes(sampler, cuts: list[Reset], K: int, args) -> tuple[list, list]:
-    """The continuations' requests: K copies of prompt + kept prefix per reset parent (the run's sampling settings),
-    each with the thoughts and tokens it may still add (thought_budget). Returns (prompts, budgets)."""
+    """The continuations' requests: K copies of prompt + kept prefix per reset parent (the run's
+    sampling settings), each with the thoughts and tokens it may still add (thought_budget)."""
     prompts = [c.example.prompt_ids + c.prefix for c in cuts for _ in range(K)]
     return prompts, [
         thought_budget(sampler.tokenizer, c.prefix, args) for c in cuts for _ in range(K)
     ]
 
 
-def settle(
-    model, sampler, task, examples, search: dict[int, Search], cuts: list[Reset], sfx: list, args
-):
-    """The trained batch: K continuations per reset parent (prefix + suffix, cut to the response budget, trained from
-    suffix_start on), then per prompt its base chains, or, with no parents found, the official fallback group (1x4:
-    the base chains, 2x4: the failures found, 1x8: the chains sampled so far; topped up with spare fresh chains).
-    One group id per normalization group; each prompt's rows together. Adds the reset metrics to sampler.info."""
-    tok, info, max_new, solved = (
-        sampler.tokenizer,
-        sampler.info,
-        args.max_new_tokens,
-        args.success_threshold,
-    )
+def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list[Reset], sfx, args):
+    """The trained batch: K continuations per reset parent (prefix + suffix, cut to the response
+    budget, trained from suffix_start on), then per prompt its base chains, or, with no parents
+    found, the official fallback group (1x4: the base chains, 2x4: the failures found, 1x8: the
+    chains sampled so far; topped up with spare fresh chains). One group id per normalization
+    group; each prompt's rows together. Adds the reset metrics to sampler.info."""
+    tok, max_new = sampler.tokenizer, args.max_new_tokens
     n_parents, K, n_base = split_sizes(args)
-    new = [  # the continuations: kept prefix + suffix, each in its reset group; rewarded below
-        Row(
-            c.example,
-            c.prefix + ids[: max(max_new - len(c.prefix), 1)],
-            len(c.prefix),
-            (c.example.id, "reset", c.parent),
-            0.0,
-        )
-        for i, c in enumerate(cuts)
-        for ids, _ in sfx[i * K : (i + 1) * K]
-    ]
+    new = []  # the continuations: kept prefix + suffix, in their parent's reset group
+    for i, c in enumerate(cuts):
+        for ids, _ in sfx[i * K : (i + 1) * K]:
+            full = c.prefix + ids[: max(max_new - len(c.prefix), 1)]
+            new.append(Row(c.example, full, len(c.prefix), "reset", c.parent, 0.0))
     texts = [tok.decode(r.ids, skip_special_tokens=True) for r in new]
-    scores = task.rewards(
-        texts, [r.example for r in new], [r.ids for r in new]
-    )  # completion_ids: prefix + suffix
+    scores = task.rewards(texts, [r.example for r in new], [r.ids for r in new])  # prefix + suffix
     rows = [r._replace(reward=x) for r, x in zip(new, scores)]
     for e in examples:
         st = search[e.id]
         if len(st.parents) == n_parents:
-            rows += [Row(e, c.ids, 0, (e.id, "base"), c.reward) for c in st.base]
+            rows += [Row(e, c.ids, 0, "base", None, c.reward) for c in st.base]
             continue
         if args.split == "1x8":
             kept = st.seen[: args.num_generations]
         else:
             kept = st.base[:n_base] if args.split == "1x4" else st.parents
         kept = kept + st.spare[: args.num_generations - len(kept)]
-        rows += [Row(e, c.ids, 0, (e.id, "fresh"), c.reward) for c in kept]
-    keys, device, order = {}, next(model.parameters()).device, [e.id for e in examples]
+        rows += [Row(e, c.ids, 0, "fresh", None, c.reward) for c in kept]
+    order = [e.id for e in examples]
     rows.sort(key=lambda r: order.index(r.example.id))  # each prompt's rows together (stable)
-    group_ids = [keys.setdefault(r.group, len(keys)) for r in rows]  # one per normalization group
-    prompts, responses, stops = (
-        [r.example.prompt_ids for r in rows],
-        [r.ids for r in rows],
-        common.stop_token_ids(model, tok),
-    )
-    ro = common.make_rollouts(tok, prompts, responses, group_ids, stops, device)
-    info.update(
-        chains.reset_metrics(cuts, rows, examples, solved)
-    )  # LOGS: reset/* (docs/srpo.md, Logs)
+    keys = {}  # one group per prompt and kind (and parent, for a reset group)
+    group_ids = [keys.setdefault((r.example.id, r.kind, r.parent), len(keys)) for r in rows]
+    device = next(model.parameters()).device
+    stops = common.stop_token_ids(model, tok)
+    ro = common.make_rollouts(tok, [r.example.prompt_ids for r in rows], [r.ids for r in rows],
+                              group_ids, stops, device)  # fmt: skip
+    metrics = chains.reset_metrics(cuts, rows, examples, args.success_threshold)
+    sampler.info.update(metrics)  # LOGS: reset/* (docs/srpo.md, Logs)
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r.suffix_start for r in rows], device=device)
     return ro, rewards, suffix_start, torch.tensor([r.example.id for r in rows], device=device)
 
 
 def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
-    """One step's trajectories in at most four generate calls, each batched over the step's prompts (docs/srpo.md,
-    "Batched stages"): (1) the first fresh chains; (2) the remaining search with (random, oracle: reset points need no
-    model call) the continuations of the parents found so far; (3) SRPO's localization; (4) the other continuations.
-    Returns common.Rollouts of the trained rows (group_ids: normalization groups; never a parent), rewards [N],
-    suffix_start [N] (response tokens), prompt_of_row [N] (example ids) and the reset metrics (a dict)."""
+    """One step's trajectories in at most four generate calls, each batched over the step's prompts
+    (docs/srpo.md, "Batched stages"): (1) the first fresh chains; (2) the remaining search with
+    (random, oracle: reset points need no model call) the continuations of the parents found so
+    far; (3) SRPO's localization; (4) the other continuations. Returns common.Rollouts of the
+    trained rows (group_ids: normalization groups; never a parent), rewards [N], suffix_start [N]
+    (response tokens), prompt_of_row [N] (example ids) and the reset metrics (a dict)."""
     delim, max_new = args.thought_delimiter, args.max_new_tokens
     reserve = (
         min(THOUGHT_TOKENS, max_new // 20) if args.thought_reserve is None else args.thought_reserve
     )
-    cut = lambda ids, text, budget, truncated: protocol_cut(  # noqa: E731 (the official stops, after the fact)
-        tokenizer, ids, text, delim, *budget, reserve, truncated, continuation=budget[1] < max_new
-    )
+
+    def cut(ids, text, budget, truncated):  # the official stops, after the fact
+        continuation = budget[1] < max_new
+        return protocol_cut(tokenizer, ids, text, delim, *budget, reserve, truncated, continuation)
+
     split = functools.partial(split_thoughts, delimiter=delim)
-    sampler = chains.Sampler(
-        model, tokenizer, task, args, cut, split, THOUGHT_TOKENS
-    )  # generate calls, counted
+    sampler = chains.Sampler(model, tokenizer, task, args, cut, split, THOUGHT_TOKENS)
     n_parents, K, _ = split_sizes(args)
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
     search = {e.id: Search() for e in examples}
-    parents(sampler, search, examples, args)  # (1)
-    early = (
-        settled_parents(search, examples, n_parents) if args.reset != "self" else []
-    )  # k needs no model call
+    first_search(sampler, search, examples, args)  # (1)
+    early = settled_parents(search, examples, n_parents) if args.reset != "self" else []
     cuts = resets(sampler, early, localization(sampler, task, early, args, rng), max_pos, delim)
-    sfx = parents(sampler, search, examples, args, riders=suffixes(sampler, cuts, K, args))  # (2)
-    todo = settled_parents(
-        search, [e for e in examples if all(e is not x for x, *_ in early)], n_parents
-    )
-    later = resets(
-        sampler, todo, localization(sampler, task, todo, args, rng), max_pos, delim
-    )  # (3) --reset self
+    sfx = more_search(sampler, search, examples, args, suffixes(sampler, cuts, K, args))  # (2)
+    rest = [e for e in examples if all(e is not p.example for p in early)]
+    todo = settled_parents(search, rest, n_parents)
+    points = localization(sampler, task, todo, args, rng)  # (3) --reset self
+    later = resets(sampler, todo, points, max_pos, delim)
     sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
-    return (*settle(model, sampler, task, examples, search, cuts + later, sfx, args), sampler.info)
+    out = settle(model, sampler, task, examples, search, cuts + later, sfx, args)
+    return (*out, sampler.info)
 
 
 def validate(args: Args) -> Args:
-    """SRPO's own checks (cli.parse runs the shared ones): one line naming the flag, exit code 2. Fills the task's
-    default --thought-delimiter."""
+    """SRPO's own checks (cli.parse runs the shared ones): one line naming the flag, exit code 2.
+    Fills the task's default --thought-delimiter."""
     unused = dict.fromkeys(
-        ["dynamic_sampling", "max_sampling_rounds"], "its groups are built from resets"
-    )  # shared
-    unused |= dict.fromkeys(
-        ["overlong_buffer", "overlong_penalty_factor"], "its rewards are the task's (no shaping)"
+        ["dynamic_sampling", "max_sampling_rounds"], "its groups come from resets"
     )
-    unused["scale_rewards"] = (
-        "it z-scores each normalization group with its population std, no epsilon"
-    )
+    shaping = "its rewards are the task's (no shaping)"
+    unused |= dict.fromkeys(["overlong_buffer", "overlong_penalty_factor"], shaping)
+    unused["scale_rewards"] = "it z-scores each normalization group with its population std, no eps"
     for name, why in unused.items():
         flag = "--" + name.replace("_", "-")
         cli.need(
             getattr(args, name) == getattr(cli.BaseArgs, name),
             f"{flag} does not apply to srpo.py: {why}",
         )
-    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[
-        args.split
-    ]  # ALGO LOGIC: the split's groups must each hold >= 2
+    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[args.split]  # ALGO LOGIC: each group holds >= 2
+    g = args.num_generations
     bad_g = f"--num-generations must be a multiple of {need_g} (at least {need_g}) for --split {args.split}"
-    cli.need(
-        args.num_generations >= need_g and args.num_generations % need_g == 0,
-        f"{bad_g}, got {args.num_generations}",
-    )
-    ranges = dict(
-        max_fresh_attempts=">= 1",
-        localization_temperature=">= 0",
-        localization_max_new_tokens=">= 1",
-    )
-    cli.need_ranges(args, **ranges, thought_reserve=">= 0")
+    cli.need(g >= need_g and g % need_g == 0, f"{bad_g}, got {g}")
+    ranges = dict(max_fresh_attempts=">= 1", localization_temperature=">= 0")
+    cli.need_ranges(args, **ranges, localization_max_new_tokens=">= 1", thought_reserve=">= 0")
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
     no_oracle = f"--reset oracle needs a task with a first-wrong-step oracle (arith), not --task {args.task}"
     cli.need(args.reset != "oracle" or args.task == "arith", no_oracle)
@@ -516,161 +488,109 @@ def validate(args: Args) -> Args:
     return dataclasses.replace(args, thought_delimiter=args.thought_delimiter or default)
 
 
+DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (loss <= -3A)
+
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference and the optimizer
-    args = cli.parse(
-        Args, validate
-    )  # tyro.cli(Args), every check before anything loads (one-line errors)
+    # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
+    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads
     run = common.Run(args)
-    rng = random.Random(
-        args.seed
-    )  # ALGO LOGIC: RRPO's reset draws (a checkpoint holds them as "resets")
     tokenizer = common.load_tokenizer(args.model)
-    task = common.load_task(
-        args, tokenizer
-    )  # before the model: a task that yields nothing stops at once
+    task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
-    train_model = run.dist.wrap(
-        model, ref_model
-    )  # DDP / FSDP2 under torchrun; the model itself otherwise
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
-    )
-    run.start(
-        model, tokenizer, optimizer, task, state={"resets": rng}
-    )  # prompt batches, --resume, engine, step-0 eval
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    lr, decay = args.learning_rate, args.weight_decay
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws (checkpointed as "resets")
+    run.start(model, tokenizer, optimizer, task, state={"resets": rng})
     dist = run.dist
 
     for step in run.steps():
-        # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization, suffixes) and rewards
+        # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization,
+        #      suffixes) and their rewards
         examples = dist.shard(next(run.batches))
-        with dist.gathered(
-            model
-        ):  # FSDP: full weights, so ranks may run different numbers of sampling rounds
+        with dist.gathered(model):  # FSDP: full weights, so ranks may sample different rounds
             ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(
                 model, tokenizer, task, examples, args, rng
             )
-        mask = (
-            ro.completion_mask * ~ro.truncated[:, None]
-            if args.mask_truncated_completions
-            else ro.completion_mask
-        )
+        mask = ro.completion_mask  # [N, T]
+        if args.mask_truncated_completions:  # DAPO's overlong filtering
+            mask = mask * ~ro.truncated[:, None]
         T = mask.shape[1]
         run.lap("generation")
 
-        # 3. ALGO LOGIC: credit assignment. Each normalization group z-scored alone (population std); prefixes masked.
+        # 3. ALGO LOGIC: credit assignment. Each normalization group z-scored alone (population
+        #    std); the kept prefixes masked (only the resampled suffix trains).
         advantages = srpo_advantages(rewards, ro.group_ids.cpu())  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
-        mask = mask if args.no_mask else suffix_mask(mask, suffix_start)  # [N, T]
-        run.credit_signals(
-            reset_at=suffix_start, prompt_ids=prompt_of_row
-        )  # LOGS: --log-credit's suffix starts
+        if not args.no_mask:
+            mask = suffix_mask(mask, suffix_start)  # [N, T]
+        run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # LOGS: --log-credit
 
-        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the old log-probs are the
-        #    current ones detached; otherwise only the first optimizer step is on-policy and they need this pass.
+        # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
+        #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with (
-            torch.no_grad(),
-            dist.gathered(model, ref_model),
-        ):  # FSDP: ranks hold different numbers of rows
+        one_row = functools.partial(common.token_logprobs, train_model, input_ids[:1], attn[:1], T)
+        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: rows per rank differ
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
-            old_logp = (
-                None
-                if on_policy
-                else common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
-            )
-            ref_logp = (
-                common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
-                if ref_model
-                else None
-            )
+            old_logp = None
+            if not on_policy:
+                old_logp = common.token_logprobs(model, input_ids, attn, T, args.temperature)[0]
+            ref_logp = None
+            if ref_model is not None:
+                ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
         run.lap("logprobs")
 
-        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one optimizer step each,
-        #    computed in micro-batches (the loss is normalized over the mini-batch, so accumulation changes nothing)
+        # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one
+        #    optimizer step each, in micro-batches (the loss is normalized over the mini-batch)
         stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            for rows in common.minibatches(
-                prompt_of_row, args.num_minibatches
-            ):  # ALGO LOGIC: by prompt, not group
+            for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # whole prompts
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
-                size = min(
-                    args.micro_batch_size,
-                    common.ROWS_PER_FORWARD if args.fsdp else args.micro_batch_size,
-                )
-                micro, n = rows.split(size), dist.same_count(-(-len(rows) // size))
-                for k in range(
-                    n
-                ):  # FSDP: one forward per micro-batch, as many on every rank (the most any has)
-                    dist.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
-                    if k >= len(
-                        micro
-                    ):  # FSDP: an idle pass on the first row keeps the collectives matched
-                        dist.idle_pass(
-                            lambda: common.token_logprobs(train_model, input_ids[:1], attn[:1], T)[
-                                0
-                            ].sum()
-                        )
-                        continue
-                    mb = micro[k]
+                agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
+                micro = rows.split(args.micro_batch_size)
+                if args.fsdp:  # one forward per micro-batch: ranks hold different numbers of rows
+                    micro = rows.split(min(args.micro_batch_size, common.ROWS_PER_FORWARD))
+                for mb in dist.micro_batches(train_model, micro, one_row):  # all-reduce in the last
                     m = mask[mb].float()
-                    logp, entropy = common.token_logprobs(
-                        train_model,
-                        input_ids[mb],
-                        attn[mb],
-                        T,
-                        args.temperature,
-                        with_entropy=it == 0,
-                    )
-                    run.watch_credit(
-                        logp, mb, m, num_tokens, num_seqs
-                    )  # LOGS: --log-credit records dL/dlog p
+                    batch = (input_ids[mb], attn[mb], T, args.temperature)
+                    logp, entropy = common.token_logprobs(train_model, *batch, with_entropy=it == 0)
+                    run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit
                     old = old_logp[mb] if old_logp is not None else logp.detach()
-                    # ALGO LOGIC: REINFORCE (no ratio, no clip); --clip: the PPO-clipped surrogate, dual-clip 3 (verl)
-                    log_ratio = torch.clamp(
-                        logp - old, -common.MAX_LOG_RATIO, common.MAX_LOG_RATIO
-                    )  # fp32, as verl
-                    ratio = torch.exp(log_ratio)
+                    # ALGO LOGIC: REINFORCE on the suffix (no ratio, no clip); --clip: the ablation
+                    log_ratio = (logp - old).clamp(-common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
+                    ratio = torch.exp(log_ratio)  # 1 on-policy (the clip fractions read it)
                     A = token_adv[mb]
-                    clipped = torch.min(
-                        ratio * A, torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) * A
-                    )
-                    clipped = torch.where(
-                        A < 0, torch.max(clipped, DUAL_CLIP * A), clipped
-                    )  # dual clip: loss <= -3A
-                    surrogate = clipped if args.clip else logp * A
+                    surrogate = logp * A
+                    if args.clip:  # PPO's clipped surrogate with verl's dual clip (loss <= -3A)
+                        clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
+                        surrogate = torch.min(ratio * A, clipped * A)
+                        surrogate = torch.where(
+                            A < 0, torch.max(surrogate, DUAL_CLIP * A), surrogate
+                        )
                     per_token_loss = -surrogate
-                    # vLLM rollouts: importance weights toward the engine's distribution (--vllm-is-mode; 1 with HF)
-                    per_token_loss = per_token_loss * common.engine_correction(
-                        ro, mb, old, m, args, stats.engine(it), stats.tokens
-                    )
-                    kl = (
-                        common.k3_kl(logp, ref_logp[mb]) if ref_logp is not None else None
-                    )  # KL(pi || pi_ref), k3
-                    if kl is not None:
+                    # vLLM rollouts: importance weights toward the engine's sampling (HF: 1)
+                    engine_w = common.engine_correction(ro, mb, old, m, args, stats, it)
+                    per_token_loss = per_token_loss * engine_w
+                    kl = None  # KL(pi || pi_ref), k3, with --beta > 0
+                    if ref_logp is not None:
+                        kl = common.k3_kl(logp, ref_logp[mb])
                         per_token_loss = per_token_loss + args.beta * kl
-                    loss = common.aggregate_loss(
-                        per_token_loss, m, args.loss_agg, args.max_new_tokens, num_tokens, num_seqs
-                    )
+                    loss = common.aggregate_loss(per_token_loss, m, *agg)
                     run.stop_if_nonfinite(loss, "loss")
                     loss.backward()
-                    stats.add(
-                        m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss
-                    )  # LOGS: diagnostics
+                    stats.add(m, ratio, A, args.epsilon, args.epsilon_high, entropy, kl, loss)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 run.stop_if_nonfinite(grad_norm, "gradient norm")
                 optimizer.step()
                 stats.step(grad_norm)
         run.lap("update")
 
-        # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C; LOGS: the reset metrics
+        # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C; LOGS: reset/*
         extra = {f"reset/{k}": v for k, v in info.items() if k != "time_localization"}
-        extra |= {
-            "time/localization": info["time_localization"],
-            "sampling/generated_tokens": info["generated_tokens"],
-        }
+        extra["time/localization"] = info["time_localization"]
+        extra["sampling/generated_tokens"] = info["generated_tokens"]
         run.end_step(step, ro, rewards, stats, extra)
 
     run.finish()

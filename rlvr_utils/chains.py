@@ -31,16 +31,18 @@ def tokens_before(tokenizer, ids: list[int], cut: int) -> int:
 
 
 def reset_metrics(cuts, rows, examples, solved: float) -> dict:
-    """The reset/* metrics of a step (docs/srpo.md, Logs) from srpo.py's records (named fields): cuts (Reset: k, n,
-    oracle), rows (Row: example, group, reward), the step's examples and the success threshold."""
+    """The reset/* metrics of a step (docs/srpo.md, Logs) from srpo.py's records: cuts (Reset: k, n, oracle), rows (Row:
+    example, kind, parent, reward), the step's examples and the success threshold."""
     ks, oracle_ks = [(c.k, c.n) for c in cuts], [c.oracle for c in cuts if c.oracle is not None]
-    resets = {r.group for r in rows if r.group[1] == "reset"}
-    reset_rewards = [r.reward for r in rows if r.group[1] == "reset"]
+    reset_rows = [r for r in rows if r.kind == "reset"]
+    groups = {(r.example.id, r.parent) for r in reset_rows}  # each parent's continuations
+    best = {g: max(r.reward for r in reset_rows if (r.example.id, r.parent) == g) for g in groups}
+    fallback = {r.example.id for r in rows if r.kind == "fresh"}
     out = dict(
         normalized_position=sum((k - 1) / n for k, n in ks) / len(ks) if ks else 0.0,
-        correction_rate=sum(reset_rewards) / len(reset_rewards) if reset_rewards else 0.0,
-        suffix_pass_at_k=sum(max(r.reward for r in rows if r.group == g) >= solved for g in resets) / max(1, len(cuts)),
-        fallback_share=sum(any(r.group == (e.id, "fresh") for r in rows) for e in examples) / len(examples),
+        correction_rate=sum(r.reward for r in reset_rows) / len(reset_rows) if reset_rows else 0.0,
+        suffix_pass_at_k=sum(b >= solved for b in best.values()) / max(1, len(cuts)),
+        fallback_share=sum(e.id in fallback for e in examples) / len(examples),
         num_parents=len(cuts),
     )
     if oracle_ks:

@@ -137,6 +137,18 @@ class TorchrunDist(Dist):
             return flag
         return self.sum([float(flag)])[0] > 0
 
+    def micro_batches(self, train_model, micro: list, one_row=None):
+        """Each micro-batch in turn; only the last one's backward all-reduces, so ranks with different numbers of
+        micro-batches still meet once per optimizer step. FSDP: as many on every rank as on the rank with most, the
+        missing ones idle passes (`one_row()`: a forward on one row; its loss times 0 changes nothing)."""
+        n = self.same_count(len(micro))
+        for k in range(n):
+            self.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
+            if k < len(micro):
+                yield micro[k]
+            else:  # FSDP: an idle pass keeps the collectives matched
+                self.idle_pass(one_row)
+
     def sync_grads(self, train_model, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients: only the last micro-batch of a pass does, so
         ranks with different numbers of micro-batches (SRPO) still meet once per optimizer step."""

@@ -85,11 +85,18 @@ class Dist:
         tokens, seqs = self.sum([mask.sum().item(), len(mask) if num_seqs is None else num_seqs])
         return tokens / self.world, seqs / self.world
 
+    def micro_batches(self, train_model, micro: list, one_row=None):
+        """Each micro-batch of a mini-batch in turn, the gradients all-reduced in the last one's backward only. Under
+        FSDP every rank runs as many as the rank with most (ranks may hold different numbers of rows, as SRPO's):
+        the missing ones are idle passes of `one_row` (`idle_pass`). Here: `micro` itself."""
+        yield from micro
+
     @staticmethod
-    def idle_pass(loss_of_one_row) -> None:
+    def idle_pass(one_row) -> None:
         """A forward and backward that changes nothing (its loss times 0): keeps this rank's FSDP collectives matched
-        with a rank that has one more micro-batch. `loss_of_one_row()` runs the same forward as a real micro-batch."""
-        (loss_of_one_row() * 0.0).backward()
+        with a rank that has one more micro-batch. `one_row()`: the log-probs of one row, the same forward as a real
+        micro-batch's (common.token_logprobs)."""
+        (one_row()[0].sum() * 0.0).backward()
 
     # what torchrun's ranks do together, and one process does alone: the model itself, no collective, nothing to wait
     def wrap(self, model, ref_model=None):  # the module the loss forward runs through (DDP, FSDP2)

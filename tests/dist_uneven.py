@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node 2 tests/dist_uneven.py OUT_DIR ddp|fsdp
 
-Under FSDP rank 1 runs an idle pass (Dist.same_count, Dist.idle_pass) so the collectives match; the gradient must be
-the one DDP gives, where rank 1 simply runs one micro-batch. Rank 0 saves the full gradient to OUT_DIR/<mode>.pt."""
+Under FSDP rank 1 runs an idle pass (Dist.micro_batches) so the collectives match; the gradient must be the one DDP
+gives, where rank 1 simply runs one micro-batch. Rank 0 saves the full gradient to OUT_DIR/<mode>.pt."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -24,17 +25,14 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(1 + dist.rank)
     ids = torch.randint(3, 50, (2 if dist.rank == 0 else 1, 12), generator=g)  # rank 0: two micro-batches of one row
     attn, T = torch.ones_like(ids), 6
-    n = dist.same_count(len(ids))
-    for k in range(n):
-        dist.sync_grads(train, k == n - 1)
-        if k >= len(ids):
-            dist.idle_pass(lambda: common.token_logprobs(train, ids[:1], attn[:1], T)[0].sum())
-            continue
-        (-common.token_logprobs(train, ids[k : k + 1], attn[k : k + 1], T)[0].sum() / 3).backward()
+    one_row = functools.partial(common.token_logprobs, train, ids[:1], attn[:1], T)
+    micro = [torch.tensor([k]) for k in range(len(ids))]  # one row each: rank 1 has one fewer
+    for mb in dist.micro_batches(train, micro, one_row):  # its missing one: an idle pass (FSDP)
+        (-common.token_logprobs(train, ids[mb], attn[mb], T)[0].sum() / 3).backward()
     grads = {
         n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()
     }
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
-        torch.save({"grads": grads, "n": n, "rank1_rows": 1}, out / f"{mode}.pt")
+        torch.save({"grads": grads, "n": len(micro), "rank1_rows": 1}, out / f"{mode}.pt")
     dist.close(then_exit=True)

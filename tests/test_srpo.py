@@ -4,6 +4,7 @@ each reset mode."""
 
 import collections
 import random
+import re
 import types
 
 import pytest
@@ -101,7 +102,9 @@ def test_prefix_token_count_cuts_before_thought_k(tiny):
     ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
     sampler, ex = types.SimpleNamespace(tokenizer=tok, info=collections.Counter()), _task(tok)[0].train[0]
     for k, expected in ((1, ""), (2, "23+7=30\n"), (3, "23+7=30\n30-5=25\n"), (4, "23+7=30\n30-5=25\n25+9=34\n")):
-        (cut,) = srpo.resets(sampler, [(ex, 0, srpo.Chain(ids, text, 0.0))], [(k, 4, None)], 10**9, "\n")
+        (cut,) = srpo.resets(
+            sampler, [srpo.Parent(ex, 0, srpo.Chain(ids, text, 0.0))], [srpo.Point(k, 4, None)], 10**9, "\n"
+        )
         assert tok.decode(cut.prefix) == expected and cut.k == k
 
 
@@ -407,3 +410,27 @@ def test_localization_cap_help_matches_the_code():
     code = inspect.getsource(srpo.localization)
     assert "default: 4096; arith: max(192, 20 x (operations + 2))" in " ".join(doc.split())
     assert "max(192, 20 * (args.arith_steps + 2)) if task.name" in code and "else 4096" in code
+
+
+class CharTokenizer:
+    """One token per character (the tokenizer protocol_cut's worked example assumes)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_protocol_cut_s_worked_example_holds():
+    """Each line of protocol_cut's worked example (its docstring) is what the function returns: text, the flags, and
+    the kept text; so the example a reader learns the rule from cannot go stale."""
+    doc = srpo.protocol_cut.__doc__
+    pattern = r'text "([^"]*)"(?:, budget (\d+))?(?:, reserve (\d+))?\s+-> "([^"]*)"(?: \([^)]*; a continuation: "")?'
+    cases = re.findall(pattern, doc)
+    assert len(cases) == 4, cases
+    tok = CharTokenizer()
+    for text, budget, reserve, want in cases:
+        text, want = text.replace(r"\n", "\n"), want.replace(r"\n", "\n")  # the docstring's \n: a newline
+        kw = {"budget": int(budget)} if budget else {}
+        kw |= {"reserve": int(reserve)} if reserve else {}
+        ids = [ord(c) for c in text]
+        assert tok.decode(srpo.protocol_cut(tok, ids, text, "\n", **kw)) == want, (text, kw)
+    assert srpo.protocol_cut(tok, [ord(c) for c in "abcdefgh"], "abcdefgh", "\n", budget=4, continuation=True) == []

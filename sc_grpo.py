@@ -197,9 +197,7 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
     the user turns the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's
     prompt (the block the bundled tiny model was trained on: tools/train_tiny_model.py)."""
     tau = tau.strip()
-    default = (
-        teacher.default_system_message(tokenizer) if tasks.has_chat_template(tokenizer) else ""
-    )
+    default = tasks.default_system_message(tokenizer) if tasks.has_chat_template(tokenizer) else ""
     if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its system turn
         msgs = list(example.meta["prompt"])
         own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""
@@ -347,9 +345,14 @@ if __name__ == "__main__":
             if ref_model is not None:
                 ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
             if f_per_batch:  # ALGO LOGIC: D of every row, then f with c over the whole batch
-                D = teacher.kl_of_every_row(
-                    model, ro, teachers, args.temperature, G, args.micro_batch_size, sc_log, with_teacher
-                )  # fmt: skip
+                D = torch.zeros(len(ro), T, device=mask.device)  # [N, T]
+                every_row = torch.arange(len(ro), device=mask.device)
+                for mb in teacher.micro_batches_of_groups(every_row, gid, G, args.micro_batch_size):
+                    prompts = [teachers[i] for i in mb.tolist()]
+                    _, _, D[mb], cost = with_teacher(
+                        model, input_ids[mb], attn[mb], T, args.temperature, prompts
+                    )
+                    sc_log.add(cost=cost)  # LOGS: the teacher's time
                 weights, token_adv, f = dist.over_global_batch(
                     f_and_bonus, D, active, role, gid, token_adv
                 )  # [N, T] each

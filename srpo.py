@@ -185,25 +185,23 @@ LOCALIZATION_PROMPT = (
     "you cannot justify; end your response with \\boxed{{N}} on its own line, where N is the step "
     "number (not the problem's answer), with nothing after it."
 )  # the official code's "originating step" prompt
+ARITH_LOCALIZATION = (
+    "Problem: {problem}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
+)
+# ^ the built-in task's, for a model without a chat template (the tiny model was trained on it)
 
 
 def localization_prompt(tokenizer, task_name: str, question: str, thoughts: list[str]) -> list[int]:
     """The prompt ids asking the policy for the first wrong thought of its own chain:
     LOCALIZATION_PROMPT (in the chat template when the tokenizer has one); on arith without a chat
-    template, the format the bundled tiny model was trained to answer (arith_localization_prompt)."""
+    template, the format the bundled tiny model was trained to answer (ARITH_LOCALIZATION)."""
     if task_name == "arith" and not tasks.has_chat_template(tokenizer):
-        plain = arith_localization_prompt(tasks.parse_arith_problem(question), thoughts)
+        steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
+        plain = ARITH_LOCALIZATION.format(problem=question, steps=steps)
     else:
         steps = "\n".join(f"Step {i}: {t}" for i, t in enumerate(thoughts, 1))
         plain = LOCALIZATION_PROMPT.format(question=question, steps=steps, n=len(thoughts))
     return tasks.encode_prompt(tokenizer, tasks.render_prompt(tokenizer, plain, plain))
-
-
-def arith_localization_prompt(problem: tasks.ArithProblem, thoughts: list[str]) -> str:
-    """The localization prompt on the built-in task for a model without a chat template (the tiny
-    model was trained on it: tools/train_tiny_model.py): the failed solution one step per line."""
-    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
-    return f"Problem: {problem.text}\nYour incorrect solution:\n{steps}Find the first wrong step.\n"
 
 
 def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
@@ -231,13 +229,7 @@ def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
 
 
 # The search and the step's rollouts: the records passed from stage to stage, by name
-Chain = collections.namedtuple(
-    "Chain", "ids text reward"
-)  # a response: kept ids, never re-tokenized
-Parent = collections.namedtuple(
-    "Parent", "example index chain"
-)  # a prompt's index-th failed parent
-Point = collections.namedtuple("Point", "k n oracle")  # its reset thought k of n; the task's k
+Chain = collections.namedtuple("Chain", "ids text reward")  # a response: kept ids, not re-tokenized
 Reset = collections.namedtuple("Reset", "example parent prefix k n oracle")  # a parent cut before k
 Row = collections.namedtuple("Row", "example ids suffix_start kind parent reward")  # a trained row
 # a Row's kind: reset (a parent's continuation), base (a fresh chain), fresh (the fallback group)
@@ -283,13 +275,6 @@ def assign(st: Search, found: list[Chain], args) -> None:
             st.base.append(chain)
 
 
-def first_search(sampler, search: dict[int, Search], examples, args) -> None:
-    """Fresh chains, one generate call: the first parents and base chains of every prompt."""
-    n_parents, _, n_base = split_sizes(args)
-    counts = {e.id: (n_parents + n_base, 0) for e in examples}
-    sample_chains(sampler, search, examples, counts, args)
-
-
 def more_search(sampler, search: dict[int, Search], examples, args, riders) -> list:
     """One generate call: the remaining attempts of the prompts still missing parents, plus the
     spare chains their fallback groups may need, and `riders` (continuations' prompts and budgets,
@@ -319,59 +304,46 @@ def sample_chains(sampler, search, examples, counts: dict, args, riders=([], [])
     return out[: len(prompts)]
 
 
-def settled_parents(search: dict[int, Search], examples, n_parents: int) -> list[Parent]:
-    """The parents of every prompt that has found all its parents, in prompt order."""
+def reset_points(
+    sampler, task, search: dict[int, Search], examples, args, rng, max_pos
+) -> list[Reset]:
+    """The parents of every prompt of `examples` that has found all of them, each cut just before
+    its reset thought k: SRPO asks the policy which thought was first wrong (one generate call for
+    all of them), RRPO draws it uniformly, the oracle takes the task's first wrong step. A parent
+    keeps thoughts 1..k-1 as its first tokens (the sampled ids, never re-tokenized); a prefix that
+    would fill the context window resets to the start (k = 1). Reset.oracle: the task's k (arith)."""
+    info, tok, delimiter = sampler.info, sampler.tokenizer, args.thought_delimiter
+    n_parents = split_sizes(args)[0]
     settled = [e for e in examples if len(search[e.id].parents) == n_parents]
-    return [Parent(e, j, p) for e in settled for j, p in enumerate(search[e.id].parents)]
-
-
-def localization(sampler, task, todo: list[Parent], args, rng: random.Random) -> list[Point]:
-    """Reset points of the parents `todo`: SRPO asks the policy which thought was first wrong (one
-    generate call for all of them), RRPO draws it uniformly, the oracle takes the task's first wrong
-    step. Each Point: k, the parent's thoughts n, and the oracle's k on arith (else None)."""
-    info, tok = sampler.info, sampler.tokenizer
-    thoughts = [split_thoughts(p.chain.text, args.thought_delimiter) for p in todo]
+    todo = [(e, j, parent) for e in settled for j, parent in enumerate(search[e.id].parents)]
+    thoughts = [split_thoughts(parent.text, delimiter) for _, _, parent in todo]
     replies = [None] * len(todo)
-    if args.reset == "self" and todo:
+    if args.reset == "self" and todo:  # the localization call
         cap = max(192, 20 * (args.arith_steps + 2)) if task.name == "arith" else 4096
         cap = args.localization_max_new_tokens or cap
         asks = [
-            localization_prompt(tok, task.name, p.example.question, th)
-            for p, th in zip(todo, thoughts)
+            localization_prompt(tok, task.name, e.question, th)
+            for (e, _, _), th in zip(todo, thoughts)
         ]
         replies = sampler.localize(asks, cap, max(args.localization_temperature, 1e-5))
-    points = []
-    for p, th, reply in zip(todo, thoughts, replies):
-        oracle = None
-        if task.name == "arith":
-            oracle = tasks.arith_first_error(p.example.question, p.chain.text)
+    cuts = []
+    for (e, j, parent), th, reply in zip(todo, thoughts, replies):
+        oracle = tasks.arith_first_error(e.question, parent.text) if task.name == "arith" else None
         kind = parse_reply(reply, len(th))[1] if reply is not None else "ok"
         if kind != "ok":  # LOGS: the localization's failures, as reset/loc_<kind>
             info["loc_" + kind] += 1
         k = reset_index(args.reset, len(th), rng, reply, oracle)
-        info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # stopped early
+        info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # LOGS: stopped early
         known = min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None
-        points.append(Point(k, len(th), known))
-    return points
-
-
-def resets(
-    sampler, todo: list[Parent], points: list[Point], max_pos: int, delimiter: str
-) -> list[Reset]:
-    """Each parent cut just before thought k: its first tokens (the sampled ids, never
-    re-tokenized). A prefix that would fill the context window resets to the start (k = 1)."""
-    info, cuts = sampler.info, []
-    for p, point in zip(todo, points):
-        k = point.k
-        starts = thought_starts(p.chain.text, delimiter)  # the prefix keeps thoughts 1..k-1
+        starts = thought_starts(parent.text, delimiter)  # the prefix keeps thoughts 1..k-1
         n_prefix = 0
         if 2 <= k <= len(starts):
-            n_prefix = chains.tokens_before(sampler.tokenizer, p.chain.ids, starts[k - 1])
-        if len(p.example.prompt_ids) + n_prefix >= max_pos - 1:
+            n_prefix = chains.tokens_before(tok, parent.ids, starts[k - 1])
+        if len(e.prompt_ids) + n_prefix >= max_pos - 1:
             info["prefix_overflow"] += 1
             k, n_prefix = 1, 0
-        info["parent_one_thought"] += point.n == 1
-        cuts.append(Reset(p.example, p.index, p.chain.ids[:n_prefix], k, point.n, point.oracle))
+        info["parent_one_thought"] += len(th) == 1
+        cuts.append(Reset(e, j, parent.ids[:n_prefix], k, len(th), known))
     return cuts
 
 
@@ -419,7 +391,7 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
     stops = common.stop_token_ids(model, tok)
     ro = common.make_rollouts(tok, [r.example.prompt_ids for r in rows], [r.ids for r in rows],
                               group_ids, stops, device)  # fmt: skip
-    metrics = chains.reset_metrics(cuts, rows, examples, args.success_threshold)
+    metrics = chains.reset_metrics(cuts, rows, examples, args.success_threshold)  # LOGS
     sampler.info.update(metrics)  # LOGS: reset/* (docs/srpo.md, Logs)
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r.suffix_start for r in rows], device=device)
@@ -444,19 +416,21 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
 
     split = functools.partial(split_thoughts, delimiter=delim)
     sampler = chains.Sampler(model, tokenizer, task, args, cut, split, THOUGHT_TOKENS)
-    n_parents, K, _ = split_sizes(args)
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
     search = {e.id: Search() for e in examples}
-    first_search(sampler, search, examples, args)  # (1)
-    early = settled_parents(search, examples, n_parents) if args.reset != "self" else []
-    cuts = resets(sampler, early, localization(sampler, task, early, args, rng), max_pos, delim)
-    sfx = more_search(sampler, search, examples, args, suffixes(sampler, cuts, K, args))  # (2)
-    rest = [e for e in examples if all(e is not p.example for p in early)]
-    todo = settled_parents(search, rest, n_parents)
-    points = localization(sampler, task, todo, args, rng)  # (3) --reset self
-    later = resets(sampler, todo, points, max_pos, delim)
+    n_parents, K, n_base = split_sizes(args)
+    first = {
+        e.id: (n_parents + n_base, 0) for e in examples
+    }  # (1) the first parents and base chains
+    sample_chains(sampler, search, examples, first, args)
+    early = []  # random, oracle: reset points need no model call
+    if args.reset != "self":
+        early = reset_points(sampler, task, search, examples, args, rng, max_pos)
+    sfx = more_search(sampler, search, examples, args, suffixes(sampler, early, K, args))  # (2)
+    rest = [e for e in examples if all(e is not c.example for c in early)]
+    later = reset_points(sampler, task, search, rest, args, rng, max_pos)  # (3) --reset self
     sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
-    out = settle(model, sampler, task, examples, search, cuts + later, sfx, args)
+    out = settle(model, sampler, task, examples, search, early + later, sfx, args)
     return (*out, sampler.info)
 
 

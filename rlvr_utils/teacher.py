@@ -1,11 +1,9 @@
 """The plumbing of SC-GRPO's self-conditioned teacher (sc_grpo.py holds its prompt, its roles and the per-token KL;
 docs/sc_grpo.md; arXiv 2606.18810).
 
-default_system_message  the system message a chat template adds by itself (the teacher's prompt keeps it)
 fit_reference           the first reference whose teacher prompt fits the context, else one with its middle cut
 logprobs_and_kl         the student's log-probs with D = KL(teacher || student) per token from one extra no-grad forward
                         (memory-bounded: fused through the lm_head, or sc_grpo.token_kl a few positions at a time)
-kl_of_every_row         D of the whole batch before the update (--kl-threshold-scope batch)
 micro_batches_of_groups whole groups per micro-batch (c is a micro-batch's percentile, paper §5.1)
 TeacherLog              the step's D, f, teacher time and memory, as the sc/* metrics
 FusedLinearKL           KL(teacher || student) per position from both sides' final hidden states: no [b, T, V]
@@ -13,7 +11,6 @@ FusedLinearKL           KL(teacher || student) per position from both sides' fin
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
@@ -21,12 +18,7 @@ import numpy as np
 import torch
 
 from rlvr_utils import logprob_kernels
-from rlvr_utils.rollouts import Rollouts, pad_left
-
-
-def _log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    """log softmax(W h (+ b) / tau) over the vocabulary, fp32, for a chunk of positions h [n, H]: [n, V]."""
-    return torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias).float().div_(temperature), -1)
+from rlvr_utils.rollouts import pad_left
 
 
 class FusedLinearKL(torch.autograd.Function):
@@ -39,11 +31,16 @@ class FusedLinearKL(torch.autograd.Function):
     dW += dz^T h^S (accumulated in fp32). Under no_grad it is a chunked, no-gradient KL (SC-GRPO's weights)."""
 
     @staticmethod
+    def log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:
+        """log softmax(W h (+ b) / tau) over the vocabulary, fp32, for a chunk of positions h [n, H]: [n, V]."""
+        return torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias).float().div_(temperature), -1)
+
+    @staticmethod
     def forward(ctx, student, teacher, weight, bias, temperature: float, chunk: int):
         out = torch.empty(student.shape[0], dtype=torch.float32, device=student.device)
         for s in range(0, student.shape[0], chunk):
-            ls = _log_softmax(student[s : s + chunk], weight, bias, temperature)
-            lt = _log_softmax(teacher[s : s + chunk], weight, bias, temperature)
+            ls = FusedLinearKL.log_softmax(student[s : s + chunk], weight, bias, temperature)
+            lt = FusedLinearKL.log_softmax(teacher[s : s + chunk], weight, bias, temperature)
             pt = lt.exp()
             out[s : s + chunk] = (pt * lt.sub_(ls)).sum(-1)
         ctx.save_for_backward(student, teacher, weight, bias)
@@ -60,8 +57,8 @@ class FusedLinearKL(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         for s in range(0, student.shape[0], chunk):
             h = student[s : s + chunk]
-            g = _log_softmax(h, weight, bias, tau).exp_()
-            g.sub_(_log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(
+            g = FusedLinearKL.log_softmax(h, weight, bias, tau).exp_()
+            g.sub_(FusedLinearKL.log_softmax(teacher[s : s + chunk], weight, bias, tau).exp_()).mul_(
                 grad_out[s : s + chunk, None].float() / tau
             )
             logprob_kernels.add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
@@ -73,20 +70,6 @@ class FusedLinearKL(torch.autograd.Function):
             None,
             None,
         )
-
-
-def default_system_message(tokenizer) -> str:
-    """The system message a chat template puts in front of a conversation that has none (Qwen2.5's "You are Qwen,
-    created by Alibaba Cloud. ..."), '' when it adds none: the template rendered with a probe system message and
-    without one differs exactly there."""
-    probe, user = "\u2063sc-grpo-probe\u2063", [{"role": "user", "content": "x"}]
-    plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    with_probe = tokenizer.apply_chat_template(
-        [{"role": "system", "content": probe}] + user, add_generation_prompt=True, tokenize=False
-    )
-    head = len(os.path.commonprefix([plain, with_probe]))
-    tail = len(os.path.commonprefix([plain[head:][::-1], with_probe[head:][::-1]]))
-    return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
 
 
 def fit_reference(tokenizer, make_prompt: Callable, taus: list[str], limit: int, max_ref_tokens: int):
@@ -214,21 +197,6 @@ def logprobs_and_kl(
         kls.append(D)
         del out
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(kls), cost
-
-
-def kl_of_every_row(model, ro: Rollouts, teachers, temperature: float, G: int, micro_batch_size: int, log, forward):
-    """D [N, T] of every row under torch.no_grad (--kl-threshold-scope batch: before the update, so that c can be
-    taken over the whole batch), in micro-batches of whole groups as the update's; the teacher's cost goes to `log`.
-    forward: logprobs_and_kl with the run's settings bound (sc_grpo.py's `with_teacher`: pad id, the divergence,
-    the FSDP idle passes)."""
-    device, T = ro.completion_mask.device, ro.completion_mask.shape[1]
-    D, rows = torch.zeros(len(ro), T, device=device), torch.arange(len(ro), device=device)  # D: [N, T]
-    with torch.no_grad():
-        for mb in micro_batches_of_groups(rows, ro.group_ids.cpu(), G, micro_batch_size):
-            prompts = [teachers[i] for i in mb.tolist()]
-            _, _, D[mb], cost = forward(model, ro.input_ids[mb], ro.attention_mask[mb], T, temperature, prompts)
-            log.add(cost=cost)
-    return D
 
 
 class TeacherLog:

@@ -97,15 +97,21 @@ def test_suffix_mask():
 
 
 def test_prefix_token_count_cuts_before_thought_k(tiny):
+    """A parent whose first wrong line is k (the oracle's reset point) keeps its first k - 1 lines as sampled tokens."""
     _, tok = tiny
-    text = "23+7=30\n30-5=25\n25+9=34\n#### 34"
-    ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    sampler, ex = types.SimpleNamespace(tokenizer=tok, info=collections.Counter()), _task(tok)[0].train[0]
-    for k, expected in ((1, ""), (2, "23+7=30\n"), (3, "23+7=30\n30-5=25\n"), (4, "23+7=30\n30-5=25\n25+9=34\n")):
-        (cut,) = srpo.resets(
-            sampler, [srpo.Parent(ex, 0, srpo.Chain(ids, text, 0.0))], [srpo.Point(k, 4, None)], 10**9, "\n"
-        )
-        assert tok.decode(cut.prefix) == expected and cut.k == k
+    sampler = types.SimpleNamespace(tokenizer=tok, info=collections.Counter())
+    lines = ["23+7=30", "30-5=25", "25+9=34", "#### 34"]
+    prompt = "Solve: 23+7-5+9\n"
+    ex = tasks.Example(0, "23+7-5+9", "34", prompt, tok(prompt).input_ids)
+    task = types.SimpleNamespace(name="arith")
+    for k in (1, 2, 3, 4):
+        wrong = lines[: k - 1] + [lines[k - 1] + "1"] + lines[k:]  # line k corrupted
+        text = "\n".join(wrong)
+        ids = tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        search = {0: srpo.Search(parents=[srpo.Chain(ids, text, 0.0)])}
+        args = _args(reset="oracle")
+        (cut,) = srpo.reset_points(sampler, task, search, [ex], args, random.Random(0), 10**9)
+        assert tok.decode(cut.prefix) == "".join(line + "\n" for line in lines[: k - 1]) and cut.k == k == cut.oracle
 
 
 def _args(**kw):
@@ -407,7 +413,7 @@ def test_localization_cap_help_matches_the_code():
     import inspect
 
     doc = inspect.getsource(srpo).split("localization_max_new_tokens:")[1].split('"""')[1]
-    code = inspect.getsource(srpo.localization)
+    code = inspect.getsource(srpo.reset_points)
     assert "default: 4096; arith: max(192, 20 x (operations + 2))" in " ".join(doc.split())
     assert "max(192, 20 * (args.arith_steps + 2)) if task.name" in code and "else 4096" in code
 

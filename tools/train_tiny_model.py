@@ -47,7 +47,14 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from rlvr_utils import checkpoints, rewards, tasks  # noqa: E402
-from srpo import arith_localization_prompt  # noqa: E402  (format (b): what SRPO's self-localization asks)
+from srpo import ARITH_LOCALIZATION  # noqa: E402  (format (b): what SRPO's self-localization asks)
+
+
+def arith_localization_prompt(problem: tasks.ArithProblem, thoughts: list[str]) -> str:
+    """Format (b): srpo.localization_prompt on the built-in task without a chat template, the failed solution one step
+    per line."""
+    steps = "".join(f"Step {i}: {t.strip()}\n" for i, t in enumerate(thoughts, 1))
+    return ARITH_LOCALIZATION.format(problem=problem.text, steps=steps)
 
 
 def arith_reference_prompt(problem: tasks.ArithProblem, reference: str) -> str:

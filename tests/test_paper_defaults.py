@@ -99,6 +99,8 @@ def test_srpo_paper_defaults():
     assert (d["beta"], d["clip"], d["no_mask"]) == (0.0, False, False)
     assert (d["num_iterations"], d["num_minibatches"], d["num_generations"]) == (1, 1, 8)
     assert (srpo.MAX_THOUGHTS, srpo.THOUGHT_TOKENS) == (20, 256)  # srpo.py
+    # the official aggregation; the learning rate is this project's for the tiny model (it collapses at 1e-4)
+    assert (d["loss_agg"], d["learning_rate"]) == ("seq-mean-token-mean", 3e-5)
 
 
 def test_ep_grpo_defaults():

@@ -106,11 +106,7 @@ def render(tokenizer, prompt) -> tuple[str, str, bool]:
 
 
 def reward_batch(
-    specs: Sequence[str],
-    weights: Sequence[float],
-    tokenizer=None,
-    timeout: float = 0.0,
-    success_threshold: float = 1.0,
+    specs: Sequence[str], weights: Sequence[float], tokenizer=None, timeout: float = 0.0, success_threshold: float = 1.0
 ) -> reward_calls.RewardFunctions:
     """The batch reward of a task: sum_k weight_k * fn_k(prompts=..., completions=..., completion_ids=...,
     trainer_state=..., log_extra=..., log_metric=..., **columns), called as TRL does (reward_calls.py); a bad output

@@ -183,13 +183,7 @@ def attach_engine(
 
 
 def engine_correction(
-    ro,
-    rows,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor,
-    flags,
-    stats: dict | None,
-    num_tokens: float,
+    ro, rows, old_logp: torch.Tensor, mask: torch.Tensor, flags, stats: dict | None, num_tokens: float
 ) -> torch.Tensor | float:
     """Importance weights toward the engine's sampling distribution for rows `rows` of the rollouts (1.0 without an
     engine or with cap 0), detached, [b, T] (or [b, 1] per sequence), and the engine-vs-trainer mismatch accumulated

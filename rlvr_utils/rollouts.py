@@ -110,18 +110,10 @@ def make_rollouts(
 
 @torch.no_grad()
 def generate_rollouts(
-    model,
-    tokenizer,
-    prompts: Sequence[Sequence[int]],
-    group_ids: Sequence[int],
-    num_generations: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    do_sample: bool = True,
+    model, tokenizer, prompts: Sequence[Sequence[int]], group_ids: Sequence[int], num_generations: int,
+    max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool = True,
     batch_size: int = 64,
-) -> Rollouts:
+) -> Rollouts:  # fmt: skip
     """Sample `num_generations` completions per prompt with batched `model.generate` (KV cache,
     left padding, stop at EOS). Sampling is plain temperature sampling (top-p 1, top-k off) unless
     asked, so it matches the distribution `token_logprobs(..., temperature)` scores.
@@ -157,15 +149,9 @@ def generate_rollouts(
                 if do_sample
                 else dict(do_sample=False)
             )
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=stops,
-                synced_gpus=False,  # transformers' default turns it on for FSDP modules: here the weights are gathered
-                **kw,
-            )
+            # synced_gpus off: transformers' default turns it on for FSDP modules; here the weights are gathered
+            stop = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=stops, synced_gpus=False)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **stop, **kw)
             completions.extend(out[:, ids.shape[1] :].tolist())
     model.train(was_training)
     T = max(len(c) for c in completions)

@@ -371,12 +371,8 @@ class UpdateStats:
 
     def metrics(self) -> dict:
         out = {k: v / (self.tokens * (1 if k == "entropy" else self.passes)) for k, v in self.sums.items()}
-        out.update(
-            self.engine_stats,
-            policy_loss=sum(self.losses) / len(self.losses),
-            grad_norm=sum(self.norms) / len(self.norms),
-        )
-        return out
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731  (over the optimizer steps)
+        return out | self.engine_stats | dict(policy_loss=mean(self.losses), grad_norm=mean(self.norms))
 
 
 def completion_metrics(ro, rewards: torch.Tensor, group_size: int, success_threshold: float = 1.0) -> dict:

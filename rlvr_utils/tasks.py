@@ -335,23 +335,12 @@ def _arith_task(b: TaskBuilder, seed: int, steps: int, max_value: int, max_opera
 
 
 def load_task(
-    name: str,
-    tokenizer,
-    seed: int = 0,
-    num_eval: int = 200,
-    data_path: str | None = None,
-    eval_data_path: str | None = None,
-    max_prompt_length: int = 1024,
-    arith_steps: int = 4,
-    arith_max_value: int = 99,
-    arith_max_operand: int = 9,
-    arith_num_train: int = 20000,
-    code_timeout: float = 5.0,
-    reward_fn: Sequence[str] = (),
-    reward_weights: Sequence[float] = (),
-    reward_timeout: float = 0.0,
+    name: str, tokenizer, seed: int = 0, num_eval: int = 200, data_path: str | None = None,
+    eval_data_path: str | None = None, max_prompt_length: int = 1024, arith_steps: int = 4, arith_max_value: int = 99,
+    arith_max_operand: int = 9, arith_num_train: int = 20000, code_timeout: float = 5.0,
+    reward_fn: Sequence[str] = (), reward_weights: Sequence[float] = (), reward_timeout: float = 0.0,
     success_threshold: float = 1.0,
-) -> Task:
+) -> Task:  # fmt: skip
     """Build a task's train and eval prompts and its reward function (see the module docstring).
 
     arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: the hub dataset or a local file via

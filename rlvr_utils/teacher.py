@@ -103,22 +103,11 @@ def micro_batches_of_groups(
 
 
 def logprobs_and_kl(
-    model,
-    input_ids,
-    attention_mask,
-    T: int,
-    temperature: float = 1.0,
-    teacher_prompts=None,
-    pad_id: int = 0,
-    with_entropy: bool = False,
-    kl_grad: bool = False,
-    chunk_size: int = logprob_kernels.ROWS_PER_FORWARD,
-    time_chunk: int = 128,
-    fused: bool | None = None,
-    dist=None,
-    divergence: Callable | None = None,
+    model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None, pad_id: int = 0,
+    with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = logprob_kernels.ROWS_PER_FORWARD,
+    time_chunk: int = 128, fused: bool | None = None, dist=None, divergence: Callable | None = None,
     kl_fn: Callable | None = None,
-):
+):  # fmt: skip
     """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
     D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
     elsewhere 0). The teacher is the same model under no_grad fed teacher_prompts[i] + the row's completion; the

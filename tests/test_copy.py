@@ -3,6 +3,7 @@ rlvr_utils/ (and assets/tiny-arith for the default --model) in a folder outside 
 repository off sys.path. It trains there; without the bundled model it stops with one line saying what to do; and from
 inside a package it works the way the README says (and fails the way it says without the package's two lines)."""
 
+import json
 import os
 import re
 import shutil
@@ -112,3 +113,97 @@ def test_inside_a_package_as_the_readme_says(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     *files, ok = out.stdout.split()
     assert ok == "True" and all(Path(f).is_relative_to(algos) for f in files), out.stdout
+
+
+# --- the minimal copy (issue #49): the core, the method's own module, the script ---------------------------------
+sys.path.insert(0, str(ROOT / "tools"))
+import copy_tiers  # noqa: E402
+
+LOADED = """
+import atexit, json, os, runpy, sys
+root = os.path.abspath(sys.argv[1]); script = sys.argv[2]; sys.argv = sys.argv[2:]
+def report():
+    paths = {os.path.abspath(f) for m in list(sys.modules.values()) if (f := getattr(m, "__file__", None))}
+    files = sorted(os.path.relpath(p, root) for p in paths if p.startswith(root + os.sep) and os.path.isfile(p))
+    sys.stderr.write("LOADED " + json.dumps([f for f in files if f != script]) + "\\n")
+atexit.register(report)
+sys.path.insert(0, root)
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def loaded(script: str, *flags: str) -> list[str]:
+    """The project files a run of `script` with `flags` imported besides the script itself."""
+    out = subprocess.run(
+        [sys.executable, "-c", LOADED, str(ROOT), script, *flags], cwd=ROOT, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    line = next((x for x in out.stderr.splitlines() if x.startswith("LOADED ")), None)
+    assert line is not None, out.stderr[-3000:]
+    return json.loads(line[len("LOADED ") :])
+
+
+@pytest.mark.parametrize("script", copy_tiers.SCRIPTS)
+def test_help_loads_the_minimal_copy_and_no_more(script):
+    """`--help` imports exactly the script's minimal copy: at most 10 project files and 3,000 lines."""
+    got = loaded(script, "--help")
+    assert sorted(got) == sorted(copy_tiers.minimal(script))
+    assert len(got) <= 10 and copy_tiers.lines(got) <= 3000, (len(got), copy_tiers.lines(got))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", copy_tiers.SCRIPTS)
+def test_a_default_run_loads_the_minimal_copy_and_no_more(script, tmp_path):
+    """A default run (one step, smaller) imports exactly the minimal copy, no extra."""
+    flags = ["--total-steps", "1", "--eval-every", "0", "--num-eval", "2", "--prompts-per-step", "2"]
+    flags += ["--num-generations", "2", "--max-new-tokens", "16", "--threads", "1", "--output-dir", str(tmp_path)]
+    assert sorted(loaded(script, *flags)) == sorted(copy_tiers.minimal(script))
+
+
+def test_the_readme_gives_the_copy_tiers_as_they_are():
+    readme = (ROOT / "README.md").read_text()
+    assert copy_tiers.table() in readme, "README.md's copy tiers are stale: python tools/copy_tiers.py --write"
+
+
+def copy_minimal(script: str, dest: Path) -> Path:
+    """The script's minimal copy and the bundled model in `dest`."""
+    dest.mkdir(parents=True)
+    shutil.copy(ROOT / script, dest)
+    for f in copy_tiers.minimal(script):
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / f, dest / f)
+    shutil.copytree(TINY_MODEL, dest / "assets" / "tiny-arith")
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", copy_tiers.SCRIPTS)
+def test_the_minimal_copy_trains(script, tmp_path):
+    here = copy_minimal(script, tmp_path / "myproj")
+    out = run([script, *QUICK], cwd=here)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(metrics_rows(here / "runs")) == 3
+
+
+MISSING = [  # (script, flags, the extra module it needs)
+    ("grpo.py", ["--engine", "vllm"], "engines.py"),
+    ("grpo.py", ["--log-credit", "2"], "credit.py"),
+    ("grpo.py", ["--save-model"], "model_card.py"),
+    ("grpo.py", ["--resume", "runs/x"], "resume.py"),
+    ("grpo.py", ["--task", "gsm8k", "--data-path", "rows.jsonl"], "data_tasks.py"),
+    ("grpo.py", ["--reward-fn", "r.py:f"], "custom.py"),
+    ("sc_grpo.py", ["--divergence", "sampled-logratio"], "sc_ablations.py"),
+    ("ep_grpo.py", ["--gate", "hard"], "ep_ablations.py"),
+]
+
+
+@pytest.mark.parametrize("script, flags, module", MISSING, ids=[f"{s}{' '.join(f)}" for s, f, _ in MISSING])
+def test_a_flag_whose_extra_is_missing_stops_in_one_line(script, flags, module, tmp_path):
+    """In the minimal copy a flag that needs an extra stops before anything loads: one line naming the file, exit 2."""
+    here = copy_minimal(script, tmp_path / "myproj")
+    (here / "rows.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    (here / "r.py").write_text("def f(completions, **kw):\n    return [1.0] * len(completions)\n")
+    out = run([script, *flags], cwd=here)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert f"needs rlvr_utils/{module}, which this copy does not have" in lines[0], lines[0]

@@ -59,7 +59,8 @@ class Args(cli.BaseArgs):
     """the traced log-ratio is clamped to ±this before exp, against overflow (project default)"""
 
 
-# ALGO LOGIC: GRPO-λ's equations (paper §3.2, Eq. 2), pure tensor functions: copy these
+# ALGO LOGIC: GRPO-λ's equations (the paper's §3.2, Eq. 2, known from a third-party reimplementation's
+# quote: docs/grpo_lambda.md), pure tensor functions: copy these
 def trace_log_ratio(log_ratio, mask, lam: float, gamma=1.0, style="both", chunk=64) -> torch.Tensor:
     """Traced log-ratio z_t = Σ_{k≤t} w(t,k)·x_k of each row, the exponent of GRPO-λ's ratio
     (paper §3.2, Eq. 2).

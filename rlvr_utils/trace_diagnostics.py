@@ -3,7 +3,7 @@ and trace_multipliers, the closed form the credit multiplier takes on-policy (th
 
 trace/multiplier_mean   the credit the loss actually gives a token: c_k = −(∂loss_k'/∂log p_k) / A_k summed over
                         the completion, averaged over the first pass's tokens with a non-zero advantage (GRPO: 1;
-                        on-policy GRPO-λ: grpo_lambda.trace_multipliers, up to 1/(1 − γλ) early in a completion)
+                        on-policy GRPO-λ: trace_multipliers below, up to 1/(1 − γλ) early in a completion)
 trace/log_ratio_mean    mean traced log-ratio z over valid tokens and passes (0 on-policy)
 trace/log_ratio_max     largest |z| over valid tokens
 trace/clamped_frac      share of valid tokens whose |z| exceeds --max-log-ratio (their ratio is clamped)

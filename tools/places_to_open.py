@@ -4,6 +4,7 @@ their bounds and the pages' lists current).
 
     python tools/places_to_open.py                 # every method: its count, its files, its definitions
     python tools/places_to_open.py sc_grpo --md    # one method's list, as its docs page shows it
+    python tools/places_to_open.py --write         # rewrite the lists on the docs pages
 
 The rule, static and the same for every method:
   - start: the lines of the script's `__main__` block that are the method's: an inline `# ALGO LOGIC` comment, or the
@@ -198,15 +199,37 @@ def markdown(script: str, found: list[tuple[str, str]]) -> str:
     return "\n".join([head, *rows])
 
 
+PAGES = {"sc_grpo": "docs/sc_grpo.md", "grpo_lambda": "docs/grpo_lambda.md", "ep_grpo": "docs/ep_grpo.md"}
+PAGES["srpo"] = "docs/srpo.md"
+BEGIN, END = "<!-- places to open: python tools/places_to_open.py --write -->", "<!-- /places to open -->"
+
+
+def block(script: str, mods: dict[str, Module]) -> str:
+    return f"{BEGIN}\n{markdown(script, places(script, mods))}\n{END}"
+
+
+def write_pages(mods: dict[str, Module]) -> None:
+    for script, page in PAGES.items():
+        text = (ROOT / page).read_text()
+        if BEGIN not in text or END not in text:
+            sys.exit(f"error: {page} has no {BEGIN} ... {END} block to rewrite")
+        head, rest = text.split(BEGIN, 1)
+        (ROOT / page).write_text(head + block(script, mods) + rest.split(END, 1)[1])
+        print(f"{page}: its places to open rewritten")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scripts", nargs="*", help=f"some of {SCRIPTS} (default: all)")
     ap.add_argument("--md", action="store_true", help="the docs page's list")
+    ap.add_argument("--write", action="store_true", help="rewrite the lists on the docs pages")
     a = ap.parse_args()
     unknown = [s for s in a.scripts if s not in SCRIPTS]
     if unknown:
         sys.exit(f"error: {unknown}: not a method script (choose from {', '.join(SCRIPTS)})")
     mods = load_modules()
+    if a.write:
+        return write_pages(mods)
     for script in a.scripts or SCRIPTS:
         found = places(script, mods)
         if a.md:

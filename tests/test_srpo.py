@@ -440,3 +440,38 @@ def test_protocol_cut_s_worked_example_holds():
         ids = [ord(c) for c in text]
         assert tok.decode(srpo.protocol_cut(tok, ids, text, "\n", **kw)) == want, (text, kw)
     assert srpo.protocol_cut(tok, [ord(c) for c in "abcdefgh"], "abcdefgh", "\n", budget=4, continuation=True) == []
+
+
+def test_base_and_reset_groups_are_normalized_apart(tmp_path, monkeypatch):
+    """Issue #54: a prompt's base chains and its reset group are two normalization groups (official 1x4: each z-scored
+    alone), through the real step: the rollouts settle builds carry a group per (prompt, base | reset), and step 3
+    z-scores over exactly those groups. Normalizing a prompt's 8 rows together fails here (one group of 8), as does
+    step 3 grouping by prompt."""
+    seen = {}
+    real_make, real_adv = common.make_rollouts, common.group_advantages
+
+    def make(tok, prompts, completions, group_ids, *a, **k):
+        seen["built"] = torch.tensor(list(group_ids))
+        seen["prompts"] = [tuple(p) for p in prompts]
+        return real_make(tok, prompts, completions, group_ids, *a, **k)
+
+    def adv(rewards, *a, **k):
+        seen["used"], seen["rewards"] = k["group_ids"].clone(), rewards.clone()
+        return real_adv(rewards, *a, **k)
+
+    monkeypatch.setattr(common, "make_rollouts", make)
+    monkeypatch.setattr(common, "group_advantages", adv)
+    flags = ["--reset", "oracle", "--total-steps", "1", "--output-dir", str(tmp_path), "--prompts-per-step", "4"]
+    run_inprocess("srpo.py", *flags, "--num-eval", "4", "--eval-every", "0", "--seed", "3")
+    built, used = seen["built"], seen["used"]
+    assert torch.equal(built.cpu(), used.cpu())  # step 3 normalizes over the groups the rollouts were built with
+    prompts = seen["prompts"]
+    with_reset = 0
+    for p in dict.fromkeys(prompts):
+        rows = [i for i, q in enumerate(prompts) if q == p]
+        groups = sorted(torch.unique(built[rows], return_counts=True)[1].tolist())
+        assert groups in ([4, 4], [8]), groups  # 1x4: base + reset group, or the fallback group of 8
+        with_reset += groups == [4, 4]
+    assert with_reset > 0  # the oracle found parents on some prompts: their two groups were kept apart
+    rows = read_metrics(tmp_path)
+    assert rows[1]["reset/num_parents"] == with_reset

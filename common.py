@@ -12,6 +12,8 @@ Sections: 1. prompt batches, rollouts, rewards  2. token log-probs  3. advantage
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import json
 import math
@@ -47,6 +49,22 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------
 # 1. Prompt batches, rollouts and their rewards
 # ----------------------------------------------------------------------------------------------
+def with_lora(model, args):
+    """--lora-rank: `model` with LoRA adapters on its blocks' linear layers, only they train
+    (rlvr_utils/lora.py, PEFT); full fine-tuning (0): `model` itself."""
+    if not args.lora_rank:
+        return model
+    return runtime.extra("lora", "--lora-rank").wrap(model, args)
+
+
+def reference(model, args):
+    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts,
+    or under LoRA the same model with its adapters off (no copy: lora.AdaptersOff)."""
+    if args.lora_rank:
+        return runtime.extra("lora", "--lora-rank").AdaptersOff(model)
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA)."""
     random.seed(seed)
@@ -465,7 +483,13 @@ class Run:
         if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
             engines = runtime.extra("engines", "--engine vllm")
             gpu_share, seed = a.vllm_gpu_memory_utilization, a.seed + dist.rank
-            engines.attach_engine("vllm", model, optimizer, a.model, gpu_share, seed=seed)
+            weights = None  # --lora-rank: the base's weights with the adapters merged in
+            if a.lora_rank:
+                lora = runtime.extra("lora", "--lora-rank")
+                weights = functools.partial(lora.merged_weights, model)
+            engines.attach_engine(
+                "vllm", model, optimizer, a.model, gpu_share, seed=seed, weights=weights
+            )
         hashes = {}
         if a.data_path or a.eval_data_path or a.reward_fn:  # their hashes, for --resume to compare
             hashes = runtime.extra("data_tasks", "--data-path or --reward-fn").file_hashes(a)
@@ -588,8 +612,9 @@ class Run:
         self.logger.close()
         saved = None
         if self.args.save_model:  # --save-model: a Hugging Face folder with its model card
+            path, adapter = self.dir / "model", self.args.save_adapter
             saved = checkpoints.save_final_model(
-                self.dist, self.model, self.tokenizer, self.dir / "model"
+                self.dist, self.model, self.tokenizer, path, adapter
             )
         acc = self.logger.last_eval["eval/accuracy"]
         self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")

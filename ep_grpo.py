@@ -267,14 +267,16 @@ if __name__ == "__main__":
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     need_ref = args.process_anchor == "ref" or args.beta > 0  # ALGO LOGIC: delta needs it
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if need_ref else None
+    ref_model = common.reference(model, args) if need_ref else None  # LoRA: adapters off
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
     anchor = ref_model  # ALGO LOGIC: --process-anchor ema / lagged: a copy that follows the policy
     if args.process_anchor != "ref":
         anchor = copy.deepcopy(model).eval().requires_grad_(False)
-    lr, decay = args.learning_rate, args.weight_decay
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
     run.start(
         model, tokenizer, optimizer, task, state={} if anchor is ref_model else {"anchor": anchor}
     )

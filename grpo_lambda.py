@@ -21,7 +21,6 @@ Differences from grpo.py:
     python grpo_lambda.py --trace-style recent --lam 0.95   # the classic accumulating trace
 """
 
-import copy
 import dataclasses
 from typing import Literal
 
@@ -180,10 +179,12 @@ if __name__ == "__main__":
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
+    ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
-    lr, decay = args.learning_rate, args.weight_decay
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
     run.start(model, tokenizer, optimizer, task)  # batches, --resume, vLLM, logs, step-0 eval
     dist = run.dist
     G = args.num_generations

@@ -23,7 +23,6 @@ Differences from grpo.py:
 """
 
 import collections
-import copy
 import dataclasses
 import functools
 import random
@@ -478,10 +477,12 @@ if __name__ == "__main__":
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
+    ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
-    lr, decay = args.learning_rate, args.weight_decay
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
     rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws (checkpointed as "resets")
     run.start(model, tokenizer, optimizer, task, state={"resets": rng})
     dist = run.dist

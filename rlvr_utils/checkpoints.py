@@ -250,12 +250,18 @@ class Checkpointer:
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 
-def save_final_model(dist, model, tokenizer, path) -> Path | None:
+def save_final_model(dist, model, tokenizer, path, adapter: bool = False) -> Path | None:
     """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
-    model card (README.md, model_card.py) made from the run directory `path` is in. Every rank returns together."""
+    model card (README.md, model_card.py) made from the run directory `path` is in. Under LoRA the model with its
+    adapters merged, or with `adapter` (--save-adapter) the adapter alone. Every rank returns together."""
     state = dist.full_state_dict(model)
     card = runtime.extra("model_card", "--save-model").model_card(Path(path).parent) if dist.main else None
-    out = save_model_atomic(model, tokenizer, path, state, card) if dist.main else None
+    out = None
+    if dist.main and hasattr(model, "peft_config"):  # --lora-rank
+        with runtime.extra("lora", "--lora-rank").saved_as(model, adapter) as saved:
+            out = save_model_atomic(saved, tokenizer, path, None, card)
+    elif dist.main:
+        out = save_model_atomic(model, tokenizer, path, state, card)
     dist.barrier()
     return out
 

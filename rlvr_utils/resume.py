@@ -183,7 +183,12 @@ def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | No
                 weights.update(load_file(str(f)))
             except Exception as e:  # safetensors raises its own error types for a truncated or corrupt file
                 usage_error(f"--resume {run}: {f} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-        if ckpt.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
+        if hasattr(model, "peft_config"):  # --lora-rank: the adapters (the base is --model's)
+            problems = runtime.extra("lora", "--lora-rank").load_adapter_state(model, weights)
+            if problems:
+                usage_error(f"--resume {run}: the checkpoint's adapters do not fit the model ({problems[:3]})")
+            optimizer.load_state_dict(state["optimizer"])
+        elif ckpt.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
             runtime.extra("sharded", "--fsdp").restore_full(model, optimizer, weights, state["optimizer"], run)
         else:
             missing, unexpected = model.load_state_dict(weights, strict=False)

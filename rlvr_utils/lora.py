@@ -1,0 +1,96 @@
+"""--lora-rank: LoRA through PEFT, an extra (loaded where the flag is handled). The policy trains low-rank adapters on
+the linear layers of its blocks; the frozen base with the adapters switched off is the reference (the KL term,
+EP-GRPO's delta), so no second copy of the model exists; SC-GRPO's teacher is the policy itself, adapters on.
+Checkpoints hold the adapters and the optimizer state (the base is --model's, loaded again on --resume);
+--save-model writes the merged model (AutoModelForCausalLM), or with --save-adapter the adapter
+(AutoPeftModelForCausalLM); the vLLM engine gets the merged weights after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def wrap(model, args):
+    """`model` with LoRA adapters (rank --lora-rank, scale --lora-alpha / rank, --lora-dropout) on
+    --lora-target-modules (default: every linear layer of the blocks, PEFT's "all-linear", the lm_head left out);
+    only the adapters train. The adapters start at B = 0, so the wrapped model computes exactly the base's outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(args.lora_target_modules) or "all-linear"
+    alpha = args.lora_alpha if args.lora_alpha is not None else args.lora_rank
+    config = LoraConfig(
+        r=args.lora_rank, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+        bias="none", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    return get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference policy under LoRA: the same model called with its adapters disabled (no copy). It answers the
+    calls common.token_logprobs makes of a model (a forward, get_output_embeddings, config) and is used without a
+    gradient. The wrapped model is held outside the module tree, so it adds no parameters."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.__dict__["policy"] = model  # not a submodule: .parameters() stays empty
+
+    def forward(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.policy.get_output_embeddings()
+
+    @property
+    def config(self):
+        return self.policy.config
+
+
+def adapter_state(model) -> dict:
+    """The adapters' weights, as a checkpoint holds them (PEFT's names)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def load_adapter_state(model, weights: dict) -> list[str]:
+    """Load a checkpoint's adapter weights into `model`; returns the adapter weights it lacked or did not expect."""
+    from peft import set_peft_model_state_dict
+
+    want = set(adapter_state(model))
+    problems = sorted(want.symmetric_difference(weights))
+    if not problems:
+        set_peft_model_state_dict(model, weights)
+    return problems
+
+
+def merged_weights(model) -> dict:
+    """The base model's weights with the adapters merged in (W + scale * B A per adapted layer), under the base's own
+    names, without changing the model: what a vLLM engine or a merged save loads."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    layers = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    out = {}
+    with torch.no_grad():
+        for key, value in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            if key in layers:
+                value = value + layers[key].get_delta_weight("default").to(value.dtype)
+            out[key.replace(".base_layer.", ".")] = value
+    return out
+
+
+@contextlib.contextmanager
+def saved_as(model, adapter: bool):
+    """--save-model under LoRA: the object to `save_pretrained`: the adapter (`adapter`: a PeftModel directory with
+    adapter_config.json) or a merged model (the adapters merged into a copy-free unloaded base; the run ends after)."""
+    yield model if adapter else model.merge_and_unload()

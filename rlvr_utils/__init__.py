@@ -22,7 +22,8 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   sandbox          the code task's sandboxed test runner (not a security boundary)
   sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, the program and its tests
   custom           --task custom and --reward-fn: your rows, loading reward functions, RewardModel
-  reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None, their metrics
+  reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None and NaN, failures
+  reward_logs      what --reward-fn functions log: rewards/<name>/*, log_metric, log_extra's completions.jsonl
   watchdog         --reward-timeout: a reward call that runs too long is stopped with one line
   engines          --engine vllm: the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
@@ -30,4 +31,5 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   model_card       --save-model's README.md beside the weights
   credit           --log-credit: each token's effective credit, read from the loss's gradient, and credit.jsonl
   ep_ablations     EP-GRPO's ablation flags: the alternative forms (docs/ep_grpo.md)
+  sc_ablations     SC-GRPO's --divergence sampled-logratio: the sampled token's log-ratio in place of the KL
 """

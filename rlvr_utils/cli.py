@@ -25,6 +25,7 @@ from rlvr_utils.models import check_model
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
 from rlvr_utils.runtime import usage_error as usage_error
+from rlvr_utils.runtime import world_size
 from rlvr_utils.tasks import arith_problems
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-arith")  # the bundled tiny policy
@@ -205,19 +206,14 @@ def parse(args_type, validate=None):
 
 def expand_paths(args):
     """`~` in the path flags, as a shell would have done for an unquoted `--flag ~/x` (not for `--flag=~/x`)."""
-    paths = {
-        k: os.path.expanduser(getattr(args, k))
-        for k in ("output_dir", "data_path", "eval_data_path", "resume")
-        if getattr(args, k, None)
-    }
+    keys = ("output_dir", "data_path", "eval_data_path", "resume")
+    paths = {k: os.path.expanduser(getattr(args, k)) for k in keys if getattr(args, k, None)}
     if args.model.startswith("~"):
         paths["model"] = os.path.expanduser(args.model)
     return dataclasses.replace(args, **paths)
 
 
 def _tyro(args_type):
-    import tyro
-
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -250,6 +246,7 @@ def need_ranges(args, **ranges: str) -> None:
 
 def check_common(args) -> None:
     """The checks every script shares (fields that a script does not have are skipped)."""
+    world_size()  # WORLD_SIZE without the rest of torchrun's variables: one line
     a = {f: getattr(args, f) for f in vars(args)}
     for name, v in a.items():  # inf and nan pass every comparison below the wrong way or silently
         if isinstance(v, float):
@@ -341,8 +338,8 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
-    out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if os.environ.get("WORLD_SIZE", "1") != "1" else []
-    out += [("sharded", "--fsdp")] if a.get("fsdp") and os.environ.get("WORLD_SIZE", "1") != "1" else []
+    out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if world_size() > 1 else []
+    out += [("sharded", "--fsdp")] if a.get("fsdp") and world_size() > 1 else []
     return out
 
 
@@ -362,10 +359,14 @@ def check_run_flags(a: dict) -> None:
         ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
         need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
     need(
-        a["success_threshold"] > 0,
+        a["success_threshold"] > 0 or bool(a["reward_fn"]),  # a --reward-fn may be a penalty (0: right)
         f"--success-threshold must be > 0 (a reward at or above it counts as a success; 0 or less makes every "
         f"completion one), got {a['success_threshold']}",
     )
+    need(bool(a["output_dir"].strip()), "--output-dir must name a directory (default: runs), got ''")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = f"at most 4 per CPU core: {4 * cpus} here; 0: torch's default, one per core"
+    need(a["threads"] <= 4 * cpus, f"--threads must be {limit}, got {a['threads']}")
     for w in a["reward_weights"]:
         need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
     need(
@@ -381,11 +382,8 @@ def check_run_flags(a: dict) -> None:
         )
     if a.get("fsdp") and "WORLD_SIZE" not in os.environ:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
-    if a["num_eval"] > 2000:
-        print(
-            f"warning: --num-eval {a['num_eval']}: every evaluation generates {a['num_eval']} completions",
-            file=sys.stderr,
-        )
+    if (n := a["num_eval"]) > 2000:
+        print(f"warning: --num-eval {n}: every evaluation generates {n} completions", file=sys.stderr)
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")

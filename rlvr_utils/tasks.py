@@ -71,19 +71,21 @@ class Task:
         return [self.reward_fn(t, e) for t, e in zip(texts, examples)]
 
     def begin(self, run_dir, rank: int, steps_done: int, args) -> None:
-        """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step), where
-        log_extra writes, and the steps already done."""
+        """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step; its batch
+        size counts this rank's completions, as TRL's), where log_extra writes, and the steps already done."""
         if self.user_rewards is not None:
-            n = len(self.train)
-            self.user_rewards.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n)
+            n, world = len(self.train), runtime.world_size()
+            per_rank = args.prompts_per_step // world * args.num_generations
+            self.user_rewards.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n, per_rank)
 
-    def with_reward_metrics(self, metrics: dict, step: int | None = None, mode: str = "train") -> dict:
+    def with_reward_metrics(self, metrics: dict, step: int | None = None, mode: str = "train", rows=None) -> dict:
         """`metrics` and what --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and
-        /std, their log_metric names; under eval/ for an evaluation; a name of the run's own keeps the run's value);
-        after a training step (`step`), their trainer_state moves on. A built-in reward: `metrics` as they are."""
+        /std over the completions trained on, `rows` (Rollouts); their log_metric names; under eval/ for an evaluation;
+        a name of the run's own keeps the run's value, the function's goes under log_metric/); after a training step
+        (`step`), their trainer_state moves on. A built-in reward: `metrics` as they are."""
         if self.user_rewards is None:
             return metrics
-        return self.user_rewards.merged_into(metrics, step, mode)
+        return self.user_rewards.merged_into(metrics, step, mode, rows)
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -559,8 +559,9 @@ class Run:
         metrics |= {f"time/{k}": v for k, v in self.times.items()}
         metrics["time/step"] = step_time
         metrics |= peak_memory(self.device)
-        # --reward-fn: rewards/<name>/mean, ... over the rows trained on
-        metrics = self.task.with_reward_metrics(metrics, step, rows=ro)
+        # --reward-fn: rewards/<name>/mean, ... over the rows trained on (their unshaped rewards)
+        trained = (ro, rewards if ro.scores is None else ro.scores)
+        metrics = self.task.with_reward_metrics(metrics, step, rows=trained)
         if self.crediting:
             name, mask = Path(sys.argv[0]).name, ro.completion_mask
             rows = self.credit.write(step, name, ro, rewards, self.tokenizer, mask)

@@ -154,6 +154,7 @@ class RewardFunctions:
             self._warn_unscored(scored, examples, texts)
             total = [t if s else math.nan for t, s in zip(total, scored)]
         p.totals += total
+        batch["totals"] = total
         return total
 
     def _guard(self, spec: str, examples, call, margin: float = 0.0):

@@ -28,15 +28,30 @@ def key(prompt_ids, completion_ids) -> int:
 
 
 def trained(p: Pending, names: list[str], rows) -> dict:
-    """Each function's values for the completions of `rows` (Rollouts, found by their tokens), in their order: SRPO's
-    search chains that are not trained and dynamic sampling's dropped groups are left out, as from `reward`. Every
-    value scored when a call was not given the sampled ids."""
-    scored = {k: (b, i) for b in p.batches for i, k in enumerate(b.get("keys", ()))}
-    prompts = [ids[m.bool()].tolist() for ids, m in zip(rows.prompt_ids, rows.prompt_mask)]
-    keys = [key(q, c) for q, c in zip(prompts, rows.completion_lists())]
-    if not all(k in scored for k in keys):
+    """Each function's values for the trained completions, `rows` = (Rollouts, their rewards before any shaping),
+    found by their tokens, in their order: SRPO's search chains that are not trained and dynamic sampling's dropped
+    groups are left out, as from `reward`. A completion scored more than once (sampled twice): the copy whose reward
+    the row has. Every value scored when a call was not given the sampled ids."""
+    ro, rewards = rows
+    scored = defaultdict(list)
+    for b in p.batches:
+        for i, k in enumerate(b.get("keys", ())):
+            scored[k].append((b, i))
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(ro.prompt_ids, ro.prompt_mask)]
+    keys = [key(q, c) for q, c in zip(prompts, ro.completion_lists())]
+    if any(keys.count(k) > len(scored.get(k, ())) for k in set(keys)):
         return p.values
-    return {name: [scored[k][0]["values"][name][scored[k][1]] for k in keys] for name in names}
+    found = []
+    for k, r in zip(keys, rewards.tolist()):
+        same = [c for c in scored[k] if _same(c[0]["totals"][c[1]], r)] or scored[k]
+        found.append(same[0])
+        scored[k].remove(same[0])
+    return {name: [b["values"][name][i] for b, i in found] for name in names}
+
+
+def _same(a: float, b: float) -> bool:
+    """Two rewards (one float64, one float32), both NaN (no reward) or equal to float32 precision."""
+    return a != a and b != b or abs(a - b) <= 1e-6 * max(1.0, abs(a))
 
 
 def stats(values: dict, names: list[str], prefix: str) -> dict:

@@ -80,7 +80,7 @@ class Task:
 
     def with_reward_metrics(self, metrics: dict, step: int | None = None, mode: str = "train", rows=None) -> dict:
         """`metrics` and what --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and
-        /std over the completions trained on, `rows` (Rollouts); their log_metric names; under eval/ for an evaluation;
+        /std over the completions trained on, `rows` (Rollouts, their rewards); their log_metric names; under eval/;
         a name of the run's own keeps the run's value, the function's goes under log_metric/); after a training step
         (`step`), their trainer_state moves on. A built-in reward: `metrics` as they are."""
         if self.user_rewards is None:

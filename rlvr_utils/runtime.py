@@ -186,8 +186,9 @@ class StopNow(SystemExit):
     (a reward function's code included, which must let it through)."""
 
 
-# Ctrl-C, a scheduler's preemption, and SIGHUP: a closed terminal or ssh session (where the platform has it)
-SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# Ctrl-C, a scheduler's preemption, SIGHUP: a closed terminal or ssh session, SIGUSR1: Slurm's --signal warning
+# before a time limit (whose default would end the run silently), where the platform has them
+SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1") if hasattr(signal, s))
 
 
 def _ignore_further_signals() -> None:

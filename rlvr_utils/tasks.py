@@ -101,9 +101,20 @@ def render_prompt(tokenizer, user: str, plain: str, system: str | None = None) -
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt (a chat template already holds its special tokens)."""
+def encode_prompt(tokenizer, text: str, limit: int | None = None) -> list[int] | None:
+    """Token ids of a rendered prompt (a chat template already holds its special tokens). With `limit`: None for a
+    prompt that surely has more tokens, told from its length before it is tokenized (more characters than 4 x limit of
+    the tokenizer's longest tokens: a 30 MB line is skipped at once, not tokenized for minutes)."""
+    if limit is not None:
+        key = id(tokenizer)
+        if key not in _LONGEST:
+            _LONGEST[key] = max(map(len, tokenizer.get_vocab()), default=1)
+        if len(text) > 4 * limit * _LONGEST[key]:
+            return None
     return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer)).input_ids
+
+
+_LONGEST: dict[int, int] = {}  # a tokenizer's longest token, in characters
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,8 +313,8 @@ class TaskBuilder:
     ) -> Example | None:
         """An Example with its rendered, encoded prompt; None (counted) when the prompt is too long."""
         prompt = render_prompt(self.tokenizer, user, plain)
-        ids = encode_prompt(self.tokenizer, prompt)
-        if len(ids) > self.max_prompt_length:
+        ids = encode_prompt(self.tokenizer, prompt, self.max_prompt_length)
+        if ids is None or len(ids) > self.max_prompt_length:
             self.skipped["prompt_too_long"] += 1
             return None
         return Example(i, question, gold, prompt, ids, user, meta or {})

@@ -436,3 +436,38 @@ def test_datafiles_json_arrays_keep_each_rows_line(tmp_path):
     (tmp_path / "a.json").write_text('[\n {"prompt": "a"},\n\n  {"prompt": "b",\n "x": 1}, {"prompt": "c"}\n]\n')
     rows, where = datafiles.read_rows(tmp_path / "a.json")
     assert [r["prompt"] for r in rows] == ["a", "b", "c"] and [w.rsplit(":", 1)[1] for w in where] == ["2", "4", "5"]
+
+
+def test_sigusr1_stops_after_the_step_as_sigterm_does_also_beside_the_watchdog():
+    """Slurm's --signal sends SIGUSR1 before a time limit: its default ended the run silently. It now asks for a stop
+    after the step (as SIGTERM), also while a --reward-timeout watchdog, which uses SIGUSR1 itself, is installed."""
+    import signal
+
+    from rlvr_utils import watchdog
+
+    saved = {s: signal.getsignal(s) for s in runtime.SIGNALS}
+    state = (watchdog.Watchdog._installed, watchdog.Watchdog._previous)
+    try:
+        stop = runtime.GracefulStop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.flag
+        stop = runtime.GracefulStop()
+        watchdog.Watchdog._installed = False
+        with watchdog.Watchdog(30.0, "a reward"):
+            os.kill(os.getpid(), signal.SIGUSR1)  # not the watchdog's own: no RewardTimeout, the run's stop
+            time.sleep(0.1)
+        assert stop.flag
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        watchdog.Watchdog._installed, watchdog.Watchdog._previous = state
+
+
+def test_a_prompt_of_megabytes_is_skipped_without_being_tokenized(tiny):
+    from rlvr_utils import tasks
+
+    b = tasks.TaskBuilder("custom", tiny[1], 1, None, None, 64)
+    t0 = time.time()
+    assert b.example(0, "q", "", "Solve: 1+1\n" * 500_000, "Solve: 1+1\n" * 500_000) is None
+    assert time.time() - t0 < 1.0 and b.skipped["prompt_too_long"] == 1
+    assert b.example(1, "q", "", "Solve: 1+1\n", "Solve: 1+1\n") is not None

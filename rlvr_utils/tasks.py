@@ -19,9 +19,11 @@ Running values stay in [0, max_value]: an operation that would leave the range f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import re
+import weakref
 from typing import Callable, Sequence
 
 from rlvr_utils import runtime
@@ -105,16 +107,24 @@ def encode_prompt(tokenizer, text: str, limit: int | None = None) -> list[int] |
     """Token ids of a rendered prompt (a chat template already holds its special tokens). With `limit`: None for a
     prompt that surely has more tokens, told from its length before it is tokenized (more characters than 4 x limit of
     the tokenizer's longest tokens: a 30 MB line is skipped at once, not tokenized for minutes)."""
-    if limit is not None:
-        key = id(tokenizer)
-        if key not in _LONGEST:
-            _LONGEST[key] = max(map(len, tokenizer.get_vocab()), default=1)
-        if len(text) > 4 * limit * _LONGEST[key]:
-            return None
+    if limit is not None and len(text) > 4 * limit * _longest_token(tokenizer):
+        return None
     return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer)).input_ids
 
 
-_LONGEST: dict[int, int] = {}  # a tokenizer's longest token, in characters
+def _longest_token(tokenizer) -> float:
+    """The tokenizer's longest token, in characters (inf without a vocabulary to read: no early skip)."""
+    try:
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referable (then computed each time)
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        longest = max(map(len, vocab), default=0) or float("inf")
+        with contextlib.suppress(TypeError):
+            _LONGEST[tokenizer] = longest
+        return longest
+
+
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its longest token
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ Sections: 1. prompt batches, rollouts, rewards  2. token log-probs  3. advantage
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import json
 import math
@@ -76,14 +75,9 @@ def seed_everything(seed: int) -> None:
 
 def prompt_batches(examples: Sequence[Example], n: int, seed: int):
     """Endless stream of `n`-prompt batches, reshuffled every epoch (seeded)."""
-    if n < 1 or not examples:
+    if not 1 <= n <= len(examples):
         k = len(examples)
-        raise ValueError(
-            f"need at least one prompt per batch and a non-empty prompt set (n={n}, {k} prompts)"
-        )
-    if n > len(examples):
-        k = len(examples)
-        raise ValueError(f"{k} training prompts cannot fill a batch of {n} distinct prompts")
+        raise ValueError(f"need 1 to {k} distinct prompts per batch ({k} prompts), got {n}")
     rng = random.Random(seed)
     order: list[int] = []
     while True:
@@ -129,7 +123,8 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
         generated += int(ro.completion_mask.sum())
         for rows in torch.arange(len(ro)).split(G):
             s = ro.scores[rows]
-            mixed = s.max() > s.min() or (keep_group is not None and keep_group(s))
+            s = s[~s.isnan()] if s.isnan().any() else s  # NaN: no reward (TRL's None), left out
+            mixed = len(s) and s.max() > s.min() or (keep_group is not None and keep_group(s))
             (kept if mixed or not args.dynamic_sampling else dropped).append((ro, rows))
         if dist.sum([float(len(kept) < want)])[0] == 0:  # every rank's batch is full (a collective)
             break
@@ -142,13 +137,11 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
         out["sampling/rounds"] = rnd + 1
         out["sampling/groups_kept"] = min(len(kept), want) / want
     rewards = ro.scores.clone()
-    if (
-        args.overlong_buffer
-    ):  # DAPO's soft penalty: 0 up to max - buffer tokens, then down to -factor
+    if args.overlong_buffer:  # DAPO's soft penalty: 0 up to max - buffer tokens, then to -factor
         lengths = ro.completion_mask.sum(1).cpu().float()
         penalty = (args.max_new_tokens - args.overlong_buffer - lengths) / args.overlong_buffer
         rewards = rewards + penalty.clamp(-1.0, 0.0) * args.overlong_penalty_factor
-        out["reward/overlong_penalty"] = (rewards - ro.scores).mean().item()
+        out["reward/overlong_penalty"] = (rewards - ro.scores).nan_to_num().mean().item()
     return ro, rewards, out
 
 
@@ -220,12 +213,14 @@ def token_logprobs(
 # ----------------------------------------------------------------------------------------------
 def constant_groups(rewards: torch.Tensor, group_ids: torch.Tensor):
     """Group index [N] of each completion (0..G-1, in sorted id order) and, per group, whether all
-    its rewards are equal [G] (the groups plain GRPO gets no gradient from)."""
+    its rewards are equal [G] (the groups plain GRPO gets no gradient from; a NaN reward, which no
+    reward function gave, is left out)."""
     r = rewards.float()
     _, inv = torch.unique(group_ids.to(r.device), return_inverse=True)
     G = int(inv.max()) + 1
-    gmax = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, inv, r, "amax")
-    gmin = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, inv, r, "amin")
+    hi, lo = (r, r) if not r.isnan().any() else (r.nan_to_num(v) for v in (-math.inf, math.inf))
+    gmax = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, inv, hi, "amax")
+    gmin = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, inv, lo, "amin")
     return inv, gmax == gmin
 
 
@@ -241,7 +236,8 @@ def group_advantages(
     (original GRPO), "batch" by the batch's (Lite PPO), "none" not at all (Dr. GRPO). The std is
     unbiased (Bessel, as TRL and verl; `unbiased=False`: the population std), then
     (r - mean) / (std + eps), eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0
-    (never NaN). Returns [N] float32."""
+    (never NaN). A NaN reward (every --reward-fn returned None) is left out of its group's mean
+    and std (and the batch's) and gets 0, as in TRL. Returns [N] float32."""
     r = rewards.float()
     N = r.shape[0]
     if group_ids is None:
@@ -253,6 +249,10 @@ def group_advantages(
     if group_size is not None and (counts != group_size).any():
         sizes = sorted(set(counts.tolist()))
         raise ValueError(f"every group must have {group_size} completions, got sizes {sizes}")
+    if (unscored := r.isnan()).any():  # the scored rows alone (none: all 0)
+        keep, adv, gid = ~unscored, torch.zeros_like(r), group_ids.to(r.device)[~unscored]
+        adv[keep] = group_advantages(r[keep], None, scale, eps, gid, unbiased) if gid.numel() else 0
+        return adv
     G = counts.shape[0]
     n = counts.float()
     mean = torch.zeros(G, device=r.device).index_add_(0, inv, r) / n
@@ -273,8 +273,9 @@ def group_advantages(
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || pi_ref) (Schulman): exp(d) - d - 1 with
-    d = log pi_ref - log pi, in fp32. d is clamped to +-MAX_LOG_RATIO before exp and the estimate to [0, 10], as verl's
-    low_var_kl, so tokens whose log-probs drifted far apart cannot overflow. 0 where they agree."""
+    d = log pi_ref - log pi, in fp32. d is clamped to +-MAX_LOG_RATIO before exp and the estimate
+    to [0, 10], as verl's low_var_kl, so tokens whose log-probs drifted far apart cannot overflow.
+    0 where they agree."""
     d = (ref_logp.float() - logp.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return (torch.exp(d) - d - 1).clamp(max=10.0)
 
@@ -324,8 +325,7 @@ def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Ten
     ids = group_ids.tolist()
     groups = list(dict.fromkeys(ids))
     if len(groups) % num_minibatches:
-        n = len(groups)
-        what = f"the {n} prompts of this rank's batch"
+        what = f"the {len(groups)} prompts of this rank's batch"
         raise ValueError(f"--num-minibatches {num_minibatches} must divide {what}")
     per = len(groups) // num_minibatches
     where = {g: i // per for i, g in enumerate(groups)}
@@ -346,9 +346,7 @@ def peak_memory(device: torch.device) -> dict:
     return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
-def stop_if_nonfinite(
-    value: torch.Tensor | float, what: str, step: int, last_metrics: dict
-) -> None:
+def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict):
     """Stop the run (exit code 1) with the step and the last metrics when `value` is NaN or inf.
     Called before the optimizer step: no update and no checkpoint is made from NaN weights."""
     v = float(value.detach()) if torch.is_tensor(value) else float(value)
@@ -384,12 +382,12 @@ def evaluate(
     )
     texts, completions = ro.texts[:counted], ro.completion_lists()[:counted]
     r = task.rewards(texts, mine[:counted], completions, mode="eval")
-    correct = sum(x >= success_threshold for x in r)
-    total = sum(r)
+    r = [x for x in r if x == x]  # NaN: no reward function scored it (TRL's None): left out
+    correct, total, n = sum(x >= success_threshold for x in r), sum(r), len(r)
     length = ro.completion_mask[:counted].sum().item()
     if dist is not None:
-        correct, total, length = dist.sum([correct, total, length])
-    out = {"eval/accuracy": correct / len(ex), "eval/reward": total / len(ex)}
+        correct, total, length, n = dist.sum([correct, total, length, n])
+    out = {"eval/accuracy": correct / len(ex), "eval/reward": total / n if n else math.nan}
     out["eval/mean_length"] = length / len(ex)
     return task.with_reward_metrics(out, mode="eval")  # --reward-fn: eval/rewards/<name>/mean, ...
 
@@ -447,22 +445,20 @@ class Run:
             args.device, flags, n, args.dist_timeout, args.fsdp
         )
         seed_everything((args.seed + self.dist.rank) % 2**32)  # per-rank sampling, the same batches
-        self.dir = Path(args.resume) if args.resume else None  # start() makes a new run's directory
+        self.dir = Path(args.resume).absolute() if args.resume else None  # a reward may chdir
         self.credit = None  # --log-credit's record (rlvr_utils/credit.py)
 
     def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
         a, dist = self.args, self.dist
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.state = state or {}
-        if (
-            self.dir is None
-        ):  # its own directory, made exclusively on rank 0 (a name taken: a suffix)
+        models.check_vocab(a.model, model, tokenizer)  # before the run directory exists
+        if self.dir is None:  # its own directory, made exclusively on rank 0 (taken: a suffix)
             name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
             made = checkpoints.new_run_dir(a.output_dir, name) if dist.main else None
             self.dir = Path(dist.broadcast(str(made) if made else None))
-        self.lock = (
-            runtime.lock_run_dir(self.dir) if dist.main else None
-        )  # one writer per run directory
+        if dist.main:  # one writer per run directory
+            checkpoints.lock_run_dir(self.dir)
         self.batches = checkpoints.CountingBatches(
             lambda: prompt_batches(task.train, a.prompts_per_step, a.seed)
         )
@@ -472,24 +468,14 @@ class Run:
         if a.resume:  # the checkpoint into the model, optimizer, prompt stream and RNGs just built
             resume = runtime.extra("resume", "--resume")
             self.first = resume.restore(self.ckpt, model, optimizer, self.batches, self.state) + 1
-        if (
-            a.log_credit and dist.main
-        ):  # --log-credit: each token's credit, read from the loss's gradient
+        if a.log_credit and dist.main:  # --log-credit: each token's credit, from the gradient
             credit = runtime.extra("credit", "--log-credit")
             self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit)
         found = (
             a.engine == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")
         )
         if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
-            engines = runtime.extra("engines", "--engine vllm")
-            gpu_share, seed = a.vllm_gpu_memory_utilization, a.seed + dist.rank
-            weights = None  # --lora-rank: the base's weights with the adapters merged in
-            if a.lora_rank:
-                lora = runtime.extra("lora", "--lora-rank")
-                weights = functools.partial(lora.merged_weights, model)
-            engines.attach_engine(
-                "vllm", model, optimizer, a.model, gpu_share, seed=seed, weights=weights
-            )
+            runtime.extra("engines", "--engine vllm").attach_run_engine(model, optimizer, a, dist)
         hashes = {}
         if a.data_path or a.eval_data_path or a.reward_fn:  # their hashes, for --resume to compare
             hashes = runtime.extra("data_tasks", "--data-path or --reward-fn").file_hashes(a)
@@ -508,14 +494,8 @@ class Run:
 
     def evaluate(self) -> dict:
         a = self.args
-        flags = (
-            a.max_new_tokens,
-            a.gen_batch_size,
-            a.eval_temperature,
-            self.dist,
-            a.success_threshold,
-        )
-        return evaluate(self.model, self.tokenizer, self.task, *flags)
+        flags = (a.max_new_tokens, a.gen_batch_size, a.eval_temperature, self.dist)
+        return evaluate(self.model, self.tokenizer, self.task, *flags, a.success_threshold)
 
     def steps(self):
         """The steps still to run, with a progress bar; each starts a new peak-memory measurement
@@ -581,18 +561,16 @@ class Run:
         metrics |= {f"time/{k}": v for k, v in self.times.items()}
         metrics["time/step"] = step_time
         metrics |= peak_memory(self.device)
-        metrics = self.task.with_reward_metrics(
-            metrics, step
-        )  # --reward-fn: rewards/<name>/mean, ...
+        # --reward-fn: rewards/<name>/mean, ... over the rows trained on (their unshaped rewards)
+        trained = (ro, rewards if ro.scores is None else ro.scores)
+        metrics = self.task.with_reward_metrics(metrics, step, rows=trained)
         if self.crediting:
             name, mask = Path(sys.argv[0]).name, ro.completion_mask
             rows = self.credit.write(step, name, ro, rewards, self.tokenizer, mask)
             self.logger.text("credit", runtime.extra("credit", "--log-credit").as_text(rows), step)
         if self.eval_due(step):
             metrics.update(self.evaluate())
-        self.metrics = metrics = dist.reduce_metrics(
-            metrics
-        )  # eval metrics: the same on every rank
+        self.metrics = metrics = dist.reduce_metrics(metrics)  # eval: the same on every rank
         self.logger.log(metrics, step)
         acc = self.logger.last_eval["eval/accuracy"]
         self.bar.set_postfix(reward=f"{metrics['reward']:.3f}", eval_acc=f"{acc:.3f}")
@@ -612,10 +590,9 @@ class Run:
         self.logger.close()
         saved = None
         if self.args.save_model:  # --save-model: a Hugging Face folder with its model card
-            path, adapter = self.dir / "model", self.args.save_adapter
-            saved = checkpoints.save_final_model(
-                self.dist, self.model, self.tokenizer, path, adapter
-            )
+            card = runtime.extra("model_card", "--save-model")  # its example: an eval prompt
+            out = (self.dir / "model", self.task.eval[0].prompt, self.args.save_adapter)
+            saved = card.save_final_model(self.dist, self.model, self.tokenizer, *out)
         acc = self.logger.last_eval["eval/accuracy"]
         self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")
         if self.args.save_model:  # after the save: a closed stdout cannot lose the model

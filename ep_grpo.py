@@ -171,6 +171,8 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
         A, P, n_cell, ok = ep_ablations.other_forms(
             g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, mask, *form, zscore=cell_zscore
         )
+    if r.isnan().any():  # a completion no reward function scored (TRL's None): advantage 0
+        A = A.masked_fill(r.isnan()[:, None], 0.0)
     if not return_parts:
         return A
     parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, pivot=pivot, zero_var=zero_var)

@@ -170,7 +170,8 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
         kind = (
             "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
         )
-        graded = kind == "none" and bool(scores[rows].max() > scores[rows].min())  # partial credit
+        s = scores[rows][~scores[rows].isnan()]  # NaN: no reward function scored it, left out
+        graded = kind == "none" and len(s) > 0 and bool(s.max() > s.min())  # partial credit
         modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
         if modes[-1] == "none":
             r = rows[torch.randint(len(rows), (1,), generator=generator)]
@@ -330,6 +331,7 @@ if __name__ == "__main__":
         teachers, role, wlen, bad = build_teachers(
             tokenizer, args.task, ro, examples, correct, tau_row, limit, max_ref, routing
         )
+        role[ro.scores.isnan().cpu()] = Role.PLAIN  # no reward (TRL's None): advantage 0, no f
         active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (c's percentile)
         weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f, 1 on plain rows
         sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, the sc/* metrics

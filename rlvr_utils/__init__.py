@@ -3,12 +3,12 @@ package; nothing here imports common.py or a script, and no import cycle runs th
 
 The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
-  runtime          the one-line usage error, extras, one process's Dist, the run lock, Ctrl-C, metrics and logs
+  runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
   models           --model checked before it loads, then loaded (hub id or local directory), dropout off
   tasks            Task and Example, prompts, answers, and the built-in arith task with its first-wrong-step oracle
   rollouts         the Rollouts batch and its generation (HF generate, or the vLLM engine when attached)
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
-  checkpoints      atomic checkpoints (--save-every, Ctrl-C) and --save-model
+  checkpoints      atomic checkpoints (--save-every, Ctrl-C), the run directory and its one-writer lock
 A method's own, loaded by its script:
   teacher          SC-GRPO's teacher forward: D without a [b, T, V] tensor (sc_grpo.py has its prompt, roles and KL)
   chains           SRPO's generate calls under its chain protocol (srpo.py has the rules, the prompt, the parser)
@@ -22,12 +22,15 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   sandbox          the code task's sandboxed test runner (not a security boundary)
   sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, the program and its tests
   custom           --task custom and --reward-fn: your rows, loading reward functions, RewardModel
-  reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None, their metrics
+  reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None and NaN, failures
+  reward_logs      what --reward-fn functions log: rewards/<name>/*, log_metric, log_extra's completions.jsonl
   watchdog         --reward-timeout: a reward call that runs too long is stopped with one line
   engines          --engine vllm: the colocated vLLM rollout engine and its importance-sampling correction
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
   sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
-  model_card       --save-model's README.md beside the weights
+  model_card       --save-model: the weights (LoRA: merged, or the adapter) and README.md beside them
+  lora             --lora-rank: PEFT adapters, the reference with adapters off, merged weights for vLLM and saves
   credit           --log-credit: each token's effective credit, read from the loss's gradient, and credit.jsonl
   ep_ablations     EP-GRPO's ablation flags: the alternative forms (docs/ep_grpo.md)
+  sc_ablations     SC-GRPO's --divergence sampled-logratio: the sampled token's log-ratio in place of the KL
 """

@@ -34,7 +34,7 @@ def reset_metrics(cuts, rows, examples, solved: float) -> dict:
     """The reset/* metrics of a step (docs/srpo.md, Logs) from srpo.py's records: cuts (Reset: k, n, oracle), rows (Row:
     example, kind, parent, reward), the step's examples and the success threshold."""
     ks, oracle_ks = [(c.k, c.n) for c in cuts], [c.oracle for c in cuts if c.oracle is not None]
-    reset_rows = [r for r in rows if r.kind == "reset"]
+    reset_rows = [r for r in rows if r.kind == "reset" and r.reward == r.reward]  # NaN: no reward (None)
     groups = {(r.example.id, r.parent) for r in reset_rows}  # each parent's continuations
     best = {g: max(r.reward for r in reset_rows if (r.example.id, r.parent) == g) for g in groups}
     fallback = {r.example.id for r in rows if r.kind == "fresh"}

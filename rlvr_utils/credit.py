@@ -74,7 +74,7 @@ class CreditLog:
                 "row": r,
                 "prompt_id": int((ro.group_ids if self.prompt_ids is None else self.prompt_ids)[r]),
                 "prompt": tokenizer.decode(ro.prompt_ids[r][ro.prompt_mask[r].bool()].tolist()),
-                "reward": float(rewards[r]),
+                "reward": float(rewards[r]) if rewards[r] == rewards[r] else None,  # NaN: no reward (None)
                 "tokens": [tokenizer.decode([t]) for t in ids],
                 "credit": [round(float(c), 6) for c in credit],
                 "signals": {},
@@ -122,7 +122,11 @@ def first_wrong_line(row: dict) -> int | None:
 def as_text(rows: list[dict]) -> str:
     """A TensorBoard text summary: each row's tokens with their credit."""
     return "\n\n".join(
-        f"row {r['row']} (prompt {r['prompt_id']}, reward {r['reward']:.3g}): "
+        f"row {r['row']} (prompt {r['prompt_id']}, reward {_shown(r['reward'])}): "
         + " ".join(f"`{t!r}`:{c:+.3g}" for t, c in zip(r["tokens"], r["credit"]))
         for r in rows
     )
+
+
+def _shown(reward) -> str:
+    return "none (no reward function scored it)" if reward is None else f"{reward:.3g}"

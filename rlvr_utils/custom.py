@@ -55,11 +55,11 @@ def load_reward_fn(spec: str) -> Callable:
             mod_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except RewardFnError:
+    except (RewardFnError, reward_calls.StopNow):
         raise
     except SystemExit as e:  # sys.exit() at import: the user's module must not end the run
         raise RewardFnError(f"--reward-fn {spec}: importing {where} called sys.exit({e.code!r})") from None
-    except (Exception, KeyboardInterrupt) as e:  # a syntax error or an import error in the user's file
+    except BaseException as e:  # a syntax error, an import error, pytest.skip, ... in the user's file
         first = (str(e).strip().splitlines() or [""])[0]
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__
         raise RewardFnError(f"--reward-fn {spec}: cannot import {where} ({why})") from None

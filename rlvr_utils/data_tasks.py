@@ -173,8 +173,8 @@ def _custom_task(b: TaskBuilder):
             if problem:
                 raise KeyError(f"{where}: {problem}")
             text, user, chat = custom.render(b.tokenizer, row["prompt"])
-            ids = encode_prompt(b.tokenizer, text)
-            if len(ids) > b.max_prompt_length:
+            ids = encode_prompt(b.tokenizer, text, b.max_prompt_length)
+            if ids is None or len(ids) > b.max_prompt_length:
                 b.skipped["prompt_too_long"] += 1
                 continue
             columns = {k: v for k, v in row.items() if k != "prompt"}

@@ -1,12 +1,13 @@
 """Local data files, read as written: every row with the place it came from (`file:line`), for the checks before a run
 and for the tasks (a reward's error names the row's line).
 
-.jsonl, .json (an array of objects, or one object per line), either gzipped (.gz): Python's own JSON reader, row by
-row, so a reward receives each value with its JSON type whatever other rows hold (a float in one row does not turn
-another row's ints into floats, "007" stays a string, 2**70 stays exact); NaN and Infinity, which JSON does not have,
-are an error naming the line. .csv, .tsv, .parquet, .arrow: through `datasets.load_dataset` (the types TRL's users get
-from it: CSV cells typed by pandas per column). A directory: each of its data files in name order. Suffixes are
-matched in any case (.JSONL).
+.jsonl, .json (an array of objects, or one object per line), either gzipped (.gz): Python's own JSON reader (a line
+at a time, or the whole array at once, with its own line and column on an error), so a reward receives each value
+with its JSON type whatever other rows hold (a float in one row does not turn another row's ints into floats, "007"
+stays a string, 2**70 stays exact); NaN and Infinity, which JSON does not have, a key twice in one object and JSON
+nested too deep for the reader are an error naming the line. .csv, .tsv, .parquet, .arrow: through
+`datasets.load_dataset` (the types TRL's users get from it: CSV cells typed by pandas per column; a column named twice
+in a header is an error). A directory: each of its data files in name order. Suffixes are matched in any case (.JSONL).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def data_files(path: str | Path) -> list[Path]:
                 "training file with --data-path and the held-out one with --eval-data-path"
             )
         return files
+    if p.exists() and not p.is_file():
+        raise DataFileError(f"{path}: not a regular file (a FIFO or a device?): expected {READ}")
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if not is_data_file(p):
@@ -77,11 +80,19 @@ def row_name(where: str, i: int) -> str:
     return f"{file}: row {i} (line {line})" if line.isdigit() else f"{where.split(': row ')[0]}: row {i}"
 
 
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace (not str.isspace's, which U+2028 would pass)
+_BETWEEN = re.compile(r"[ \t\n\r,]*")  # JSON's whitespace (not str.isspace's, which U+2028 would pass), commas
 
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value (write null, or a number)")
+
+
+def _unique_keys(pairs: list) -> dict:
+    row = dict(pairs)
+    if len(row) < len(pairs):  # JSON readers keep one of the two values, silently
+        keys = [k for k, _ in pairs]
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice in one object")
+    return row
 
 
 def _finite_float(text: str) -> float:
@@ -103,43 +114,30 @@ def _text(f: Path) -> str:
 
 def _loads(text: str, f: Path, lineno: int):
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        )
     except json.JSONDecodeError as e:
         raise DataFileError(f"{f}:{lineno + e.lineno - 1}: not a JSON object ({e.msg} at column {e.colno})") from None
-    except ValueError as e:  # NaN / Infinity
+    except ValueError as e:  # NaN / Infinity, a key twice
         raise DataFileError(f"{f}:{lineno}: {e}") from None
+    except RecursionError:
+        raise DataFileError(f"{f}:{lineno}: JSON nested too deep to read (thousands of levels)") from None
 
 
 def _read_json(f: Path) -> tuple[list[dict], list[str]]:
     text = _text(f)
     if not text.strip():
         raise DataFileError(f"{f}: the file is empty (expected one JSON object per line)")
-    if suffix(f) == ".json" and text.lstrip().startswith("["):  # an array of rows: each row's first line
-        decoder = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
-        rows, wheres, line, counted = [], [], 1, 0  # line: of position `counted`, counted forward (one pass)
-        i = _JSON_SPACE.match(text, text.index("[") + 1).end()
-        closed = text.startswith("]", i)
-        while not closed:
-            line, counted = line + text.count("\n", counted, i), i
-            try:
-                row, i = decoder.raw_decode(text, i)
-            except json.JSONDecodeError as e:
-                raise DataFileError(f"{f}:{e.lineno}: not a JSON object ({e.msg} at column {e.colno})") from None
-            except ValueError as e:  # NaN, Infinity, 1e400
-                raise DataFileError(f"{f}:{line}: {e}") from None
-            if not isinstance(row, dict):
-                raise DataFileError(f"{f}:{line}: the JSON array must hold one object per row")
-            rows.append(row)
-            wheres.append(f"{f}:{line}")
-            i = _JSON_SPACE.match(text, i).end()
-            closed = text.startswith("]", i)
-            if not closed and not text.startswith(",", i):
-                at = line + text.count("\n", counted, i)
-                raise DataFileError(f"{f}:{at}: not a JSON object (expected ',' or ']' after row {len(rows)})")
-            i = i if closed else _JSON_SPACE.match(text, i + 1).end()
-        if text[i + 1 :].strip():
-            raise DataFileError(f"{f}:{line + text.count(chr(10), counted, i)}: not a JSON object (data after ']')")
-        return rows, wheres
+    if suffix(f) == ".json" and text.lstrip().startswith("["):  # an array of rows, read whole
+        rows = _loads(text, f, 1)
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        lines = _array_lines(text, len(rows))
+        if bad is not None:
+            raise DataFileError(f"{f}:{lines[bad]}: the JSON array must hold one object per row")
+        if not rows:
+            raise DataFileError(f"{f}: the JSON array holds no rows")
+        return rows, [f"{f}:{line}" for line in lines]
     rows, wheres = [], []
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a JSON string
         if not line.strip():
@@ -152,6 +150,17 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
     return rows, wheres
 
 
+def _array_lines(text: str, n: int) -> list[int]:
+    """The line each of the `n` elements of a (well-formed) JSON array starts on: one pass of the standard decoder."""
+    decoder, i, lines, at, line = json.JSONDecoder(), text.index("[") + 1, [], 0, 1
+    for _ in range(n):
+        start = _BETWEEN.match(text, i).end()
+        line, at = line + text.count("\n", at, start), start
+        lines.append(line)
+        i = decoder.raw_decode(text, start)[1]
+    return lines
+
+
 def _read_table(f: Path) -> tuple[list[dict], list[str]]:
     from datasets import load_dataset
     from datasets.utils.logging import disable_progress_bar
@@ -162,6 +171,8 @@ def _read_table(f: Path) -> tuple[list[dict], list[str]]:
     starts = _record_lines(f, extra.get("sep", ",")) if kind == "csv" else None
     if starts is not None and len(starts) < 2:  # the header (or nothing)
         raise DataFileError(f"{f}: the file holds no rows (expected a header line, then one row per line)")
+    if kind == "parquet" and _parquet_rows(f) == 0:
+        raise DataFileError(f"{f}: the file holds no rows")
     try:
         rows = list(load_dataset(kind, data_files=str(f), split="train", **extra))
     except Exception as e:  # not a parquet file, a ragged CSV, ...
@@ -180,9 +191,22 @@ def _record_lines(f: Path, sep: str) -> list[int]:
         with f.open(newline="", encoding="utf-8") as h:
             reader, starts, previous = csv.reader(h, delimiter=sep), [], 0
             for record in reader:
+                if record and not starts and len(set(record)) < len(record):  # the header: pandas would rename one
+                    twice = next(c for c in record if record.count(c) > 1)
+                    raise DataFileError(f"{f}:{reader.line_num}: the column {twice!r} appears twice in the header")
                 if record:
                     starts.append(previous + 1)
                 previous = reader.line_num
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataFileError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
     return starts
+
+
+def _parquet_rows(f: Path) -> int | None:
+    """A parquet file's row count from its footer (None when it cannot be read: `load_dataset` then says why)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(f).metadata.num_rows
+    except Exception:
+        return None

@@ -4,12 +4,14 @@ ids with the trainer's sampling settings, weights synced in memory after every o
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from rlvr_utils import runtime
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO
 
 VLLM_INSTALL = (
@@ -147,6 +149,17 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def attach_run_engine(model, optimizer, args, dist) -> "VLLMEngine | None":
+    """Run.start's --engine vllm: `attach_engine` with the run's flags, this rank's seed (--seed + rank)
+    and, under --lora-rank, the base's weights with the adapters merged in (vLLM serves a plain model)."""
+    weights = None
+    if args.lora_rank:
+        lora = runtime.extra("lora", "--lora-rank")
+        weights = functools.partial(lora.merged_weights, model)
+    share, seed = args.vllm_gpu_memory_utilization, args.seed + dist.rank
+    return attach_engine("vllm", model, optimizer, args.model, share, seed=seed, weights=weights)
 
 
 def attach_engine(

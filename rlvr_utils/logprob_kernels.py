@@ -101,15 +101,9 @@ class FusedLinearLogProb(torch.autograd.Function):
             g = z.sub_(lse[s : s + chunk, None]).exp_().mul_(-g_out)  # in place: -p g
             g.scatter_add_(-1, target[s : s + chunk, None], g_out).div_(tau)  # (1[j = y] - p) g / tau
             add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
-        return (
-            grad_h,
-            grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def unwrap(model):
@@ -179,14 +173,8 @@ def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
     """Final (normed) hidden states [b, T, H] at the positions predicting the last T tokens of each row
     (rows laid out by `right_padded`); the lm_head runs on no position at all."""
     ids, mask, pos, keep = right_padded(ids, mask, T)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        output_hidden_states=True,
-        use_cache=False,
-        logits_to_keep=keep[0, :0],
-    )
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False,
+                logits_to_keep=keep[0, :0])  # fmt: skip
     h = out.hidden_states[-1]
     return h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1]))
 
@@ -197,13 +185,8 @@ def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
     (`logits_to_keep`; exactly T columns when the rows' prompts have the same length, as within a group)."""
     ids, mask, pos, keep = right_padded(ids, mask, T)
     lo, hi = int(keep[:, 0].min()), int(keep[:, -1].max()) + 1
-    logits = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        use_cache=False,
-        logits_to_keep=torch.arange(lo, hi, device=ids.device),
-    ).logits
+    window = torch.arange(lo, hi, device=ids.device)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=window).logits
     if hi - lo == T:  # every row's window starts at the same column: no copy
         return logits
     return logits.gather(1, (keep - lo)[:, :, None].expand(-1, -1, logits.shape[-1]))

@@ -1,32 +1,70 @@
-"""The model card `--save-model` writes beside the weights (README.md, Hugging Face's format): what the model is, the
-method that trained it, the run's flags and its final accuracy, read from the run directory (config.json,
-metrics.jsonl) so that it says what the run did."""
+"""The model card `--save-model` writes beside the weights (README.md), built with huggingface_hub's ModelCard and
+ModelCardData so that the hub reads its metadata: base_model (a hub id, or a local directory's name), library_name,
+the pipeline, tags with the method, the license (the base model's where its card names one, else `other` with a line
+telling the user to set it), the datasets of the hub tasks; then the method and its paper to cite, the run's flags, its
+evaluations and an example prompt. Read from the run directory (config.json, metrics.jsonl) so that it says what the
+run did; local paths (the model, data files, reward files) are reduced to their names, so no path of the training
+machine goes to the hub. `save_final_model` writes the model and its card (Run.finish).
+"""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 
+from rlvr_utils import checkpoints
 from rlvr_utils.cli import BaseArgs
 from rlvr_utils.models import looks_like_path
+from rlvr_utils.runtime import extra
+from rlvr_utils.tasks import HUB_DATASETS
 
 HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
+PATH_FLAGS = ("model", "data_path", "eval_data_path")  # a local one is shown by its name
 
 
-def method_summary(script: str) -> str:
-    """The first paragraph of the training script's docstring (the script that is running, when it is `script`)."""
+def script_doc(script: str) -> str:
+    """The training script's docstring (the script that is running, when it is `script`), or ''."""
     path = Path(sys.argv[0])
     if path.name != script or not path.is_file():
-        return f"`{script}`"
+        return ""
     try:
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        return ast.get_docstring(ast.parse(path.read_text())) or ""
     except (OSError, SyntaxError, ValueError):
-        return f"`{script}`"
-    prose = [p for p in doc.split("\n\n") if p.strip() and not p.startswith(" ")][:2]  # its title and what it does
-    return "\n\n".join(" ".join(p.split()) for p in prose) or f"`{script}`"
+        return ""
+
+
+def method_summary(doc: str, script: str) -> str:
+    """The first paragraphs of the script's docstring: its title and what the method does."""
+    prose = [p for p in doc.split("\n\n") if p.strip() and not p.startswith(" ")][:2]
+    return "\n\n".join(" ".join(p.split()).split(" Paper: ")[0] for p in prose) or f"`{script}`"
+
+
+def paper(doc: str) -> tuple[str, str | None]:
+    """The method's paper as the docstring cites it (`Paper: ...`), and its arXiv id when it names one."""
+    text = " ".join(doc.split())
+    cited = re.search(r"Paper: (.+?)(?: Docs:|$)", text)
+    if cited is None:
+        return "", None
+    arxiv = re.search(r"arXiv (\d{4}\.\d{4,5})", cited.group(1))
+    return cited.group(1).strip().rstrip("."), arxiv.group(1) if arxiv else None
+
+
+def local(value: str) -> bool:
+    return looks_like_path(value) or Path(value).expanduser().exists()
+
+
+def portable(key: str, value):
+    """A flag's value as the card shows it: a local path by its name (a reward file: its name and function)."""
+    if key in PATH_FLAGS and isinstance(value, str) and local(value):
+        return Path(value.rstrip("/")).name
+    if key == "reward_fn" and isinstance(value, list):
+        return [f"{Path(s.rpartition(':')[0]).name}:{s.rpartition(':')[2]}" if ".py:" in s else s for s in value]
+    return value
 
 
 def flags(config: dict) -> list[str]:
@@ -38,7 +76,7 @@ def flags(config: dict) -> list[str]:
             continue
         if k == "epsilon_high" and v == config.get("epsilon"):  # filled in from --epsilon
             continue
-        flag = "--" + k.replace("_", "-")
+        flag, v = "--" + k.replace("_", "-"), portable(k, v)
         if isinstance(v, bool):
             out += [flag] if v else [f"--no-{k.replace('_', '-')}"]
         elif isinstance(v, list):
@@ -48,12 +86,31 @@ def flags(config: dict) -> list[str]:
     return out
 
 
-def model_card(run_dir: Path) -> str | None:
-    """README.md for `<run_dir>/model`, or None when the run directory has no config.json."""
+def base_license(base: str) -> str | None:
+    """The license the base model's own card names: a local directory's README.md, or a hub id's cached one (no
+    network); None when there is none."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+
+    try:
+        readme = Path(base).expanduser() / "README.md" if local(base) else try_to_load_from_cache(base, "README.md")
+        if not isinstance(readme, (str, Path)) or not Path(readme).is_file():
+            return None
+        data = ModelCard.load(readme, ignore_metadata_errors=True).data
+    except Exception:  # no card, or one that cannot be read: the user is told to set the license
+        return None
+    return data.license if isinstance(data.license, str) else None
+
+
+def model_card(run_dir: Path, example: str | None = None) -> str | None:
+    """README.md for `<run_dir>/model`, or None when the run directory has no config.json. `example`: a prompt as the
+    model saw it in training."""
+    from huggingface_hub import ModelCard, ModelCardData
+
     run_dir = Path(run_dir)
     try:
         config = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        assert isinstance(config, dict)
+    except (OSError, ValueError, AssertionError, RecursionError):
         return None
     rows = []
     if (run_dir / "metrics.jsonl").is_file():
@@ -62,49 +119,51 @@ def model_card(run_dir: Path) -> str | None:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-    evals = [r for r in rows if "eval/accuracy" in r]
-    script, base = config.get("script", "the training script"), str(config.get("model", ""))
-    hub = base and not looks_like_path(base) and not Path(base).expanduser().exists()
-    shown = "the bundled tiny arithmetic model" if Path(base).name == "tiny-arith" else f"`{base}`"
-    front = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
-    front += [f"base_model: {base}"] if hub else []
-    front += ["tags:", "- credit-rlvr", "- rlvr", f"- {Path(script).stem.replace('_', '-')}", "---"]
-    lines = [*front, "", f"# {run_dir.name}", ""]
+    evals = [r for r in rows if isinstance(r, dict) and isinstance(r.get("eval/accuracy"), (int, float))]
+    script, base, task = config.get("script", "the training script"), str(config.get("model", "")), config.get("task")
+    doc = script_doc(script)
+    title, (cited, arxiv) = method_summary(doc, script).split("\n\n")[0].split(":")[0], paper(doc)
+    name = portable("model", base)
+    shown = "the bundled tiny arithmetic model" if name == "tiny-arith" else f"`{name}`"
+    license = base_license(base)
+    data = portable("data_path", config.get("data_path") or "")
+    hub_data = data if task == "custom" and data and not local(config["data_path"]) else None
+    card = ModelCardData(
+        base_model=name or None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license or "other",
+        tags=["credit-rlvr", "rlvr", "reinforcement-learning", Path(script).stem.replace("_", "-")],
+        datasets=[hub_data or HUB_DATASETS[task][0]] if hub_data or (task in HUB_DATASETS and not data) else None,
+    )
+    rewarded = [f"`{s}`" for s in portable("reward_fn", config.get("reward_fn") or [])]
+    lines = [f"# {name or 'A model'} trained with {title}", ""]
     lines += [
         f"A causal language model trained from {shown} with reinforcement learning from verifiable rewards by "
-        f"credit-rlvr's `{script}` on `--task {config.get('task')}`"
-        + (f" (data: `{config['data_path']}`)" if config.get("data_path") else "")
-        + (f", rewarded by `{'`, `'.join(config['reward_fn'])}`" if config.get("reward_fn") else "")
+        f"credit-rlvr's `{script}` on `--task {task}`"
+        + (f" (data: `{data}`)" if data else "")
+        + (f", rewarded by {', '.join(rewarded)}" if rewarded else "")
         + ".",
         "",
-        "## Method",
-        "",
-        method_summary(script),
-        "",
-        "## Training flags",
-        "",
-        "```bash",
-        " \\\n    ".join([f"python {script}", *flags(config)]),
-        "```",
-        "",
-        "## Results",
-        "",
     ]
+    if not license:
+        lines += [
+            "**License:** not known here (the base model's card names none): set `license:` above to the base "
+            "model's license before you share this model.",
+            "",
+        ]
+    lines += ["## Method", "", method_summary(doc, script), "", "## Training flags", "", "```bash"]
+    lines += [" \\\n    ".join([f"python {script}", *flags(config)]), "```", "", "## Results", ""]
     if evals:
         last, first = evals[-1], evals[0]
-        lines += [
-            "| step | eval/accuracy | eval/reward |",
-            "|---|---|---|",
-            *{
-                f"| {r['step']} | {r['eval/accuracy']:.3f} | {r.get('eval/reward', float('nan')):.3f} |": None
-                for r in (first, last)
-            },
-            "",
+        table = [f"| {r['step']} | {r['eval/accuracy']:.3f} | {_num(r.get('eval/reward'))} |" for r in (first, last)]
+        lines += ["| step | eval/accuracy | eval/reward |", "|---|---|---|", *dict.fromkeys(table), ""]
+        lines.append(
             f"Final accuracy **{last['eval/accuracy']:.3f}** after step {last['step']}: the share of "
             f"{config.get('num_eval')} held-out prompts whose completion (pass@1, temperature "
             f"{config.get('eval_temperature')}) gets a reward of at least {config.get('success_threshold')} "
-            "(`--success-threshold`).",
-        ]
+            "(`--success-threshold`)."
+        )
     else:
         lines.append("No evaluation was logged.")
     rank, adapter = config.get("lora_rank") or 0, bool(config.get("save_adapter"))
@@ -112,20 +171,50 @@ def model_card(run_dir: Path) -> str | None:
     if rank:  # --lora-rank: what the folder holds
         what = "a LoRA adapter, loaded over its base" if adapter else "the model with its LoRA adapters merged"
         lines += ["", f"Trained with LoRA (rank {rank}); this folder holds {what}."]
+    lines += ["", "## Use", "", "```python", "from transformers import AutoTokenizer"]
+    lines += [f"from {'peft' if adapter else 'transformers'} import {loader}", ""]
     lines += [
-        "",
-        "## Use",
-        "",
-        "```python",
-        "from transformers import AutoTokenizer",
-        f"from {'peft' if adapter else 'transformers'} import {loader}",
-        "",
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
         f'model = {loader}.from_pretrained("path/to/this/folder")',
-        "```",
-        "",
-        "Prompts are written as in training: the task's plain prompt (or the row's `prompt` string), or the chat "
-        "template's rendering when the tokenizer has one.",
-        "",
     ]
-    return "\n".join(lines)
+    if example is not None:  # a training prompt, as the model saw it (the chat template already applied)
+        lines += [f"prompt = {json.dumps(example)}", 'ids = tokenizer(prompt, return_tensors="pt").input_ids']
+        lines += ["print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))"]
+    lines += ["```", "", "Prompts are written as in training (the example above): the task's prompt, or the chat "]
+    lines[-1] += "template's rendering when the tokenizer has one."
+    if cited:
+        lines += ["", "## Citation", "", f"The method: {cited}" + (f", https://arxiv.org/abs/{arxiv}" if arxiv else "")]
+    return str(ModelCard(f"---\n{card.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
+
+
+def _num(v) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+
+
+def save_final_model(dist, model, tokenizer, path, example: str | None = None, adapter: bool = False) -> Path | None:
+    """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
+    model card (README.md, `model_card`: `example`, a prompt as the model saw it in training) made from the run
+    directory `path` is in. Under LoRA the model with its adapters merged, or with `adapter` (--save-adapter) the
+    adapter alone. Every rank returns together. A save that cannot be written (a full disk): one line naming the
+    directory, the cause and the checkpoint that is left, exit code 1; no hidden copy is left beside it."""
+    state, path = dist.full_state_dict(model), Path(path)
+    card = model_card(path.parent, example) if dist.main else None
+    out = None
+    if dist.main:
+        try:
+            if hasattr(model, "peft_config"):  # --lora-rank
+                with extra("lora", "--lora-rank").saved_as(model, adapter) as saved:
+                    out = checkpoints.save_model_atomic(saved, tokenizer, path, None, card)
+            else:
+                out = checkpoints.save_model_atomic(model, tokenizer, path, state, card)
+        except Exception as e:
+            if not checkpoints.is_io_error(e):
+                raise  # not an I/O failure: a bug keeps its traceback
+            kept = checkpoints.Checkpointer(path.parent, 0).copies()
+            left = f"the checkpoint of step {kept[0][0]} is intact" if kept else "the run saved no checkpoint"
+            checkpoints.write_failed(f"--save-model: writing {path} failed ({checkpoints.io_cause(e)}); {left}")
+        finally:  # a kill between the atomic save's two renames, in an earlier save, leaves an old copy hidden
+            for d in path.parent.glob(f".{path.name}.old-*"):
+                shutil.rmtree(d, ignore_errors=True)
+    dist.barrier()
+    return out

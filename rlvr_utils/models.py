@@ -43,7 +43,7 @@ def check_model(model: str) -> None:
         need(bool(weights), f"--model {model}: the directory holds no weights (no *.safetensors or *.bin)")
         try:
             config = json.loads((d / "config.json").read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             usage_error(f"--model {model}: config.json cannot be read as JSON ({type(e).__name__})")
         tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
         need(
@@ -147,16 +147,14 @@ def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg = Path(name_or_path).expanduser() / "tokenizer_config.json"
-    generic = cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in (
-        "TokenizersBackend",
-        "PreTrainedTokenizerFast",
-    )
     try:
+        generic = cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in (
+            "TokenizersBackend",
+            "PreTrainedTokenizerFast",
+        )
         tokenizer = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(name_or_path)
-    except (OSError, ValueError) as e:
-        raise SystemExit(
-            f"--model {name_or_path}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})"
-        ) from e
+    except Exception as e:  # a damaged file, a class the library does not know, ...
+        usage_error(f"--model {name_or_path}: cannot load its tokenizer ({_first_line(e)})")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -176,21 +174,30 @@ def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gra
     from transformers import AutoModelForCausalLM
 
     looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
-    if looks_local and not Path(name_or_path).expanduser().exists():
-        raise SystemExit(f"--model {name_or_path}: no such directory")
+    need(not looks_local or Path(name_or_path).expanduser().exists(), f"--model {name_or_path}: no such directory")
     torch_dtype = {
         "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "float32": torch.float32,
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[dtype]
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its many-line load report: what matters is the one line below
+    if not sys.stderr.isatty():  # a log file or a pipe: no progress bar lines before the first of ours
+        hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).to(device)
-    except (OSError, ValueError) as e:
-        raise SystemExit(
-            f"--model {name_or_path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]}). "
-            "Pass a local Hugging Face directory, or a hub id on a machine with internet access."
-        ) from e
+        how = dict(dtype=torch_dtype, output_loading_info=True, ignore_mismatched_sizes=True)  # refused below
+        model, info = AutoModelForCausalLM.from_pretrained(name_or_path, **how)
+    except Exception as e:  # a damaged file, an architecture the library does not know, ...
+        usage_error(f"--model {name_or_path}: cannot load it ({_first_line(e)}): pass a local Hugging Face "
+                    "directory, or a hub id on a machine with internet access")  # fmt: skip
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar() if bar else None
+    check_weights(name_or_path, info)
+    model = model.to(device)
     disable_dropout(model)
     if gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
@@ -199,6 +206,29 @@ def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gra
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # transformers checkpoints a layer only in train mode
     return model
+
+
+def check_weights(name: str, info: dict) -> None:
+    """Every weight the config's model has, and no other, each of its shape: a config.json that lies about the layers,
+    the sizes or the architecture would train (and save) another model, partly random. One line naming the first."""
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    shapes = [f"{k}: {list(a)} in the weights, {list(b)} by config.json" for k, a, b in sorted(info["mismatched_keys"])]
+    found = [(f"{len(missing)} missing", missing), (f"{len(unexpected)} unexpected", unexpected)]
+    found = [f"{what} ({', '.join(keys[:2])}{', ...' if len(keys) > 2 else ''})" for what, keys in found if keys]
+    found += [f"{len(shapes)} of another shape ({shapes[0]})"] if shapes else []
+    need(not found, f"--model {name}: config.json does not describe its weights: {'; '.join(found)} (a config.json "
+         "of another model or size beside these weights?)")  # fmt: skip
+
+
+def check_vocab(name: str, model, tokenizer) -> None:
+    """The tokenizer's ids all have an embedding row (an id beyond them fails inside the model's forward)."""
+    rows, top = model.get_input_embeddings().num_embeddings, max(tokenizer.get_vocab().values(), default=0)
+    need(top < rows, f"--model {name}: the tokenizer has ids up to {top}, the model's embedding {rows} rows: the "
+         "tokenizer of another model beside these weights?")  # fmt: skip
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" if str(e).strip() else type(e).__name__
 
 
 def disable_dropout(model) -> None:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from rlvr_utils import runtime
-from rlvr_utils.checkpoints import Checkpointer, CountingBatches, load_into
-from rlvr_utils.runtime import lock_run_dir, need, read_rows, usage_error
+from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, load_into, lock_run_dir
+from rlvr_utils.runtime import need, read_rows, usage_error
 
 RUNTIME_FLAGS = (
     "resume",
@@ -74,7 +74,7 @@ def resume_args(args, args_type):
     try:
         saved = json.loads((run_dir / "config.json").read_text())
         assert isinstance(saved, dict)
-    except (ValueError, AssertionError, OSError) as e:
+    except (ValueError, AssertionError, OSError, RecursionError) as e:
         usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
     made_by = saved.get("script")
     need(
@@ -83,6 +83,8 @@ def resume_args(args, args_type):
         "continues with the script that started it)",
     )
     copies = Checkpointer(run_dir, 0).copies()
+    marker = run_dir / "checkpoint" / COMPLETE
+    need(bool(copies) or not marker.exists(), f'--resume {args.resume}: {marker} is damaged (not {{"step": N}})')
     need(
         bool(copies),
         f"--resume {args.resume}: no checkpoint in it (a run saves one with --save-every N, on Ctrl-C and on SIGTERM)",

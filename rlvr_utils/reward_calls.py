@@ -5,15 +5,18 @@ its stop token included), `trainer_state` (transformers' TrainerState: `global_s
 step 1's completions are scored; `max_steps` = --total-steps; `epoch` = training prompts drawn / their number),
 `log_extra(column, values)`, `log_metric(name, value)`, and every other column of the rows (a function without
 **kwargs gets only the ones it names). `async def` functions (or callables whose `__call__` is) are awaited, all of a
-batch's at once on one event loop. A function returns one number or None per completion: None is "not this function's
-row", and a completion's reward is the weighted sum of the numbers it got (TRL's nansum); one that got only None is
-rewarded 0 with a warning (TRL 1.16 also leaves it out of its group's mean and gives it no advantage).
-Logged per step, as TRL: `rewards/<name>/mean` and `/std` of each function over the completions it scored, each
-`log_metric` name (mean of the step's values); evaluations the same under `eval/`. `log_extra` columns go to
+batch's at once on one event loop. A function returns one number or None per completion: None (or NaN, as TRL reads
+it) is "not this function's row", and a completion's reward is the weighted sum of the numbers it got (TRL's nansum);
+one that got only None has no reward: NaN, which the advantages read as TRL does (left out of its group's mean and
+std, advantage 0; common.group_advantages), with a warning.
+Logged per step, as TRL: `rewards/<name>/mean` and `/std` of each function over the trained completions it scored,
+each `log_metric` name (mean of the step's values; a name the run logs itself goes under `log_metric/<name>`);
+evaluations the same under `eval/`. `log_extra` columns go to
 `<run-dir>/completions.jsonl`, one line per completion scored in a step where a function called it (TRL's completions
-table). Anything else a function does is one line naming it and the row's file line: an exception, a return that is not
-a list of one number or None per completion, NaN or inf, `sys.exit` (exit code 1), KeyboardInterrupt (stops now, as a
-second Ctrl-C: exit code 130), and a call that runs past `--reward-timeout` seconds.
+table). Anything else a function does is one line naming it and the row's file line: any exception (BaseExceptions
+too), a return that is not a list of one number or None per completion, inf or a number beyond 1e18, `sys.exit` (exit
+code 1), KeyboardInterrupt (stops now, as a second Ctrl-C: exit code 130), and a call that runs past
+`--reward-timeout` seconds (a generator is drained under it, and stopped at one value more than it may give).
 """
 
 from __future__ import annotations
@@ -21,18 +24,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import json
+import itertools
 import math
 import numbers
 import sys
-from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
-from rlvr_utils import watchdog
+from rlvr_utils import reward_logs, runtime, watchdog
+from rlvr_utils.reward_logs import where as _where
 from rlvr_utils.runtime import StopNow
 
 RESERVED = ("completion_ids", "trainer_state", "log_extra", "log_metric")  # keyword arguments no column may take
 MAX_WARNINGS = 5
+LARGEST = 1e18  # the largest reward: rewards are trained in float32, where a group's squares must stay finite
 
 
 def _unwrap(fn):
@@ -59,13 +64,6 @@ def trainer_state():
     return TrainerState(global_step=0, max_steps=0, epoch=0.0)
 
 
-class _Pending:
-    """What a step's (or an evaluation's) calls left to log."""
-
-    def __init__(self):
-        self.values, self.metrics, self.totals, self.batches = defaultdict(list), defaultdict(list), [], []
-
-
 class RewardFunctions:
     """The batch reward of a task with --reward-fn: `fns` [(spec, function)], summed with `weights`. Called as
     `(texts, examples, completion_ids=None, mode="train")`; `completion_ids` default: the texts re-encoded with
@@ -78,16 +76,20 @@ class RewardFunctions:
         names = [callable_name(fn) for _, fn in self.fns]
         self.names = [n if names[:i].count(n) == 0 else f"{n}_{names[:i].count(n) + 1}" for i, n in enumerate(names)]
         self.tokenizer, self.timeout, self.threshold = tokenizer, timeout, success_threshold
-        self.state, self.pending = trainer_state(), {"train": _Pending(), "eval": _Pending()}
+        self.state, self.pending = trainer_state(), {"train": reward_logs.Pending(), "eval": reward_logs.Pending()}
         self.run_dir, self.rank, self.first_eval, self.warnings, self.loop = None, 0, True, 0, None
         self.prompts_per_step, self.num_train = 0, 0
 
-    def begin(self, run_dir, rank: int, steps_done: int, total_steps: int, prompts_per_step: int, num_train: int):
-        """The run: where completions.jsonl goes, this rank, the steps done (a resumed run's), the run's length."""
+    def begin(self, run_dir, rank: int, steps_done: int, total_steps: int, prompts_per_step: int, num_train: int,
+              completions: int = 0):  # fmt: skip
+        """The run: where completions.jsonl goes, this rank, the steps done (a resumed run's: their logged rows are
+        trainer_state.log_history's), the run's length, the completions this rank trains on per step (TRL's batch)."""
         self.run_dir, self.rank, self.first_eval = Path(run_dir), rank, steps_done == 0
         self.prompts_per_step, self.num_train = prompts_per_step, max(num_train, 1)
         s = self.state
-        s.max_steps, s.train_batch_size = total_steps, prompts_per_step
+        s.max_steps, s.train_batch_size = total_steps, completions or prompts_per_step
+        if steps_done and (self.run_dir / "metrics.jsonl").is_file():
+            s.log_history = [r for r in runtime.read_rows(self.run_dir / "metrics.jsonl") if r["step"] <= steps_done]
         s.num_train_epochs = math.ceil(total_steps * prompts_per_step / self.num_train)
         s.is_local_process_zero = s.is_world_process_zero = rank == 0
         self._at(steps_done)
@@ -109,6 +111,8 @@ class RewardFunctions:
         rows = [_columns(e) for e in examples]
         columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
         batch = {"texts": list(texts), "examples": list(examples), "values": {}, "extra": {}}
+        if completion_ids is not None:  # each completion by its tokens, to find the trained ones again (metrics)
+            batch["keys"] = [reward_logs.key(e.prompt_ids, c) for e, c in zip(examples, completion_ids)]
         p = self.pending[mode]
         p.batches.append(batch)
         kwargs = {
@@ -120,30 +124,37 @@ class RewardFunctions:
             "log_extra": functools.partial(self._log_extra, batch),
             "log_metric": functools.partial(self._log_metric, mode),
         }
-        outs, waits = {}, []  # by the function's position (a function may be named twice)
+        outs, waits, n = {}, [], len(texts)  # by the function's position (a function may be named twice)
         for k, (spec, fn) in enumerate(self.fns):
             call = functools.partial(fn, **_accepted(fn, kwargs))
             if is_async(fn):
                 waits.append((k, spec, call))
                 continue
-            out = self._guard(spec, examples, call)
+            out = self._guard(spec, examples, lambda: _drained(call(), n))  # a generator runs under the timeout
             if inspect.isawaitable(out):  # a plain function that returned a coroutine
                 waits.append((k, spec, lambda out=out: out))
             else:
                 outs[k] = out
         if waits:
-            outs.update(self._await_all(waits, examples))
-        total, scored = [0.0] * len(texts), [False] * len(texts)
+            outs.update(self._await_all(waits, examples, n))
+        total, scored = [0.0] * n, [False] * n
         for k, ((spec, _), name, w) in enumerate(zip(self.fns, self.names, self.weights)):
-            values = _as_rewards(outs[k], len(texts), spec, examples)
+            values = _as_rewards(outs[k], n, spec, examples)
             batch["values"][name] = values
             p.values[name] += values
             for i, v in enumerate(values):
                 if v is not None:
                     total[i], scored[i] = total[i] + w * v, True
-        if not all(scored):
+        for i, t in enumerate(total):
+            if not abs(t) <= LARGEST:
+                where = f"for completion {i} of the batch ({_where(examples[i])})"
+                _stop(f"--reward-fn's weighted sum is {t:g} {where}: beyond {LARGEST:g} (rewards are trained in "
+                      "float32); use smaller rewards or --reward-weights")  # fmt: skip
+        if not all(scored):  # no reward (TRL): NaN, left out of its group's mean and std, advantage 0
             self._warn_unscored(scored, examples, texts)
+            total = [t if s else math.nan for t, s in zip(total, scored)]
         p.totals += total
+        batch["totals"] = total
         return total
 
     def _guard(self, spec: str, examples, call, margin: float = 0.0):
@@ -154,7 +165,7 @@ class RewardFunctions:
         except BaseException as e:
             _reward_failed(spec, e, self.timeout, examples)
 
-    def _await_all(self, waits, examples) -> dict:
+    def _await_all(self, waits, examples, n: int) -> dict:
         """The async functions' results, all awaited at once on one event loop (TRL: asyncio.gather)."""
 
         async def one(k, spec, make):
@@ -164,7 +175,7 @@ class RewardFunctions:
                 if not done:  # our deadline, not a TimeoutError the function raised itself
                     task.cancel()
                     return k, spec, None, watchdog.RewardTimeout()
-                return k, spec, task.result(), None
+                return k, spec, _drained(task.result(), n), None
             except BaseException as e:  # reported with the function's name below
                 return k, spec, None, e
 
@@ -187,7 +198,8 @@ class RewardFunctions:
         more = " (further warnings of this kind are not shown)" if self.warnings == MAX_WARNINGS else ""
         print(
             f"\nwarning: every --reward-fn returned None for {scored.count(False)} of {len(texts)} completions, "
-            f"the first of {_where(examples[i])} (completion {texts[i][:60]!r}): each is rewarded 0{more}",
+            f"the first of {_where(examples[i])} (completion {texts[i][:60]!r}): each has no reward, so it is left out "
+            f"of its group's mean and std and gets advantage 0, as in TRL{more}",
             file=sys.stderr,
             flush=True,
         )
@@ -197,64 +209,44 @@ class RewardFunctions:
         batch["extra"].setdefault(str(column), []).extend(list(values))
 
     def _log_metric(self, mode: str, name: str, value) -> None:
+        if (
+            not isinstance(name, str) or not name.strip() or reward_logs.is_number(name)
+        ):  # raised inside: the line names it
+            raise ValueError(f"log_metric({name!r}, ...): a metric's name must be a non-empty string, not a number")
         try:
             v = float(value.item() if hasattr(value, "item") else value)
         except (TypeError, ValueError, OverflowError):  # raised inside the function: the one line names it
             raise ValueError(f"log_metric({name!r}, {value!r}): the value must be a number") from None
         self.pending[mode].metrics[str(name)].append(v)
 
-    def metrics(self, step: int | None = None, mode: str = "train") -> dict:
-        """What the step's calls (mode "train": `step` is then done) or the evaluation's logged, as metrics; writes
-        their log_extra columns. Clears them."""
+    def metrics(self, step: int | None = None, mode: str = "train", rows=None) -> dict:
+        """What the step's calls (mode "train": `step` is then done) or the evaluation's logged, as metrics: the
+        functions' rewards/<name>/* over the completions of `rows` (the Rollouts trained on; default: every one
+        scored) and the log_metric values. Writes their log_extra columns. Clears them."""
         p, prefix = self.pending[mode], "eval/" if mode == "eval" else ""
-        self.pending[mode] = _Pending()
-        out = {}
-        for name in self.names:
-            vals = [v for v in p.values[name] if v is not None]
-            if vals:  # TRL: mean and unbiased std over the completions the function scored
-                mean = sum(vals) / len(vals)
-                std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-                out[f"{prefix}rewards/{name}/mean"], out[f"{prefix}rewards/{name}/std"] = mean, std
-        out.update({prefix + k: sum(v) / len(v) for k, v in p.metrics.items()})
+        self.pending[mode] = reward_logs.Pending()
+        values = reward_logs.trained(p, self.names, rows) if rows is not None else p.values
+        out = reward_logs.stats(values, self.names, prefix)
+        logged = {prefix + k: sum(v) / len(v) for k, v in p.metrics.items()}
         if mode == "train" and step is not None:
-            self._write_extra(p, step, mode)
+            reward_logs.write_extra(p, self.run_dir, self.rank, step, mode)
             self._at(step)  # the step's update is done: its evaluation and the next step's rollouts see it
         if mode == "eval":
-            self._write_extra(p, self.state.global_step, mode)
-            if self.first_eval and p.totals:
+            reward_logs.write_extra(p, self.run_dir, self.rank, self.state.global_step, mode)
+            if self.first_eval and [t for t in p.totals if t == t]:  # t == t: scored (not NaN)
                 self.first_eval = False
-                self._check_threshold(p.totals)
+                reward_logs.check_threshold([t for t in p.totals if t == t], self.threshold, self.rank)
+        return reward_logs.merged(out, logged)
+
+    def merged_into(self, builtin: dict, step: int | None = None, mode: str = "train", rows=None) -> dict:
+        """The run's metrics `builtin` with what the functions logged since the last call (`metrics`, `merged`), also
+        kept as trainer_state.log_history's row of the step (the evaluation joins its step's row)."""
+        out, history = reward_logs.merged(builtin, self.metrics(step, mode, rows)), self.state.log_history
+        if history and history[-1]["step"] == self.state.global_step and mode == "eval":
+            history[-1].update(out)
+        else:
+            history.append({"step": self.state.global_step, **out})
         return out
-
-    def merged_into(self, builtin: dict, step: int | None = None, mode: str = "train") -> dict:
-        """The run's metrics `builtin` with what the functions logged since the last call (`metrics`, `merged`)."""
-        return merged(builtin, self.metrics(step, mode))
-
-    def _write_extra(self, p: _Pending, step: int, mode: str) -> None:
-        if self.run_dir is None or not any(b["extra"] for b in p.batches):
-            return
-        name = "completions.jsonl" if self.rank == 0 else f"completions_rank{self.rank}.jsonl"
-        with open(self.run_dir / name, "a") as f:
-            for b in p.batches:
-                for i, (text, e) in enumerate(zip(b["texts"], b["examples"])):
-                    row = {"step": step, "mode": mode, "row": _where(e), "prompt": e.meta.get("prompt", e.prompt)}
-                    row |= {"completion": text, **{k: v[i] for k, v in b["values"].items()}}
-                    row |= {k: v[i] if i < len(v) else None for k, v in b["extra"].items()}
-                    f.write(json.dumps(row, default=str) + "\n")
-
-    def _check_threshold(self, totals: list[float]) -> None:
-        share = sum(t >= self.threshold for t in totals) / len(totals)
-        spread = max(totals) > min(totals)  # all 0 on a hard task is normal; graded rewards that never reach it are not
-        if (share == 1.0 or share == 0.0 and spread) and self.rank == 0:
-            side = "reaches" if share == 1.0 else "is below"
-            print(
-                f"\nwarning: eval/accuracy {share:.3f} at the first evaluation: every held-out completion's reward "
-                f"{side} --success-threshold {self.threshold:g} (rewards {min(totals):g} to {max(totals):g}), so "
-                "successes say nothing; set --success-threshold to the reward a correct completion gets "
-                "(README: Your own task)",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 def _accepted(fn, kwargs: dict) -> dict:
@@ -281,28 +273,33 @@ def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
             f"--reward-fn {spec} returned {_show(out)} for {n} completions: "
             "return a list with one number (or None) per completion"
         )
+    drained = isinstance(out, _Drained)  # a generator's values, at most n + 1
     try:
-        out = list(out)  # a generator runs its code here: what it raises is the function's failure
+        out = list(out)  # an iterable's own code runs here: what it raises is the function's failure
     except BaseException as e:
         _reward_failed(spec, e, 0, examples)
     if len(out) != n:
-        _stop(f"--reward-fn {spec} returned {len(out)} values for {n} completions (one number or None each)")
+        count = f"more than {n}" if drained and len(out) > n else len(out)
+        _stop(f"--reward-fn {spec} returned {count} values for {n} completions (one number or None each)")
     values = []
     for i, v in enumerate(out):
-        if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 and not isinstance(v, numbers.Real):
-            v = v.item()  # a 0-d tensor or array
-        if v is None:  # TRL's "this function does not apply to this row"
-            values.append(None)
-            continue
         at = f"for completion {i} of the batch ({_where(examples[i])})"
-        if not isinstance(v, numbers.Real):
-            _stop(f"--reward-fn {spec} returned {_show(v)} {at}: a reward must be a number (or None: not its row)")
         try:
-            x = float(v)
+            if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 and not isinstance(v, numbers.Real):
+                v = v.item()  # a 0-d tensor or array
+            x = float(v) if isinstance(v, numbers.Real) else v
         except OverflowError:
             _stop(f"--reward-fn {spec} returned an int too large for a float ({str(v)[:20]}...) {at}")
-        if not math.isfinite(x):
-            _stop(f"--reward-fn {spec} returned {v!r} {at}: a reward must be a finite number (or None: not its row)")
+        except BaseException as e:  # the value's own code (a Real of its own): the function's failure
+            _reward_failed(spec, e, 0, examples)
+        if v is None or isinstance(x, float) and math.isnan(x):  # TRL's "this function does not apply to this row"
+            values.append(None)
+            continue
+        if not isinstance(v, numbers.Real):
+            _stop(f"--reward-fn {spec} returned {_show(v)} {at}: a reward must be a number (or None: not its row)")
+        if not abs(x) <= LARGEST:
+            _stop(f"--reward-fn {spec} returned {v!r} {at}: a reward must be a finite number of at most {LARGEST:g} in "
+                  "magnitude (rewards are trained in float32), or None: not its row")  # fmt: skip
         values.append(x)
     return values
 
@@ -319,8 +316,6 @@ def _reward_failed(spec: str, e: BaseException, timeout: float, examples):
         _stop(f"--reward-fn {spec} raised KeyboardInterrupt {rows}: {why}", code=130)
     if isinstance(e, SystemExit):
         _stop(f"--reward-fn {spec} called sys.exit({e.code!r}) {rows}: a reward returns its list, it does not exit")
-    if not isinstance(e, Exception):
-        raise e
     _stop(f"--reward-fn {spec} raised {type(e).__name__}: {_first_line(e)} ({rows})")
 
 
@@ -331,11 +326,6 @@ def _first_line(e: BaseException) -> str:
 
 def _show(v) -> str:
     return f"{repr(v)[:60]} ({type(v).__name__})"
-
-
-def _where(e) -> str:
-    """A row's file line (custom rows) or its prompt id."""
-    return e.meta.get("where") or f"prompt id {e.id}"
 
 
 def _columns(e) -> dict:
@@ -349,18 +339,10 @@ def _stop(message: str, code: int = 1):
     raise SystemExit(code)
 
 
-_CLASHED: set[str] = set()
+class _Drained(list):
+    """A generator's (an iterator's) values, drained under --reward-timeout: at most one more than it may give."""
 
 
-def merged(builtin: dict, logged: dict) -> dict:
-    """The step's (or evaluation's) metrics with what --reward-fn functions logged: a log_metric name that is already
-    one of ours (e.g. "reward", "accuracy" under eval/) does not replace ours; a warning says so, once per name."""
-    for name in sorted(set(builtin) & set(logged) - _CLASHED):
-        _CLASHED.add(name)
-        print(
-            f"\nwarning: a --reward-fn logged {name!r} with log_metric, which is one of the run's own metrics: the "
-            "run's value is kept; give the metric another name",
-            file=sys.stderr,
-            flush=True,
-        )
-    return logged | builtin
+def _drained(out, n: int):
+    """`out`, or the values of an iterator (a generator reward), at most n + 1 of them (an endless one stops there)."""
+    return _Drained(itertools.islice(out, n + 1)) if isinstance(out, Iterator) else out

@@ -97,15 +97,8 @@ def make_rollouts(
         c_mask[i, : len(c)] = 1
     truncated = ~(torch.isin(c_ids, torch.tensor(list(stop_ids))) & c_mask.bool()).any(1)
     texts = tokenizer.batch_decode([list(c) for c in completions], skip_special_tokens=True)
-    return Rollouts(
-        p_ids,
-        p_mask,
-        c_ids.to(device),
-        c_mask.to(device),
-        truncated.to(device),
-        torch.tensor(list(group_ids), device=device),
-        texts,
-    )
+    completion = (c_ids.to(device), c_mask.to(device), truncated.to(device))
+    return Rollouts(p_ids, p_mask, *completion, torch.tensor(list(group_ids), device=device), texts)
 
 
 @torch.no_grad()

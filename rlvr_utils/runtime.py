@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import os
 import signal
 import sys
@@ -152,7 +153,7 @@ def init_distributed(
 ) -> tuple[Dist, torch.device]:
     """A world of 1, or, under torchrun (WORLD_SIZE > 1), its job (distributed.init_torchrun: the process group,
     every rank's flags compared, the batch divisible by the world size)."""
-    if os.environ.get("WORLD_SIZE", "1") == "1":
+    if world_size() == 1:
         dev = pick_device(device)
         return Dist(device=dev), dev
     from rlvr_utils import distributed  # extra: torchrun
@@ -160,38 +161,20 @@ def init_distributed(
     return distributed.init_torchrun(device, args, prompts_per_step, timeout_s, fsdp)
 
 
-# ----------------------------------------------------------------------------------------------
-# one writer per run directory: a second process that would write into a live run (a resume beside it, two resumes
-# at once) stops with one line naming the holder, before it loads or writes anything
-# ----------------------------------------------------------------------------------------------
-def lock_run_dir(run_dir: Path):
-    """One writer per run directory: an exclusive lock on <run_dir>/.lock, held for the process's life (the kernel
-    drops it when the process ends, however it ends), whose text names the holder. A second process (a resume beside
-    the live run, two resumes at once) stops with one line before it writes anything. Returns the open lock file."""
-    import fcntl
-    import socket
-
-    key = str(Path(run_dir).resolve())
-    if key in _LOCKS:  # this process holds it already (taken on --resume before the model loaded)
-        return _LOCKS[key]
-    f = open(Path(run_dir) / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        usage_error(
-            f"{run_dir} is in use by {holder}: a run directory has one writer at a time (wait for it, or stop it)"
-        )
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    _LOCKS[key] = f
-    return f
-
-
-_LOCKS: dict = {}  # run directory -> its open, locked .lock file (kept open for the process's life)
+def world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when unset). A value torchrun would not have set (not a whole number >= 1, or
+    > 1 without the RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT it sets beside it): one line, exit code 2."""
+    env, text = os.environ, os.environ.get("WORLD_SIZE", "1")
+    how = "start the run with torchrun (torchrun --nproc_per_node N <script> ...), or unset WORLD_SIZE for one process"
+    need(text.strip().isascii() and text.strip().isdigit() and int(text) >= 1, f"WORLD_SIZE={text!r}: not a number "
+         f"of processes >= 1; {how}")  # fmt: skip
+    world = int(text)
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if world > 1 else ():
+        need(bool(env.get(name, "").strip()), f"WORLD_SIZE={world} is set without {name}: {how}")
+        ok = name.endswith("ADDR") or env[name].strip().isascii() and env[name].strip().isdigit()
+        need(ok and (not name.endswith("RANK") or int(env[name]) < world), f"{name}={env[name]!r} with "
+             f"WORLD_SIZE={world}: not what torchrun sets; {how}")  # fmt: skip
+    return world
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,8 +186,9 @@ class StopNow(SystemExit):
     (a reward function's code included, which must let it through)."""
 
 
-# Ctrl-C, a scheduler's preemption, and SIGHUP: a closed terminal or ssh session (where the platform has it)
-SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# Ctrl-C, a scheduler's preemption, SIGHUP: a closed terminal or ssh session, SIGUSR1: Slurm's --signal warning
+# before a time limit (whose default would end the run silently), where the platform has them
+SIGNALS = tuple(getattr(signal, s) for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1") if hasattr(signal, s))
 
 
 def _ignore_further_signals() -> None:
@@ -272,7 +256,7 @@ def read_rows(path: Path) -> list[dict]:
             if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
                 usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
             rows.append(row)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
             if i < len(lines):
                 usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
             print(
@@ -321,9 +305,11 @@ class Logger:
             self.last_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if not self.enabled:
             return
+        metrics = {k: v for k, v in metrics.items() if k != "step"}  # the row's step is the step's own
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, **finite}) + "\n")  # NaN is not JSON: null
         self.jsonl.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
@@ -379,12 +365,15 @@ def completion_metrics(ro, rewards: torch.Tensor, group_size: int, success_thres
     """TRL-named rollout metrics: reward, reward_std, frac_reward_zero_std, completion lengths; and
     frac_groups_unsolved, the share of groups where no completion's verifier score reaches `success_threshold`."""
     lengths = ro.completion_mask.sum(1).float()
-    r = rewards.float().cpu()
-    _, inv = torch.unique(ro.group_ids.cpu(), return_inverse=True)
+    r, gids = rewards.float().cpu(), ro.group_ids.cpu()
+    score = (ro.scores if ro.scores is not None else rewards).float().cpu()
+    if r.isnan().any():  # NaN: a completion no reward function scored (None), left out here as in its advantage
+        scored = ~r.isnan() if (~r.isnan()).any() else torch.arange(len(r)) == 0  # none: NaN figures (null)
+        r, gids, score = r[scored], gids[scored], score[scored]
+    _, inv = torch.unique(gids, return_inverse=True)
     n = int(inv.max()) + 1
     hi = torch.full((n,), -float("inf")).scatter_reduce(0, inv, r, "amax")
     constant = hi == torch.full((n,), float("inf")).scatter_reduce(0, inv, r, "amin")  # all rewards equal
-    score = (ro.scores if ro.scores is not None else rewards).float().cpu()
     best = torch.full((len(constant),), -float("inf")).scatter_reduce(0, inv, score, "amax")
     return {
         "reward": r.mean().item(),

@@ -19,10 +19,12 @@ Running values stay in [0, max_value]: an operation that would leave the range f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
 import re
+import weakref
 from typing import Callable, Sequence
 
 from rlvr_utils import runtime
@@ -72,19 +74,21 @@ class Task:
         return [self.reward_fn(t, e) for t, e in zip(texts, examples)]
 
     def begin(self, run_dir, rank: int, steps_done: int, args) -> None:
-        """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step), where
-        log_extra writes, and the steps already done."""
+        """The run, for --reward-fn functions: their trainer_state (args.total_steps, args.prompts_per_step; its batch
+        size counts this rank's completions, as TRL's), where log_extra writes, and the steps already done."""
         if self.user_rewards is not None:
-            n = len(self.train)
-            self.user_rewards.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n)
+            n, world = len(self.train), runtime.world_size()
+            per_rank = args.prompts_per_step // world * args.num_generations
+            self.user_rewards.begin(run_dir, rank, steps_done, args.total_steps, args.prompts_per_step, n, per_rank)
 
-    def with_reward_metrics(self, metrics: dict, step: int | None = None, mode: str = "train") -> dict:
+    def with_reward_metrics(self, metrics: dict, step: int | None = None, mode: str = "train", rows=None) -> dict:
         """`metrics` and what --reward-fn functions logged since the last call (TRL's names: rewards/<name>/mean and
-        /std, their log_metric names; under eval/ for an evaluation; a name of the run's own keeps the run's value);
-        after a training step (`step`), their trainer_state moves on. A built-in reward: `metrics` as they are."""
+        /std over the completions trained on, `rows` (Rollouts, their rewards); their log_metric names; under eval/;
+        a name of the run's own keeps the run's value, the function's goes under log_metric/); after a training step
+        (`step`), their trainer_state moves on. A built-in reward: `metrics` as they are."""
         if self.user_rewards is None:
             return metrics
-        return self.user_rewards.merged_into(metrics, step, mode)
+        return self.user_rewards.merged_into(metrics, step, mode, rows)
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -114,9 +118,28 @@ def default_system_message(tokenizer) -> str:
     return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a rendered prompt (a chat template already holds its special tokens)."""
+def encode_prompt(tokenizer, text: str, limit: int | None = None) -> list[int] | None:
+    """Token ids of a rendered prompt (a chat template already holds its special tokens). With `limit`: None for a
+    prompt that surely has more tokens, told from its length before it is tokenized (more characters than 4 x limit of
+    the tokenizer's longest tokens: a 30 MB line is skipped at once, not tokenized for minutes)."""
+    if limit is not None and len(text) > 4 * limit * _longest_token(tokenizer):
+        return None
     return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer)).input_ids
+
+
+def _longest_token(tokenizer) -> float:
+    """The tokenizer's longest token, in characters (inf without a vocabulary to read: no early skip)."""
+    try:
+        return _LONGEST[tokenizer]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referable (then computed each time)
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        longest = max(map(len, vocab), default=0) or float("inf")
+        with contextlib.suppress(TypeError):
+            _LONGEST[tokenizer] = longest
+        return longest
+
+
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its longest token
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,8 +338,8 @@ class TaskBuilder:
     ) -> Example | None:
         """An Example with its rendered, encoded prompt; None (counted) when the prompt is too long."""
         prompt = render_prompt(self.tokenizer, user, plain)
-        ids = encode_prompt(self.tokenizer, prompt)
-        if len(ids) > self.max_prompt_length:
+        ids = encode_prompt(self.tokenizer, prompt, self.max_prompt_length)
+        if ids is None or len(ids) > self.max_prompt_length:
             self.skipped["prompt_too_long"] += 1
             return None
         return Example(i, question, gold, prompt, ids, user, meta or {})

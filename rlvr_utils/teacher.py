@@ -62,14 +62,9 @@ class FusedLinearKL(torch.autograd.Function):
                 grad_out[s : s + chunk, None].float() / tau
             )
             logprob_kernels.add_linear_grads(g, h, weight, s, grad_h, grad_w, grad_b)
-        return (
-            grad_h,
-            None,
-            grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None,
-            None,
-            None,
-        )
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, None, grad_w, grad_b, None, None
 
 
 def fit_reference(tokenizer, make_prompt: Callable, taus: list[str], limit: int, max_ref_tokens: int):
@@ -160,25 +155,13 @@ def logprobs_and_kl(
                         student = logps[-1].detach()[idx]
                         kl = divergence(zt, ids[rows, -T:], student, lm if fused else None, temperature, positions)
                 elif fused:  # [positions, V] fp32 temporaries of about 64 MB
-                    kl = FusedLinearKL.apply(
-                        zs.flatten(0, 1),
-                        zt.flatten(0, 1),
-                        lm.weight,
-                        lm.bias,
-                        temperature,
-                        max(1, 2**24 // lm.out_features),
-                    )
-                    kl = kl.view(len(rows), T)
+                    both, kl_positions = (zs.flatten(0, 1), zt.flatten(0, 1)), max(1, 2**24 // lm.out_features)
+                    kl = FusedLinearKL.apply(*both, lm.weight, lm.bias, temperature, kl_positions).view(len(rows), T)
                 else:
                     if kl_fn is None:
                         raise ValueError("logprobs_and_kl: the unfused path needs kl_fn (sc_grpo.token_kl)")
-                    kl = torch.cat(
-                        [
-                            kl_fn(zt[:, t : t + time_chunk].float() / temperature, zs[:, t : t + time_chunk])
-                            for t in range(0, T, time_chunk)
-                        ],
-                        1,
-                    )
+                    cuts = [slice(t, t + time_chunk) for t in range(0, T, time_chunk)]
+                    kl = torch.cat([kl_fn(zt[:, c].float() / temperature, zs[:, c]) for c in cuts], 1)
                 D = D.index_put((idx,), kl)
             del zt
             cost["seconds"] += time.time() - t0

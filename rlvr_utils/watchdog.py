@@ -23,6 +23,7 @@ class Watchdog:
 
     _installed = False
     _firing = False
+    _previous = None  # SIGUSR1's handler before ours (runtime.GracefulStop: a user's SIGUSR1 stops the run)
 
     def __init__(self, seconds: float, what: str):
         self.seconds, self.what = seconds, what
@@ -32,13 +33,15 @@ class Watchdog:
         if cls._firing:
             cls._firing = False
             raise RewardTimeout
+        if callable(cls._previous):  # not ours: a SIGUSR1 sent to the run
+            cls._previous(signum, frame)
 
     def __enter__(self):
         if not self.seconds:
             return self
         self.main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill")
         if self.main and not Watchdog._installed:
-            signal.signal(signal.SIGUSR1, Watchdog._handler)
+            Watchdog._previous = signal.signal(signal.SIGUSR1, Watchdog._handler)
             Watchdog._installed = True
         self.lock, self.done = threading.Lock(), threading.Event()
         threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True).start()

@@ -194,8 +194,8 @@ def test_two_writers_of_one_run_directory_are_refused(saved, tmp_path):
     and writes nothing."""
     d = _copy_run(saved, tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils import runtime; "
-         f"f = runtime.lock_run_dir('{d}'); print('held', flush=True); time.sleep(60)"],
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils import checkpoints; "
+         f"checkpoints.lock_run_dir('{d}'); print('held', flush=True); time.sleep(60)"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

@@ -172,8 +172,12 @@ def test_prompt_batches_cover_epoch_and_reject_empty():
     stream = common.prompt_batches(items, 5, seed=0)
     first_epoch = next(stream) + next(stream)
     assert sorted(first_epoch) == items
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(ValueError, match="1 to 0 distinct prompts per batch"):
         next(common.prompt_batches([], 4, 0))
+    with pytest.raises(ValueError, match="1 to 10 distinct prompts per batch \\(10 prompts\\), got 0"):
+        next(common.prompt_batches(items, 0, 0))
+    with pytest.raises(ValueError, match="got 11"):
+        next(common.prompt_batches(items, 11, 0))
 
 
 def test_stop_if_nonfinite():

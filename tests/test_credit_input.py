@@ -51,7 +51,7 @@ BAD = {
     "reward a string": (
         "c.jsonl",
         _with(reward="1"),
-        ":1: not a credit record ('reward' is a string, not a finite number)",
+        ":1: not a credit record ('reward' is a string, not a finite number or null)",
     ),
     "step a float": ("c.jsonl", _with(step=1.5), ":1: not a credit record ('step' is a number, not an integer)"),
     "tokens a string": (

@@ -60,8 +60,8 @@ def short(prompts, completions, **kwargs):
     return [1.0] * (len(completions) - 1)
 
 
-def nan(prompts, completions, **kwargs):
-    return [float("nan")] * len(completions)
+def inf(prompts, completions, **kwargs):  # NaN reads as None (TRL); inf stays an error
+    return [float("inf")] * len(completions)
 
 
 def none(prompts, completions, **kwargs):
@@ -189,7 +189,7 @@ def test_reward_fn_loading_and_rows_are_checked_before_anything_loads(user, tmp_
     [
         ("raises", ["raises", "RuntimeError", "the grader is down"]),
         ("short", ["short", "returned 3 values for 4 completions"]),
-        ("nan", ["nan", "completion 0", "rows.jsonl:", "finite number"]),
+        ("inf", ["inf", "completion 0", "rows.jsonl:", "finite number"]),
         ("word", ["word", "'good'"]),
     ],
 )

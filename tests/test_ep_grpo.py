@@ -549,8 +549,8 @@ def test_all_wrong_groups_do_not_feed_drift(seed):
 
 def test_moving_anchors_are_refused_under_fsdp_before_anything_loads():
     """--process-anchor ema/lagged deep-copies the policy after it is sharded, and its checkpoint is rank 0's copy:
-    under torchrun with --fsdp it is refused with one line (WORLD_SIZE is what torchrun sets; nothing connects)."""
-    env = dict(os.environ, WORLD_SIZE="2")
+    under torchrun with --fsdp it is refused with one line (the variables torchrun sets; nothing connects)."""
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     for anchor in ("ema", "lagged"):
         r = subprocess.run(
             [sys.executable, "ep_grpo.py", "--fsdp", "--process-anchor", anchor],

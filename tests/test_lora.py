@@ -176,7 +176,7 @@ def test_bad_lora_flags_are_one_line(flags, words):
 
 
 def test_lora_with_fsdp_is_refused_before_anything_loads():
-    env = dict(os.environ, WORLD_SIZE="2")
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     assert "--lora-rank with --fsdp is not supported" in _one_line(["--fsdp", "--lora-rank", "4"], env)
 
 

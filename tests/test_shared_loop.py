@@ -37,7 +37,7 @@ REPLACED = {
     ],
     "ep_grpo.py": [
         ("args = cli.parse(Args)", "its own checks (validate)"),
-        ("ref_model = copy.deepcopy(model)", "delta needs the reference even at --beta 0"),
+        ("ref_model = common.reference(model, args)", "delta needs the reference at --beta 0"),
         ("run.start(model, tokenizer, optimizer, task)", "a moving anchor is checkpointed"),
         ("gid = ro.group_ids.cpu()", "ep_advantages takes the group ids on the rows' device"),
         ("advantages = dist.over_global_batch(", "per-token advantages (ep_advantages)"),

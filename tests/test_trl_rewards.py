@@ -5,6 +5,7 @@ Hugging Face round trip (the bundled tokenizers through AutoTokenizer, --save-mo
 
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -18,7 +19,7 @@ from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir
 
 import common
-from rlvr_utils import custom, data_tasks, datafiles, reward_calls, runtime, tasks
+from rlvr_utils import custom, data_tasks, datafiles, reward_calls, reward_logs, runtime, tasks
 
 SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"]
 SHORT = "--total-steps 2 --eval-every 0 --prompts-per-step 4 --num-generations 4 --threads 1 --max-new-tokens 32"
@@ -258,9 +259,11 @@ def test_none_is_not_this_functions_row_and_an_all_none_row_warns(capsys):
         ("b", lambda prompts, completions, **k: [0.5, None, None]),
     ]
     rf = reward_calls.RewardFunctions(fns, [2.0, 1.0])
-    assert rf(["x", "y", "z"], _examples(3)) == [0.5, 2.0, 0.0]  # the weighted sum of the numbers (TRL's nansum)
+    got = rf(["x", "y", "z"], _examples(3))  # the weighted sum of the numbers (TRL's nansum); none: NaN, no reward
+    assert got[:2] == [0.5, 2.0] and math.isnan(got[2])
     err = capsys.readouterr().err
     assert "warning: every --reward-fn returned None for 1 of 3 completions" in err and "f.jsonl:3" in err
+    assert "advantage 0" in err
     assert rf.metrics(1) == {
         "rewards/<lambda>/mean": 1.0,
         "rewards/<lambda>/std": 0.0,
@@ -279,7 +282,8 @@ def test_none_is_not_this_functions_row_and_an_all_none_row_warns(capsys):
         ([1.0], ["returned 1 values for 2 completions"]),
         ([1.0, "x"], ["'x' (str) for completion 1", "f.jsonl:2"]),
         ([10**400, 1.0], ["int too large for a float", "completion 0", "f.jsonl:1"]),
-        ([1.0, float("nan")], ["nan", "f.jsonl:2", "finite number"]),
+        ([1.0, float("inf")], ["inf", "f.jsonl:2", "finite number"]),
+        ([1e300, 1.0], ["1e+300", "f.jsonl:1", "at most 1e+18"]),
         (torch.zeros(2, device="meta"), ["Tensor that cannot be read"]),
     ],
 )
@@ -553,7 +557,7 @@ def test_save_model_writes_a_card_and_loads_with_the_auto_classes(tmp_path, tiny
     card = (folder / "README.md").read_text()
     final = read_metrics(tmp_path)[-1]["eval/accuracy"]
     assert "grpo.py" in card and "GRPO: group-relative policy optimization" in card and "--total-steps 2" in card
-    assert f"Final accuracy **{final:.3f}** after step 2" in card and card.startswith("---\nlibrary_name: transformers")
+    assert f"Final accuracy **{final:.3f}** after step 2" in card and "\nlibrary_name: transformers\n" in card
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     ours_model, ours_tok = common.load_policy(str(folder), torch.device("cpu"))
     prompt = "Solve: 49+7-5-7\n"
@@ -567,11 +571,15 @@ def test_save_model_writes_a_card_and_loads_with_the_auto_classes(tmp_path, tiny
 
 
 # --- review fixes ---------------------------------------------------------------------------------------------------
-def test_a_log_metric_name_of_ours_keeps_ours_and_warns_once(capsys):
-    got = reward_calls.merged({"reward": 1.0, "eval/accuracy": 0.5}, {"reward": 42.0, "my/metric": 2.0})
-    assert got == {"reward": 1.0, "eval/accuracy": 0.5, "my/metric": 2.0}
+def test_a_log_metric_name_of_ours_keeps_ours_and_the_functions_under_its_own_name(capsys):
+    """TRL's documented log_metric("accuracy", ...) in an evaluation: eval/accuracy stays the run's success share and
+    the function's number is kept as eval/log_metric/accuracy (it was dropped); "step" can never replace a row's."""
+    builtin = {"reward": 1.0, "eval/accuracy": 0.5}
+    got = reward_logs.merged(builtin, {"reward": 42.0, "my/metric": 2.0, "eval/accuracy": 0.9, "step": 7.0})
+    assert got == builtin | {"log_metric/reward": 42.0, "my/metric": 2.0, "eval/log_metric/accuracy": 0.9,
+                             "log_metric/step": 7.0}  # fmt: skip
     assert capsys.readouterr().err.count("'reward'") == 1
-    reward_calls.merged({"reward": 1.0}, {"reward": 7.0})
+    assert reward_logs.merged({"reward": 1.0}, {"reward": 7.0}) == {"reward": 1.0, "log_metric/reward": 7.0}
     assert "warning" not in capsys.readouterr().err  # once per name
 
 

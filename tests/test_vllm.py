@@ -84,6 +84,31 @@ def test_a_weight_the_engine_does_not_know_fails_the_sync(engine_and_model):
 
 
 @pytest.mark.vllm
+def test_under_lora_the_engine_serves_the_merged_weights():
+    """--lora-rank: vLLM serves a plain model, so each sync sends the base's weights with the adapters merged in
+    (lora.merged_weights); after an optimizer step that moved the adapters, the engine's log-probs are the LoRA
+    model's, and not the base's."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("peft")
+    base, tok = common.load_policy(common.DEFAULT_MODEL, torch.device("cpu"))
+    flags = cli.BaseArgs(engine="vllm", vllm_gpu_memory_utilization=MEM, lora_rank=4, lora_alpha=32.0)
+    model = common.with_lora(base, flags)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = engines.attach_run_engine(model, optimizer, flags, type("Dist", (), {"rank": 0})())
+    ids = tok("Solve: 23+7-5+9\n23+7=30\n30-5=25\n25+9=34\n#### 34").input_ids
+    t = torch.tensor([ids])
+    for _ in range(3):  # adapters away from B = 0, where the LoRA model is the base
+        (-common.token_logprobs(model, t, torch.ones_like(t), len(ids) - 1)[0].sum()).backward()
+        optimizer.step()  # the hook pushes the merged weights
+        optimizer.zero_grad()
+    trained = _trainer_logprobs(model, ids)
+    with model.disable_adapter():
+        plain = _trainer_logprobs(model, ids)
+    assert (trained - plain).abs().max() > 1e-2  # the adapters changed the model
+    assert (torch.tensor(engine.prompt_logprobs(ids)) - trained).abs().max() < 1e-4
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize(
     "script, extra",
     [
@@ -92,6 +117,7 @@ def test_a_weight_the_engine_does_not_know_fails_the_sync(engine_and_model):
         ("grpo_lambda.py", []),
         ("ep_grpo.py", []),
         ("srpo.py", ["--reset", "random"]),
+        ("ep_grpo.py", ["--lora-rank", "4"]),  # the merged weights synced after each step
     ],
 )
 def test_every_script_runs_two_steps_with_vllm(tmp_path, script, extra):

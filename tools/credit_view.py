@@ -81,7 +81,7 @@ FIELDS = {  # each key of a record: the check of its value, and what the check w
     "row": (_is_int, "an integer"),
     "prompt_id": (_is_int, "an integer"),
     "prompt": (_is_a(str), "a string"),
-    "reward": (_is_number, NUMBER),
+    "reward": (lambda v: v is None or _is_number(v), f"{NUMBER} or null"),  # null: no reward function scored it
     "tokens": (_is_a(list), "a list of strings"),
     "credit": (_is_a(list), f"a list of {NUMBER}s"),
     "signals": (_is_a(dict), "an object"),
@@ -170,7 +170,7 @@ def read_records(path: str | Path, required: tuple[str, ...] = RECORD_KEYS) -> l
         problem = record_problem(rec, required)
         if problem:
             raise BadInput(f"{found}:{n}: not a credit record ({problem})")
-        rows.append(rec)
+        rows.append(rec | {"reward": math.nan} if rec.get("reward", 0) is None else rec)  # NaN: neither right nor wrong
     if not rows:
         raise BadInput(f"{found}: no credit records in it (an empty file)")
     return rows

@@ -30,9 +30,11 @@ SCRIPTS = ("grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo")
 PLUMBING = {"runtime", "cli", "models", "rollouts", "checkpoints", "logprob_kernels", "tasks", "watchdog"}
 EXTRAS = {"credit", "ep_diagnostics", "trace_diagnostics", "ep_ablations", "sc_ablations", "engines", "distributed"}
 EXTRAS |= {"sharded", "resume", "data_tasks", "datafiles", "custom", "reward_calls", "rewards", "sandbox", "model_card"}
+EXTRAS |= {"lora", "reward_logs"}
 SHARED = {"token_logprobs", "aggregate_loss", "k3_kl", "engine_correction", "minibatches", "rollouts_with_rewards"}
 SHARED |= {"UpdateStats", "Run", "load_task", "load_model", "load_tokenizer", "stop_token_ids", "make_rollouts"}
 SHARED |= {"seed_everything", "prompt_batches", "regroup", "evaluate", "stop_if_nonfinite", "reset_peak_memory"}
+SHARED |= {"with_lora", "reference"}  # model loading: --lora-rank's adapters, the frozen reference
 
 
 class Module:

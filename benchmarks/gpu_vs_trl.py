@@ -6,13 +6,17 @@ checkpointing setting on both sides. One invocation runs both, alternating, each
     python benchmarks/gpu_vs_trl.py --shapes 0.5b 1.5b                          # GPU (bf16), the issue's setting
     python benchmarks/gpu_vs_trl.py --shapes tiny --steps 2 --prompts 2 --generations 2 --max-new-tokens 8   # CPU
     python benchmarks/gpu_vs_trl.py --shapes 1.5b --build /tmp/qwen1.5b-shaped   # the model alone, for any script
+    python benchmarks/gpu_vs_trl.py --shapes 1.5b --lora 64                      # both sides under LoRA r 64
 
 The prompts are the built-in arith task's, tokenized with the bundled character tokenizer; token ids beyond its
 vocabulary decode to nothing, so every reward is 0 and neither side is sped up by a stop token (a random model never
 samples it): both generate all --max-new-tokens tokens and run the full forward and backward (a zero advantage still
 costs the same compute). Per step: grpo.py's time/step and memory/peak_gb (reset each step); TRL's on_step_begin ->
-on_step_end and torch.cuda.max_memory_allocated reset at each step's start. On CPU: each process's own peak RSS
-instead of GPU memory. Prints a side-by-side table and writes benchmarks/out/gpu_vs_trl.json. Needs trl
+on_step_end and torch.cuda.max_memory_allocated reset at each step's start. Step time: the median over --steps (7)
+steps after the first --warmup (2), which vary most (4-17 s for the same step on an H200); every step's time is
+printed and saved beside it. On CPU: each process's own peak RSS instead of GPU memory. --lora R: grpo.py with
+--lora-rank R and TRL with a PEFT LoraConfig of the same rank, alpha and target modules (every linear layer of the
+blocks). Prints a side-by-side table and writes benchmarks/out/gpu_vs_trl.json. Needs trl
 (pip install -r benchmarks/requirements.txt).
 """
 
@@ -82,6 +86,10 @@ cuda = torch.cuda.is_available()
 tok = models.load_tokenizer({model!r})
 tok.padding_side = "left"
 model = AutoModelForCausalLM.from_pretrained({model!r}, dtype=torch.bfloat16 if cuda else torch.float32)
+peft = None
+if {lora}:  # --lora: the same adapters as grpo.py's --lora-rank (PEFT's all-linear: the blocks, not the lm_head)
+    from peft import LoraConfig
+    peft = LoraConfig(r={lora}, lora_alpha={lora}, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 task = tasks.load_task("arith", tok, seed=1, num_eval=1, arith_num_train=1000)
 data = Dataset.from_list([dict(prompt=e.prompt) for e in task.train])
 times, peaks = [], []
@@ -100,7 +108,7 @@ cfg = GRPOConfig(output_dir=sys.argv[sys.argv.index("--output-dir") + 1], per_de
                  save_strategy="no", use_cpu=not cuda, bf16=cuda, seed=1, disable_tqdm=True,
                  gradient_checkpointing={gc}, dataloader_num_workers=0)
 trainer = GRPOTrainer(model=model, reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions), args=cfg,
-                      train_dataset=data, processing_class=tok, callbacks=[Clock()])
+                      train_dataset=data, processing_class=tok, callbacks=[Clock()], peft_config=peft)
 trainer.train()
 print("RESULT", json.dumps(dict(step_seconds=times, peak_gb=peaks)))
 """
@@ -114,6 +122,7 @@ def run(kind: str, model: Path, a) -> dict:
         flags += ["--max-new-tokens", str(a.max_new_tokens), "--learning-rate", "1e-6"]
         flags += ["--gen-batch-size", str(a.prompts * a.generations), "--micro-batch-size", str(a.micro_batch_size)]
         flags += ["--engine", "hf", "--seed", "1"] + (["--gradient-checkpointing"] if a.gradient_checkpointing else [])
+        flags += ["--lora-rank", str(a.lora), "--lora-alpha", str(a.lora)] if a.lora else []
         res = run_script(["grpo.py", *flags]).check(kind)
         step_seconds, peak_gb = [r["time/step"] for r in res.steps], [r.get("memory/peak_gb", 0.0) for r in res.steps]
     else:
@@ -126,6 +135,7 @@ def run(kind: str, model: Path, a) -> dict:
             micro=a.micro_batch_size,
             accum=max(1, a.prompts * a.generations // a.micro_batch_size),
             gc=a.gradient_checkpointing,
+            lora=a.lora,
         )
         res = run_script(["-c", code]).check(kind)
         out = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT"))[7:])
@@ -136,7 +146,9 @@ def run(kind: str, model: Path, a) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"], choices=list(SHAPES))
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=7, help="steps per side (at least 7 for a timing to report)")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median step time")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tuning)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -162,15 +174,19 @@ def main() -> None:
             model = build_model(shape, Path(tmp) / shape, a.vocab)
             for kind in a.sides:
                 res = run(kind, model, a)
-                steps = res["step_seconds"][1:] or res["step_seconds"]  # the first step is warm-up
+                steps = res["step_seconds"][a.warmup :] or res["step_seconds"]  # warm-up steps left out
                 mem = max(res["peak_gb"]) if torch.cuda.is_available() else res["maxrss_gb"]
                 results[f"{shape}/{kind}"] = dict(
                     median_step_seconds=statistics.median(steps), peak_gb=mem, step_seconds=res["step_seconds"]
                 )
-                print(f"{shape} {kind}: {statistics.median(steps):.2f} s/step, peak {mem:.2f} GB", flush=True)
+                every = ", ".join(f"{t:.2f}" for t in res["step_seconds"])
+                print(f"{shape} {kind}: median {statistics.median(steps):.2f} s/step over steps {a.warmup + 1}-"
+                      f"{len(res['step_seconds'])} (every step: {every}), peak {mem:.2f} GB", flush=True)  # fmt: skip
     lines = [
         f"device: {device}; {a.prompts} prompts x {a.generations} completions x {a.max_new_tokens} new tokens, "
-        f"micro-batch {a.micro_batch_size}, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}",
+        f"micro-batch {a.micro_batch_size}, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
+        + (f"LoRA r {a.lora}" if a.lora else "full fine-tuning")
+        + f"; median step time over steps {a.warmup + 1}-{a.steps}",
         "",
         "| shape | grpo.py s/step | TRL s/step | ratio | grpo.py peak GB | TRL peak GB | ratio |",
         "|---|---|---|---|---|---|---|",

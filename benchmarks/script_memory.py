@@ -17,6 +17,11 @@ step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.
     python benchmarks/script_memory.py                                   # CPU, vocabulary 151,936
     python benchmarks/script_memory.py --device cuda
     python benchmarks/script_memory.py --root /tmp/other-checkout        # the same run with another checkout's scripts
+    python benchmarks/script_memory.py --lora 16                         # and each script again with --lora-rank 16
+
+--lora R: every script runs twice, full fine-tuning and `--lora-rank R` (the adapters train; the reference policy of
+the KL term and EP-GRPO's delta is the same model with its adapters off, no copy); a LoRA row's "x grpo.py" is against
+grpo.py under LoRA.
 """
 
 from __future__ import annotations
@@ -172,6 +177,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "assets" / "tiny-arith"), help="the policy whose vocabulary is grown")
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose scripts run")
     ap.add_argument("--out", default=None, help="default: benchmarks/out/script_memory_<device>.json")
+    ap.add_argument("--lora", type=int, default=0, help="also run every script with --lora-rank LORA (0: no)")
     a = ap.parse_args()
     gpu = a.device.startswith("cuda")
     flags = [
@@ -192,19 +198,21 @@ def main() -> None:
         "--seed",
         "1",
     ]
-    res = {"vocab": a.vocab, "device": a.device, "flags": flags, "root": a.root, "scripts": {}}
+    res = {"vocab": a.vocab, "device": a.device, "flags": flags, "root": a.root, "lora": a.lora, "scripts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = grow_vocab(Path(a.model), Path(tmp) / "grown", a.vocab)
         if Path("/proc/self/clear_refs").exists():  # this process's own peak must not reach the children's figures
             Path("/proc/self/clear_refs").write_text("5")
-        for name in a.scripts:
-            r = res["scripts"][name] = run_one(Path(a.root), [*SCRIPTS[name], "--model", str(model), *flags], a.threads)
-            print(name, json.dumps(r), flush=True)
+        lora = [f" --lora-rank {a.lora}"] if a.lora else []
+        for name, tier in [(n, t) for t in ["", *lora] for n in a.scripts]:  # full fine-tuning first, then LoRA
+            cmd = [*SCRIPTS[name], "--model", str(model), *flags, *tier.split()]
+            r = res["scripts"][name + tier] = run_one(Path(a.root), cmd, a.threads)
+            print(name + tier, json.dumps(r), flush=True)
     keys = ["gpu_peak_gb"] if gpu else ["rss_gb", "update_rss_gb"]
     heads = (
         ["peak GPU memory allocated, GB"] if gpu else ["peak RSS of the process, GiB", "peak RSS in the update, GiB"]
     )
-    base = res["scripts"].get("grpo", {})
+    bases = {"": res["scripts"].get("grpo", {}), "lora": res["scripts"].get(f"grpo --lora-rank {a.lora}", {})}
     lines = [
         "| script | "
         + " | ".join(f"{h} | x grpo.py" for h in heads)
@@ -215,8 +223,10 @@ def main() -> None:
         if r["rc"] or not r["steps"]:
             lines.append(f"| {name} | failed: {r.get('error', '')} |")
             continue
+        base = bases["lora" if "--lora-rank" in name else ""]  # LoRA rows: against grpo.py under LoRA
         cells = [f"{r[k]:.2f} | {r[k] / base[k]:.2f}" if base.get(k) else f"{r[k]:.2f} | -" for k in keys]
         routed = f"{r['sc_routed']:.2f}" if name.startswith("sc_grpo") else ""
+        r["vs_grpo"] = {k: r[k] / base[k] for k in keys if base.get(k)}
         lines.append(f"| {name} | {' | '.join(cells)} | {r['s_per_step']:.2f} | {r['update_s']:.2f} | {routed} |")
     print("\n".join(lines))
     res["table"] = lines

@@ -3,6 +3,7 @@ flags, the seed, float16, data that yields nothing, the hub when it cannot be re
 concurrent runs with the same name, resume that checks the run's script, files and step, SIGTERM, interrupts while
 loading, and a kill at any instant of a checkpoint save."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -283,7 +284,9 @@ def test_sigterm_saves_and_names_the_resume_command(tmp_path):
 
 @pytest.mark.slow
 def _interrupt_while_loading(tmp_path, signals: int = 1) -> None:
-    """SIGINT (`signals` times, 50 ms apart) while the model loads: exit code 130, no traceback."""
+    """SIGINT (`signals` times, 50 ms apart) while the run loads (its tokenizer, task and model): exit code 130, no
+    traceback. The signal goes as soon as Run() has set its handlers, seen in /proc/<pid>/status: SIGTERM, which
+    Python leaves alone, is then caught (SigCgt); the first step is seconds away."""
     p = subprocess.Popen(
         [sys.executable, str(ROOT / "grpo.py"), "--output-dir", str(tmp_path / "r"), *TINY],
         cwd=ROOT,
@@ -292,15 +295,23 @@ def _interrupt_while_loading(tmp_path, signals: int = 1) -> None:
         text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    buf = ""
-    while "Loading weights" not in buf and p.poll() is None:  # the model is loading: Run() has set the handler
-        buf += p.stderr.read(1)
+
+    def caught() -> int:
+        with contextlib.suppress(OSError, StopIteration):
+            status = Path(f"/proc/{p.pid}/status").read_text().splitlines()
+            return int(next(x for x in status if x.startswith("SigCgt:")).split()[1], 16)
+        return 0
+
+    while not caught() & (1 << (signal.SIGTERM - 1)) and p.poll() is None:
+        time.sleep(0.01)
     for k in range(signals):
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
             time.sleep(0.05)
-    _, stderr = p.communicate(timeout=300)
-    assert p.returncode == 130 and "Traceback" not in buf + stderr, (buf + stderr)[-2000:]
+    out, stderr = p.communicate(timeout=300)
+    assert "run " not in out + stderr, stderr[-2000:]  # stopped before the run began (its first line)
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert "before the first step: stopped, nothing was saved" in stderr, stderr[-2000:]
 
 
 def test_an_interrupt_while_loading_is_one_line(tmp_path):

@@ -101,7 +101,8 @@ def test_default_run_and_step_time_run_at_a_small_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):
+@pytest.mark.parametrize("lora", ["0", "4"])  # full fine-tuning; LoRA on both sides (TRL: its peft_config)
+def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path, lora):
     sides = ["ours", "trl"] if importlib.util.find_spec("trl") else ["ours"]  # trl is a benchmark-only requirement
     out = tmp_path / "gpu_vs_trl.json"
     r = subprocess.run(
@@ -126,6 +127,8 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):
             *sides,
             "--out",
             str(out),
+            "--lora",
+            lora,
         ],
         cwd=ROOT,
         capture_output=True,
@@ -133,9 +136,11 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())["results"]
+    saved = json.loads(out.read_text())
+    res = saved["results"]
     for side in sides:
         assert len(res[f"tiny/{side}"]["step_seconds"]) == 2 and res[f"tiny/{side}"]["peak_gb"] > 0
+    assert saved["args"]["lora"] == int(lora) and ("LoRA r 4" in saved["table"][0]) == (lora == "4")
 
 
 def test_script_memory_runs_every_script_at_a_small_vocabulary(tmp_path):
@@ -163,15 +168,18 @@ def test_script_memory_runs_every_script_at_a_small_vocabulary(tmp_path):
             *scripts,
             "--out",
             str(out),
+            "--lora",
+            "4",
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     res = json.loads(out.read_text())
-    assert list(res["scripts"]) == scripts and res["vocab"] == 2000
+    assert list(res["scripts"]) == scripts + [f"{s} --lora-rank 4" for s in scripts] and res["vocab"] == 2000
+    assert res["scripts"]["ep_grpo --lora-rank 4"]["vs_grpo"]["rss_gb"] > 0  # against grpo.py under LoRA
     for name, row in res["scripts"].items():
         assert row["rc"] == 0 and row["steps"] == 1 and row["rss_gb"] > 0.1, (name, row)
     assert res["scripts"]["sc_grpo"]["sc_routed"] > 0  # its teachers ran on the grown model

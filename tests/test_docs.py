@@ -89,3 +89,45 @@ def test_the_places_rule_follows_calls_and_skips_logs_and_plumbing(tmp_path, mon
     monkeypatch.setattr(places_to_open, "ROOT", tmp_path)
     found = places_to_open.places("sc_grpo", places_to_open.load_modules())
     assert found == [("sc_grpo", "credit"), ("sc_grpo", "inner"), ("common", "group_advantages"), ("common", "helper")]
+
+
+class _Parsed(Exception):
+    """Raised in place of common.Run: the script's flags are parsed and checked, nothing is loaded."""
+
+
+def _page_commands(page: str, needle: str) -> list[list[str]]:
+    """The `python <script>.py ...` lines of a page's ```bash blocks that hold `needle` (continuations joined)."""
+    import shlex
+
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / page).read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith("python ") and needle in line:
+                out.append(shlex.split(line.split("  # ")[0], comments=True)[1:])
+    return out
+
+
+@pytest.mark.parametrize("page", ["sc_grpo.md", "grpo_lambda.md", "ep_grpo.md", "srpo.md"])
+def test_each_page_gives_a_lora_command_that_its_script_accepts(page, monkeypatch):
+    """Each method page gives the paper's or the official code's LoRA setting as a command, and the script accepts
+    it: parsed and checked as a run would be (the hub model and dataset swapped for the bundled ones, offline)."""
+    import runpy
+
+    import common
+
+    commands = _page_commands(page, "--lora-rank")
+    assert commands, f"docs/{page}: no command with --lora-rank"
+    for argv in commands:
+        for flag, local in (("--model", common.DEFAULT_MODEL), ("--task", "arith")):
+            argv[argv.index(flag) + 1] = local
+        seen = {}
+
+        def stop(args):
+            seen["args"] = args
+            raise _Parsed
+
+        monkeypatch.setattr(common, "Run", stop)
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(_Parsed):
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+        assert seen["args"].lora_rank == int(argv[argv.index("--lora-rank") + 1]), argv

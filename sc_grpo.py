@@ -146,7 +146,7 @@ def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) 
     return mask * (span & routed).float()
 
 
-# ALGO LOGIC: who gets a teacher, and what the teacher sees (paper §5.1; §1.2 and App. E.1)
+# ALGO LOGIC: who gets a teacher, and what the teacher sees (paper §5.1 and App. E.1)
 def route_groups(correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"),
                  scores=None):  # fmt: skip
     """Each group's mode by n_c, its number of correct rollouts, and each rollout's reference row
@@ -192,8 +192,8 @@ GUIDE = (
 
 
 def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> list[int]:
-    """Token ids of the teacher's prompt: the student's context plus the reference tau (paper
-    §1.2). Chat: the system message is the student's own (or the template's default) + GUIDE + tau,
+    """Token ids of the teacher's prompt: the student's context plus the reference tau (paper App.
+    E.1). Chat: the system message is the student's own (or the template's default) + GUIDE + tau,
     the user turns the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's
     prompt (the block the bundled tiny model was trained on: tools/train_tiny_model.py)."""
     tau = tau.strip()

@@ -27,7 +27,7 @@ lines, as `arith_first_error` counts them) comes after at least one correct line
 GRPO gives auc 0.5 and lift 1.0 by construction (one credit per completion): the measure's own check.
 
 `table` builds, per method, auc and lift early (the first third of the recorded steps) and late (the last third) in
-training, each a mean over seeds with a 95% bootstrap interval over seeds, beside SRPO's reset placement (the share of
+training, each a mean over seeds with its 95% Student-t interval over seeds, beside SRPO's reset placement (the share of
 reset points exactly at, before and after the first wrong line, from its logged reset/oracle_* metrics over every
 training step of the first and the last third of the run), and writes benchmarks/results/<setting>/credit_accuracy.md.
 `calibrate --setting NAME` prints the setting's calibration from GRPO's runs (step-0 greedy accuracy, completion
@@ -200,10 +200,14 @@ def cmd_table(a) -> None:
             place = placement(metrics, third)
             if place is not None:
                 cols.setdefault(f"reset {when}", []).append(place)
-    ci = lambda xs: "{:.3f} [{:.3f}, {:.3f}]".format(*lc.bootstrap_ci(xs)) if xs else "–"  # noqa: E731
+    ci = lambda xs: lc.fmt_ci(lc.t_interval(xs)) if xs else "–"  # noqa: E731
+    recorded = len(sorted({r["step"] for r in read_credit(files[0])}))
     lines = [
-        f"Setting `{a.setting}`; every row of the batch at each evaluation step; mean over seeds, 95% bootstrap "
-        "interval over seeds; early/late: the first/last third of the recorded steps (reset placement: of all steps).",
+        f"Setting `{a.setting}`; every row of the batch at each evaluation step; mean over seeds and its 95% Student-t "
+        f"interval over seeds (seeds: the column); early/late: the first/last third of the {recorded} recorded steps "
+        f"({max(1, recorded // 3)} step(s) each; reset placement: of every training step in that third). auc and lift "
+        "count the failed completions whose first wrong line is line 2 or later (a completion wrong at line 1 has no "
+        "correct line to compare with and is left out).",
         "",
         "| method | seeds | steps early / late | completions per seed | auc early | auc late | lift early | lift late "
         "| auc late, rows with credit | reset at / before / after the first wrong line (early; late) |",

@@ -40,3 +40,16 @@ def tiny():
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"bundled model missing: {TINY_MODEL} (run tools/train_tiny_model.py)")
     return common.load_policy(str(TINY_MODEL), torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """A grpo.py run of 1 step (test_bad_input.py's TINY settings) with a checkpoint, made once; a test copies it
+    before it changes anything."""
+    from test_bad_input import TINY, _run
+
+    out = tmp_path_factory.mktemp("saved")
+    r = _run("grpo.py", *TINY, "--total-steps", "1", "--save-every", "1", "--output-dir", str(out / "runs"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = (out / "runs").iterdir()
+    return run

@@ -145,16 +145,6 @@ def test_a_truncated_gzip_data_file_is_one_line(tmp_path, task):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A grpo.py run of 1 step with a checkpoint."""
-    out = tmp_path_factory.mktemp("saved3")
-    r = _run("grpo.py", *TINY, "--total-steps", "1", "--save-every", "1", "--output-dir", str(out / "runs"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    (run,) = (out / "runs").iterdir()
-    return run
-
-
 def _copy_run(saved, tmp_path):
     d = tmp_path / saved.name
     shutil.copytree(saved, d)

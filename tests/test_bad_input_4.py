@@ -124,16 +124,6 @@ def test_deleting_the_lock_file_of_a_live_run_does_not_let_a_second_writer_in(tm
     assert code is None, err
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A grpo.py run of 1 step with a checkpoint."""
-    out = tmp_path_factory.mktemp("saved4")
-    r = _run("grpo.py", *TINY, "--total-steps", "1", "--save-every", "1", "--output-dir", str(out / "runs"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    (run,) = (out / "runs").iterdir()
-    return run
-
-
 def test_resume_into_a_run_whose_lock_is_a_directory_is_one_line_before_anything_loads(saved, tmp_path):
     d = tmp_path / saved.name
     shutil.copytree(saved, d)

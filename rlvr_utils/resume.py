@@ -110,7 +110,7 @@ def resume_args(args, args_type):
                 f"--resume {args.resume}: {run_dir / 'config.json'}: {f.name} is {saved[f.name]!r}, not a value of "
                 f"--{f.name.replace('_', '-')}" + (f" (one of {', '.join(map(str, choices))})" if choices else ""),
             )
-    runtime = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
+    changeable = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
     for f in dataclasses.fields(args_type):
         given, default = getattr(args, f.name), getattr(defaults, f.name)
         if f.name not in saved:
@@ -123,7 +123,7 @@ def resume_args(args, args_type):
         need(
             given == default or given == old,
             f"--{f.name.replace('_', '-')} {given}: the run in {run_dir} was started "
-            f"with {old}; a resumed run keeps its flags (only {runtime} may change)",
+            f"with {old}; a resumed run keeps its flags (only {changeable} may change)",
         )
         merged[f.name] = old
     step = copies[0][0]

@@ -194,15 +194,6 @@ def _umask() -> int:
     return m
 
 
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    """A grpo.py run of 1 step with a checkpoint."""
-    out = tmp_path_factory.mktemp("saved")
-    r = _run("grpo.py", "--total-steps", "1", "--save-every", "1", "--output-dir", str(out), *TINY)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return run_dir(out)
-
-
 def _copy(saved, tmp_path) -> Path:
     d = tmp_path / saved.name
     shutil.copytree(saved, d)
@@ -211,8 +202,8 @@ def _copy(saved, tmp_path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["ep_grpo.py", "sc_grpo.py"])
-def test_another_scripts_run_is_refused(saved_run, tmp_path, script):
-    d = _copy(saved_run, tmp_path)
+def test_another_scripts_run_is_refused(saved, tmp_path, script):
+    d = _copy(saved, tmp_path)
     _one_line(_run(script, "--resume", str(d), "--total-steps", "2"), "made by grpo.py", script)
 
 
@@ -238,15 +229,15 @@ def _damage(d: Path, what: str) -> str:
 @pytest.mark.parametrize(
     "what", ["truncated trainer.pt", "empty trainer.pt", "truncated weights", "half config.json", "no model directory"]
 )
-def test_damaged_run_files_are_one_line_naming_the_file(saved_run, tmp_path, what):
-    d = _copy(saved_run, tmp_path)
+def test_damaged_run_files_are_one_line_naming_the_file(saved, tmp_path, what):
+    d = _copy(saved, tmp_path)
     name = _damage(d, what)
     _one_line(_run("grpo.py", "--resume", str(d), "--total-steps", "2"), name)
 
 
 @pytest.mark.slow
-def test_resume_drops_a_partial_metrics_line_takes_another_model_copy_and_refuses_a_finished_run(saved_run, tmp_path):
-    d = _copy(saved_run, tmp_path)
+def test_resume_drops_a_partial_metrics_line_takes_another_model_copy_and_refuses_a_finished_run(saved, tmp_path):
+    d = _copy(saved, tmp_path)
     _one_line(_run("grpo.py", "--resume", str(d), "--total-steps", "1"), "already at step 1", "--total-steps")
     with (d / "metrics.jsonl").open("a") as f:
         f.write('{"step": 2, "rew')  # a kill while writing

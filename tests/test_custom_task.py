@@ -364,3 +364,21 @@ def test_none_means_not_this_functions_row_and_numpy_outputs_work(monkeypatch):
         id, prompt, question, gold, meta = 1, "p", "q", "g", {}
 
     assert custom.reward_batch(["a", "b"], [])(["x", "y"], [E(), E()]) == [0.5, 2.0]
+
+
+def test_a_run_with_data_files_resumes_and_warns_when_a_file_changed(user, tmp_path):
+    """--resume of a run made with --data-path and --reward-fn: the files' hashes are compared with the run's
+    (config.json's file_hashes); a changed file is a warning, and the run continues."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text((user / "rows.jsonl").read_text())
+    flags = ["--task", "custom", "--data-path", str(data), "--reward-fn", f"{user / 'my_reward.py'}:correct_sum"]
+    out_dir = tmp_path / "runs"
+    first = [str(ROOT / "grpo.py"), *flags, "--num-eval", "4", "--output-dir", str(out_dir), *SHORT]
+    out = _run([*first, "--total-steps", "1", "--save-every", "1"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = out_dir.iterdir()
+    data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")  # one row more
+    out = _run([str(ROOT / "grpo.py"), "--resume", str(run), "--total-steps", "2"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the file changed since the run started" in out.stderr
+    assert [r["step"] for r in read_metrics(out_dir)] == [0, 1, 2]

@@ -256,6 +256,8 @@ def validate(a: Args) -> Args:
     sharded = a.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1
     no_fsdp = "--process-anchor ema/lagged do not support --fsdp: use ref"
     cli.need(not sharded or a.process_anchor == "ref", no_fsdp)
+    no_lora = "--process-anchor ema/lagged copy the whole model: not with --lora-rank (use ref)"
+    cli.need(not a.lora_rank or a.process_anchor == "ref", no_lora)
     for name, default in ABLATION_FLAGS.items():
         if getattr(a, name) != default:
             cli.extra("ep_ablations", "--" + name.replace("_", "-"))

@@ -175,18 +175,19 @@ def main() -> None:
             for kind in a.sides:
                 res = run(kind, model, a)
                 steps = res["step_seconds"][a.warmup :] or res["step_seconds"]  # warm-up steps left out
+                first = a.warmup + 1 if len(res["step_seconds"]) > a.warmup else 1  # too few steps: all of them
                 mem = max(res["peak_gb"]) if torch.cuda.is_available() else res["maxrss_gb"]
                 results[f"{shape}/{kind}"] = dict(
                     median_step_seconds=statistics.median(steps), peak_gb=mem, step_seconds=res["step_seconds"]
                 )
                 every = ", ".join(f"{t:.2f}" for t in res["step_seconds"])
-                print(f"{shape} {kind}: median {statistics.median(steps):.2f} s/step over steps {a.warmup + 1}-"
+                print(f"{shape} {kind}: median {statistics.median(steps):.2f} s/step over steps {first}-"
                       f"{len(res['step_seconds'])} (every step: {every}), peak {mem:.2f} GB", flush=True)  # fmt: skip
     lines = [
         f"device: {device}; {a.prompts} prompts x {a.generations} completions x {a.max_new_tokens} new tokens, "
         f"micro-batch {a.micro_batch_size}, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
         + (f"LoRA r {a.lora}" if a.lora else "full fine-tuning")
-        + f"; median step time over steps {a.warmup + 1}-{a.steps}",
+        + f"; median step time over steps {a.warmup + 1 if a.steps > a.warmup else 1}-{a.steps}",
         "",
         "| shape | grpo.py s/step | TRL s/step | ratio | grpo.py peak GB | TRL peak GB | ratio |",
         "|---|---|---|---|---|---|---|",

@@ -178,7 +178,10 @@ def main() -> None:
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose scripts run")
     ap.add_argument("--out", default=None, help="default: benchmarks/out/script_memory_<device>.json")
     ap.add_argument("--lora", type=int, default=0, help="also run every script with --lora-rank LORA (0: no)")
+    ap.add_argument("--lora-only", action="store_true", help="with --lora: skip the full fine-tuning rows")
     a = ap.parse_args()
+    if a.lora_only and not a.lora:
+        ap.error("--lora-only needs --lora R (R > 0)")
     gpu = a.device.startswith("cuda")
     flags = [
         "--device",
@@ -204,7 +207,9 @@ def main() -> None:
         if Path("/proc/self/clear_refs").exists():  # this process's own peak must not reach the children's figures
             Path("/proc/self/clear_refs").write_text("5")
         lora = [f" --lora-rank {a.lora}"] if a.lora else []
-        for name, tier in [(n, t) for t in ["", *lora] for n in a.scripts]:  # full fine-tuning first, then LoRA
+        for name, tier in [
+            (n, t) for t in ([] if a.lora_only else [""]) + lora for n in a.scripts
+        ]:  # full fine-tuning first, then LoRA
             cmd = [*SCRIPTS[name], "--model", str(model), *flags, *tier.split()]
             r = res["scripts"][name + tier] = run_one(Path(a.root), cmd, a.threads)
             print(name + tier, json.dumps(r), flush=True)

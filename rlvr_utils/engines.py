@@ -120,14 +120,17 @@ class VLLMEngine:
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0]
         return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
 
-    def sync(self, model, state: dict | None = None) -> None:
+    def sync(self, model, state=None) -> None:
         """Reload the trained weights into the engine, in memory and in place (vLLM's `reload_weights`, which also
         redoes backend weight processing such as the CPU backend's repacking; tied embeddings are one tensor).
-        A weight the engine does not know fails the sync loudly. `state`: weights to load instead of the model's."""
+        A weight the engine does not know fails the sync loudly. `state`: weights to load instead of the model's, a
+        dict, or (name, weight) pairs that are read one at a time (LoRA's merged layers)."""
         self.wake_up()
         state = model.state_dict() if state is None else state
-        # FSDP: each weight gathered whole (a collective: every rank syncs its engine after every optimizer step)
-        weights = [(k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()) for k, v in state.items()]
+        if isinstance(state, dict):  # FSDP: each weight gathered whole (a collective, on every rank, before loading)
+            weights = [(k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()) for k, v in state.items()]
+        else:
+            weights = ((k, v.detach()) for k, v in state)
         try:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights)))
         except Exception as e:
@@ -157,7 +160,7 @@ def attach_run_engine(model, optimizer, args, dist) -> "VLLMEngine | None":
     weights = None
     if args.lora_rank:
         lora = runtime.extra("lora", "--lora-rank")
-        weights = functools.partial(lora.merged_weights, model)
+        weights = functools.partial(lora.iter_merged_weights, model)  # one merged layer at a time
     share, seed = args.vllm_gpu_memory_utilization, args.seed + dist.rank
     return attach_engine("vllm", model, optimizer, args.model, share, seed=seed, weights=weights)
 

@@ -9,6 +9,7 @@ Checkpoints hold the adapters and the optimizer state (the base is --model's, lo
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -19,13 +20,26 @@ def wrap(model, args):
     only the adapters train. The adapters start at B = 0, so the wrapped model computes exactly the base's outputs."""
     from peft import LoraConfig, get_peft_model
 
+    from rlvr_utils.runtime import need, usage_error
+
     targets = list(args.lora_target_modules) or "all-linear"
     alpha = args.lora_alpha if args.lora_alpha is not None else args.lora_rank
     config = LoraConfig(
         r=args.lora_rank, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets,
         bias="none", task_type="CAUSAL_LM",
     )  # fmt: skip
-    return get_peft_model(model, config)
+    if targets == "all-linear":
+        return get_peft_model(model, config)
+    embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
+    ends = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if any(m is e for e in embeddings)}
+    tied = sorted(ends & set(targets)) if getattr(model.config, "tie_word_embeddings", False) else []
+    need(not tied, f"--lora-target-modules {' '.join(tied)}: this model ties its input and output embeddings, so an "
+         "adapter there changes both (and a merged save or vLLM keeps one): adapt the blocks' layers")  # fmt: skip
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # no module of that name, a module PEFT cannot adapt
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        usage_error(f"--lora-target-modules {' '.join(targets)}: {why}")
 
 
 def is_lora(model) -> bool:
@@ -71,26 +85,37 @@ def load_adapter_state(model, weights: dict) -> list[str]:
     return problems
 
 
-def merged_weights(model) -> dict:
-    """The base model's weights with the adapters merged in (W + scale * B A per adapted layer), under the base's own
-    names, without changing the model: what a vLLM engine or a merged save loads."""
+def iter_merged_weights(model):
+    """(name, weight) of the base model with the adapters merged in (W + scale * B A per adapted layer), under the
+    base's own names, one at a time and without changing the model: what the vLLM engine loads after each step (a
+    merged layer exists only while the engine reads it: no second copy of the model)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     layers = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    out = {}
-    with torch.no_grad():
-        for key, value in base.state_dict().items():
-            if ".lora_" in key:
-                continue
-            if key in layers:
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        if key in layers:
+            with torch.no_grad():
                 value = value + layers[key].get_delta_weight("default").to(value.dtype)
-            out[key.replace(".base_layer.", ".")] = value
-    return out
+        yield key.replace(".base_layer.", "."), value
+
+
+def merged_weights(model) -> dict:
+    """`iter_merged_weights` as a dict (every merged layer at once)."""
+    return dict(iter_merged_weights(model))
 
 
 @contextlib.contextmanager
 def saved_as(model, adapter: bool):
     """--save-model under LoRA: the object to `save_pretrained`: the adapter (`adapter`: a PeftModel directory with
     adapter_config.json) or a merged model (the adapters merged into a copy-free unloaded base; the run ends after)."""
-    yield model if adapter else model.merge_and_unload()
+    if adapter:  # a local base by its absolute path, so that the adapter loads from any directory
+        config = model.peft_config["default"]
+        base = Path(str(config.base_model_name_or_path or "")).expanduser()
+        if config.base_model_name_or_path and base.exists():
+            config.base_model_name_or_path = str(base.resolve())
+        yield model
+    else:
+        yield model.merge_and_unload()

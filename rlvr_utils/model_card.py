@@ -171,6 +171,9 @@ def model_card(run_dir: Path, example: str | None = None) -> str | None:
     if rank:  # --lora-rank: what the folder holds
         what = "a LoRA adapter, loaded over its base" if adapter else "the model with its LoRA adapters merged"
         lines += ["", f"Trained with LoRA (rank {rank}); this folder holds {what}."]
+        if adapter and local(str(config.get("model", ""))):  # adapter_config.json names the base's path
+            lines[-1] += (" Its `adapter_config.json` names the base by its absolute path on the training machine: "
+                          "elsewhere, set `base_model_name_or_path` to the base's hub id or local copy.")  # fmt: skip
     lines += ["", "## Use", "", "```python", "from transformers import AutoTokenizer"]
     lines += [f"from {'peft' if adapter else 'transformers'} import {loader}", ""]
     lines += [

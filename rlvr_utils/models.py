@@ -222,7 +222,9 @@ def check_weights(name: str, info: dict) -> None:
 
 def check_vocab(name: str, model, tokenizer) -> None:
     """The tokenizer's ids all have an embedding row (an id beyond them fails inside the model's forward)."""
-    rows, top = model.get_input_embeddings().num_embeddings, max(tokenizer.get_vocab().values(), default=0)
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "base_layer", emb).num_embeddings  # --lora-rank on the embedding: PEFT's wrapper
+    top = max(tokenizer.get_vocab().values(), default=0)
     need(top < rows, f"--model {name}: the tokenizer has ids up to {top}, the model's embedding {rows} rows: the "
          "tokenizer of another model beside these weights?")  # fmt: skip
 

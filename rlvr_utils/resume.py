@@ -8,6 +8,7 @@ the sharded checkpoints and world-size changes). A damaged file ends the run wit
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -30,6 +31,7 @@ RUNTIME_FLAGS = (
     "total_steps",
     "save_every",
     "save_model",
+    "save_adapter",  # --save-model's form, chosen at the end
     "threads",
     "track",
     "wandb_project",
@@ -119,6 +121,8 @@ def resume_args(args, args_type):
         old = tuple(saved[f.name]) if isinstance(default, tuple) and isinstance(saved[f.name], list) else saved[f.name]
         if f.name in RUNTIME_FLAGS:  # given on this command line, or else the run's own
             merged[f.name] = given if given != default or f.name == "resume" else old
+            if f.name == "model" and saved.get("lora_rank") and merged["model"] != old:
+                _same_base(run_dir, old, merged["model"])
             continue
         need(
             given == default or given == old,
@@ -139,6 +143,26 @@ def resume_args(args, args_type):
         warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
         print(warning, file=sys.stderr)
     return out
+
+
+def _same_base(run_dir: Path, old: str, new: str) -> None:
+    """--lora-rank: the checkpoint holds only the adapters, so a resume under another --model path must load the same
+    base weights: config.json and every weight file byte for byte (a copy in another clone); else one line."""
+
+    def files(path: str) -> dict | None:
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            return None
+        names = ["config.json", *(f.name for f in p.glob("*.safetensors")), *(f.name for f in p.glob("*.bin"))]
+        return {n: hashlib.sha256((p / n).read_bytes()).hexdigest() for n in names if (p / n).is_file()}
+
+    a, b = files(old), files(new)
+    need(
+        a is not None and a == b,
+        f"--model {new}: not the base the run in {run_dir} trained its LoRA adapters on ({old}"
+        + (", not a directory to compare" if a is None else ": other files")
+        + "); its checkpoint holds only the adapters",
+    )
 
 
 def recover(ckpt) -> int | None:

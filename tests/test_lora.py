@@ -5,6 +5,7 @@ the flags' bad values and --fsdp are one line."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -132,8 +133,14 @@ def test_the_saved_model_loads_the_standard_way(tmp_path, adapter):
     if adapter:
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(saved))
+        here = os.getcwd()
+        os.chdir(tmp_path)  # not the repository: the base is found by the absolute path adapter_config.json gives
+        try:
+            model = AutoPeftModelForCausalLM.from_pretrained(str(saved))
+        finally:
+            os.chdir(here)
         assert (saved / "adapter_config.json").is_file() and "adapter" in card.lower()
+        assert json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"] == str(TINY_MODEL)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -169,10 +176,48 @@ def _one_line(args, env=None):
         (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
         (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
         (["--save-model", "--save-adapter"], "--save-adapter needs --lora-rank"),
+        (["--lora-rank", "4", "--lora-target-modules", "embed_tokens"], "ties its input and output embeddings"),
+        (["--lora-rank", "4", "--lora-target-modules", "lm_head"], "ties its input and output embeddings"),
+        (["--lora-rank", "4", "--lora-target-modules", "foo_proj"], "--lora-target-modules foo_proj: Target modules"),
     ],
 )
-def test_bad_lora_flags_are_one_line(flags, words):
-    assert words in _one_line(flags)
+def test_bad_lora_flags_are_one_line(flags, words, tmp_path):
+    assert words in _one_line([*flags, "--output-dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())  # no run directory left behind
+
+
+def test_ep_grpo_s_moving_anchor_is_refused_under_lora():
+    """--process-anchor ema/lagged copy the whole model, which LoRA is there to avoid."""
+    r = subprocess.run(
+        [sys.executable, "ep_grpo.py", "--lora-rank", "4", "--process-anchor", "ema"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "not with --lora-rank" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_only_on_its_own_base(tmp_path):
+    """The checkpoint holds only the adapters: a resume with --model naming other weights is one line; a byte-equal
+    copy in another directory resumes (and --save-adapter may be added on resume)."""
+    flags = [*FAST, "--lora-rank", "4", "--eval-every", "0"]
+    out = run_script("grpo.py", "--total-steps", "1", "--save-every", "1", "--output-dir", str(tmp_path / "r"), *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = run_dir(tmp_path / "r")
+    other = tmp_path / "other"  # the same shapes, other weights
+    model, tok = _policy()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
+    out = run_script("grpo.py", "--resume", str(d), "--total-steps", "2", "--model", str(other))
+    assert out.returncode == 2 and "not the base the run" in out.stderr, out.stderr[-2000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(TINY_MODEL, copy)
+    args = ["--resume", str(d), "--total-steps", "2", "--model", str(copy), "--save-model", "--save-adapter"]
+    out = run_script("grpo.py", *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (d / "model" / "adapter_config.json").is_file()
 
 
 def test_lora_with_fsdp_is_refused_before_anything_loads():

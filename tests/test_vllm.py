@@ -86,7 +86,7 @@ def test_a_weight_the_engine_does_not_know_fails_the_sync(engine_and_model):
 @pytest.mark.vllm
 def test_under_lora_the_engine_serves_the_merged_weights():
     """--lora-rank: vLLM serves a plain model, so each sync sends the base's weights with the adapters merged in
-    (lora.merged_weights); after an optimizer step that moved the adapters, the engine's log-probs are the LoRA
+    (lora.iter_merged_weights); after an optimizer step that moved the adapters, the engine's log-probs are the LoRA
     model's, and not the base's."""
     pytest.importorskip("vllm")
     pytest.importorskip("peft")

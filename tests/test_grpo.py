@@ -7,8 +7,6 @@ import torch
 from conftest import TINY_MODEL
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 
-from rlvr_utils import tasks
-
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
 
 
@@ -92,14 +90,12 @@ def test_grpo_help_lists_every_flag():
 
 @pytest.mark.slow
 def test_grpo_nan_loss_stops_without_checkpoint(tmp_path, monkeypatch):
-    real = tasks.load_task
+    """A NaN loss (here: the aggregated loss made NaN; a NaN reward is TRL's "not scored", left out, so it cannot
+    serve) stops the run at that step, before the update, and writes no model."""
+    import common
 
-    def nan_reward_task(*a, **k):
-        task = real(*a, **k)
-        task.reward_fn = lambda completion, ex: float("nan")
-        return task
-
-    monkeypatch.setattr(tasks, "load_task", nan_reward_task)
+    real = common.aggregate_loss
+    monkeypatch.setattr(common, "aggregate_loss", lambda *a, **k: real(*a, **k) * float("nan"))
     with pytest.raises(SystemExit, match="non-finite loss .* at step 1"):
         run_inprocess("grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--save-model", *FAST)
     assert not (run_dir(tmp_path) / "model").exists()

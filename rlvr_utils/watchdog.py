@@ -21,7 +21,6 @@ class Watchdog:
     wakes a blocking call); a block that still has not returned GRACE seconds later ends the process with one line.
     A thread and SIGUSR1 rather than an alarm: reward libraries (math-verify) set and cancel SIGALRM themselves."""
 
-    _installed = False
     _firing = False
     _previous = None  # SIGUSR1's handler before ours (runtime.GracefulStop: a user's SIGUSR1 stops the run)
 
@@ -40,9 +39,10 @@ class Watchdog:
         if not self.seconds:
             return self
         self.main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill")
-        if self.main and not Watchdog._installed:
+        # (re)installed whenever SIGUSR1 is not ours: a later run in this process (its GracefulStop) replaces it, and
+        # the watchdog's signal would then ask that run to stop while the hung call goes on
+        if self.main and signal.getsignal(signal.SIGUSR1) != Watchdog._handler:
             Watchdog._previous = signal.signal(signal.SIGUSR1, Watchdog._handler)
-            Watchdog._installed = True
         self.lock, self.done = threading.Lock(), threading.Event()
         threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True).start()
         return self

@@ -436,13 +436,12 @@ def test_sigusr1_stops_after_the_step_as_sigterm_does_also_beside_the_watchdog()
     from rlvr_utils import watchdog
 
     saved = {s: signal.getsignal(s) for s in runtime.SIGNALS}
-    state = (watchdog.Watchdog._installed, watchdog.Watchdog._previous)
+    previous = watchdog.Watchdog._previous
     try:
         stop = runtime.GracefulStop()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.flag
         stop = runtime.GracefulStop()
-        watchdog.Watchdog._installed = False
         with watchdog.Watchdog(30.0, "a reward"):
             os.kill(os.getpid(), signal.SIGUSR1)  # not the watchdog's own: no RewardTimeout, the run's stop
             time.sleep(0.1)
@@ -450,7 +449,7 @@ def test_sigusr1_stops_after_the_step_as_sigterm_does_also_beside_the_watchdog()
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
-        watchdog.Watchdog._installed, watchdog.Watchdog._previous = state
+        watchdog.Watchdog._previous = previous
 
 
 def test_a_prompt_of_megabytes_is_skipped_without_being_tokenized(tiny):

@@ -339,6 +339,29 @@ def test_reward_timeout_stops_a_hung_call(capsys, fn):
     time.sleep(0.6)  # nothing fires after the call is over
 
 
+def test_reward_timeout_still_fires_after_a_later_run_took_sigusr1():
+    """The watchdog's signal is SIGUSR1, which each run's GracefulStop also takes (Slurm's warning). A second run in
+    the same process (a notebook, a test runner) replaced the watchdog's handler: a hung reward then asked the run to
+    stop, went on, and 10 s later the process ended at once (os._exit: a pytest run died silently). In a child
+    process, since the old behaviour ends whatever process it runs in."""
+    code = (
+        "import time, sys\n"
+        "from rlvr_utils import reward_calls, runtime, tasks\n"
+        "ex = [tasks.Example(0, 'q', '', 'p', [1], meta={'prompt': 'p', 'columns': {}, 'where': 'f.jsonl:1'})]\n"
+        "ok = lambda prompts, completions, **k: [1.0]\n"
+        "reward_calls.RewardFunctions([('ok', ok)], timeout=5.0)(['x'], ex)  # installs the watchdog\n"
+        "runtime.GracefulStop()  # a later run's handlers\n"
+        "t0 = time.time()\n"
+        "try:\n"
+        "    reward_calls.RewardFunctions([('my.py:slow', lambda *a, **k: time.sleep(60))], timeout=0.5)(['x'], ex)\n"
+        "except SystemExit as e:\n"
+        "    print('stopped', e.code, round(time.time() - t0))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[:2] == ["stopped", "1"], (r.returncode, r.stdout, r.stderr[-500:])
+    assert int(r.stdout.split()[2]) < 5 and "SIGUSR1" not in r.stderr, r.stderr[-500:]
+
+
 def test_exits_and_interrupts_from_a_reward(capsys):
     def raises(exc):
         def fn(prompts, completions, **kw):

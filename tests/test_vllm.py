@@ -91,7 +91,9 @@ def test_under_lora_the_engine_serves_the_merged_weights():
     pytest.importorskip("vllm")
     pytest.importorskip("peft")
     base, tok = common.load_policy(common.DEFAULT_MODEL, torch.device("cpu"))
-    flags = cli.BaseArgs(engine="vllm", vllm_gpu_memory_utilization=MEM, lora_rank=4, lora_alpha=32.0)
+    # a second engine in this process (the module's is alive): on CPU vLLM's KV cache is share x node memory minus the
+    # whole process's RSS, which by now is above MEM's share
+    flags = cli.BaseArgs(engine="vllm", vllm_gpu_memory_utilization=2.5 * MEM, lora_rank=4, lora_alpha=32.0)
     model = common.with_lora(base, flags)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine = engines.attach_run_engine(model, optimizer, flags, type("Dist", (), {"rank": 0})())

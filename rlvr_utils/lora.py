@@ -102,11 +102,6 @@ def iter_merged_weights(model):
         yield key.replace(".base_layer.", "."), value
 
 
-def merged_weights(model) -> dict:
-    """`iter_merged_weights` as a dict (every merged layer at once)."""
-    return dict(iter_merged_weights(model))
-
-
 @contextlib.contextmanager
 def saved_as(model, adapter: bool):
     """--save-model under LoRA: the object to `save_pretrained`: the adapter (`adapter`: a PeftModel directory with

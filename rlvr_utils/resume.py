@@ -149,16 +149,25 @@ def _same_base(run_dir: Path, old: str, new: str) -> None:
     """--lora-rank: the checkpoint holds only the adapters, so a resume under another --model path must load the same
     base weights: config.json and every weight file byte for byte (a copy in another clone); else one line."""
 
-    def files(path: str) -> dict | None:
+    def files(path: str) -> dict | None:  # name -> size: files of another size differ without being read
         p = Path(path).expanduser()
         if not p.is_dir():
             return None
         names = ["config.json", *(f.name for f in p.glob("*.safetensors")), *(f.name for f in p.glob("*.bin"))]
-        return {n: hashlib.sha256((p / n).read_bytes()).hexdigest() for n in names if (p / n).is_file()}
+        return {n: (p / n).stat().st_size for n in names if (p / n).is_file()}
+
+    def sha256(path: Path) -> str:  # 16 MB at a time: a shard of an 8B model is not read into memory whole
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        return h.hexdigest()
 
     a, b = files(old), files(new)
+    same = a is not None and a == b
+    same = same and all(sha256(Path(old).expanduser() / n) == sha256(Path(new).expanduser() / n) for n in a)
     need(
-        a is not None and a == b,
+        same,
         f"--model {new}: not the base the run in {run_dir} trained its LoRA adapters on ({old}"
         + (", not a directory to compare" if a is None else ": other files")
         + "); its checkpoint holds only the adapters",

@@ -81,7 +81,7 @@ def test_merged_weights_are_the_merged_model_s():
     wrapped = lora.wrap(model, _args())
     _nudge(wrapped, seed=1)
     want = _logp(wrapped, tok).detach()
-    merged = lora.merged_weights(wrapped)
+    merged = dict(lora.iter_merged_weights(wrapped))
     fresh, _ = _policy()
     missing, unexpected = fresh.load_state_dict(merged, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # lm_head: tied

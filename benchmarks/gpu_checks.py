@@ -1,15 +1,17 @@
 r"""Benchmark and check for a GPU host: every script in bf16 without a non-finite value, and each one's peak memory and
 step time on a real-shaped model, relative to grpo.py.
 
-Part 1: every script x seeds 1-3 x --steps (20) steps on the bundled tiny model in bfloat16 (a NaN or inf loss or
-gradient norm stops a script with exit code 1: the run fails). Part 2: every script --big-steps (3) steps on a
-random-init Qwen2.5-1.5B-shaped model (the real vocabulary; built by gpu_vs_trl.build_model) with gradient
-checkpointing: median s/step (the first step dropped), peak GPU memory (memory/peak_gb), and the ratio of each
-script's step time to grpo.py's (targets: SC-GRPO <= 1.6, GRPO-lambda <= 1.05, EP-GRPO <= 1.4, SRPO <= 2.0).
-Writes benchmarks/out/gpu_checks.json and prints a markdown table.
+Part 1: every script (and grpo.py / sc_grpo.py under --lora-rank 16) x seeds 1-3 x --steps (20) steps on the bundled
+tiny model in bfloat16, --jobs of them at a time on the one GPU (a NaN or inf loss or gradient norm stops a script with
+exit code 1: the run fails). Part 2: every script --big-steps (8) steps on a random-init Qwen2.5-1.5B-shaped model (the
+real vocabulary; built by gpu_vs_trl.build_model) with gradient checkpointing: median s/step over the steps after
+the first --drop (2; the first steps are warm-up and varied 4-17 s), peak GPU memory (memory/peak_gb), and the
+ratio of each script's step time to grpo.py's (targets: SC-GRPO <= 1.6, GRPO-lambda <= 1.05, EP-GRPO <= 1.4,
+SRPO <= 2.0). --deadline-s skips the runs that would start after it, so a short device lease still returns a table.
+Writes benchmarks/out/gpu_checks.json (after every run) and prints a markdown table.
 
     python benchmarks/gpu_checks.py                                   # on a GPU host, both parts
-    python benchmarks/gpu_checks.py --parts big --big-steps 2 --big-new-tokens 64   # part 2 alone, shorter
+    python benchmarks/gpu_checks.py --parts big --big-steps 8 --big-new-tokens 64   # part 2 alone, shorter
     python benchmarks/gpu_checks.py --device cpu --dtype float32 --steps 2 --seeds 1 --shape tiny \
         --big-new-tokens 8                                            # CPU smoke
 """
@@ -19,6 +21,8 @@ import json
 import statistics
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +37,8 @@ SCRIPTS = {
     "ep_grpo": ["ep_grpo.py"],
     "srpo": ["srpo.py"],
     "rrpo": ["srpo.py", "--reset", "random"],
+    "grpo_lora": ["grpo.py", "--lora-rank", "16"],
+    "sc_grpo_lora": ["sc_grpo.py", "--lora-rank", "16"],
 }
 
 
@@ -43,7 +49,17 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--shape", default="1.5b")
-    ap.add_argument("--big-steps", type=int, default=3)
+    ap.add_argument("--big-steps", type=int, default=8)
+    ap.add_argument("--drop", type=int, default=2, help="warm-up steps left out of the median s/step")
+    ap.add_argument("--jobs", type=int, default=1, help="part 1 runs at a time (tiny model: several fit one GPU)")
+    ap.add_argument("--big-scripts", nargs="+", default=None, choices=list(SCRIPTS), help="part 2 (default: --scripts)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="part 2 on this saved model instead of building --shape's (--shape still labels it)",
+    )
+    ap.add_argument("--run-timeout", type=float, default=None, help="kill a run after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--big-new-tokens", type=int, default=256)
     ap.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     ap.add_argument("--parts", nargs="+", default=["finite", "big"], choices=["finite", "big"], help="which parts")
@@ -51,17 +67,37 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
+    t0 = time.perf_counter()
+    late = lambda: a.deadline_s is not None and time.perf_counter() - t0 > a.deadline_s  # noqa: E731
     device = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "CPU"
-    res = {"device": device, "finite": {}, "big": {}}
+    res = {"device": device, "torch": torch.__version__, "finite": {}, "big": {}, "skipped": []}
+    save = lambda: Path(a.out).write_text(json.dumps(res, indent=1))  # noqa: E731
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     common = ["--device", a.device, "--dtype", a.dtype, "--eval-every", "0", "--num-eval", "8"]
-    for name in a.scripts if "finite" in a.parts else []:
-        for seed in a.seeds:
-            run = run_script([*SCRIPTS[name], *common, "--seed", str(seed), "--total-steps", str(a.steps)])
-            res["finite"][f"{name}/{seed}"] = ok = run.ok and len(run.rows) == a.steps + 1
-            print(f"{name} seed {seed}: {'ok' if ok else 'FAILED ' + run.tail(1500)}", flush=True)
+
+    def check_finite(job: tuple[str, int]) -> None:
+        name, seed = job
+        if late():
+            res["skipped"].append(f"finite {name}/{seed}")
+            return
+        run = run_script(
+            [*SCRIPTS[name], *common, "--seed", str(seed), "--total-steps", str(a.steps)], timeout=a.run_timeout
+        )
+        res["finite"][f"{name}/{seed}"] = ok = run.ok and len(run.rows) == a.steps + 1
+        print(f"{name} seed {seed}: {'ok' if ok else 'FAILED ' + run.tail(1500)}", flush=True)
+        save()
+
+    jobs = [(name, seed) for name in a.scripts for seed in a.seeds] if "finite" in a.parts else []
+    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        list(pool.map(check_finite, jobs))
+    big_scripts = a.big_scripts or a.scripts
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(a.shape, Path(tmp) / a.shape, 151936) if "big" in a.parts else None
-        for name in a.scripts if "big" in a.parts else []:
+        model = a.model or (build_model(a.shape, Path(tmp) / a.shape, 151936) if "big" in a.parts else None)
+        for name in big_scripts if "big" in a.parts else []:
+            if late():
+                res["skipped"].append(f"big {name}")
+                print(f"{name} on {a.shape}: skipped (past --deadline-s)", flush=True)
+                continue
             run = run_script(
                 [
                     *SCRIPTS[name],
@@ -77,35 +113,46 @@ def main() -> None:
                     "1e-6",
                     "--micro-batch-size",
                     "8",
-                ]
+                ],
+                timeout=a.run_timeout,
             )
             steps = run.steps
             if not run.ok or not steps:
                 print(f"{name} on {a.shape}: FAILED {run.tail(1500)}", flush=True)
                 continue
-            t = statistics.median(r["time/step"] for r in (steps[1:] or steps))
-            res["big"][name] = dict(s_per_step=t, peak_gb=max(r.get("memory/peak_gb", 0.0) for r in steps))
-            print(f"{name} on {a.shape}: {t:.2f} s/step, peak {res['big'][name]['peak_gb']:.1f} GB", flush=True)
+            times = [r["time/step"] for r in steps]
+            kept = times[a.drop :] or times[-1:]
+            t = statistics.median(kept)
+            peak = max(r.get("memory/peak_gb", 0.0) for r in steps)
+            res["big"][name] = dict(s_per_step=t, peak_gb=peak, step_times=times, timed_steps=len(kept))
+            print(
+                f"{name} on {a.shape}: {t:.2f} s/step over {len(kept)} steps ({', '.join(f'{x:.2f}' for x in times)}),"
+                f" peak {peak:.1f} GB",
+                flush=True,
+            )
+            save()
     base = res["big"].get("grpo", {}).get("s_per_step")
     lines = [
-        f"{device}; {a.shape}-shaped random-init model, bf16, gradient checkpointing, {a.big_new_tokens} new tokens",
+        f"{device}; {a.shape}-shaped random-init model, {a.dtype}, gradient checkpointing,"
+        f" {a.big_new_tokens} new tokens, median of steps {a.drop + 1}-{a.big_steps}",
         "",
         "| script | s/step | x grpo.py | peak GB | bf16 runs without a non-finite value |",
         "|---|---|---|---|---|",
     ]
-    for name in a.scripts:
+    for name in dict.fromkeys([*a.scripts, *big_scripts]):
         b = res["big"].get(name)
         finite = sum(res["finite"].get(f"{name}/{s}", False) for s in a.seeds)
+        finite = f"{finite}/{len(a.seeds)}" if "finite" in a.parts else "not run"
         lines.append(
-            f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | "
-            f"{finite}/{len(a.seeds)} |"
+            f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | {finite} |"
             if b and base
             else f"| {name} | – | – | – | {finite}/{len(a.seeds)} |"
         )
     print("\n".join(lines))
     res["table"] = lines
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    if res["skipped"]:
+        print("skipped (past --deadline-s):", ", ".join(res["skipped"]))
+    save()
     if not all(res["finite"].values()):
         sys.exit("a bf16 run stopped (a non-finite value or an error): see above")
 

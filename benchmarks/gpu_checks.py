@@ -124,7 +124,10 @@ def main() -> None:
             kept = times[a.drop :] or times[-1:]
             t = statistics.median(kept)
             peak = max(r.get("memory/peak_gb", 0.0) for r in steps)
-            res["big"][name] = dict(s_per_step=t, peak_gb=peak, step_times=times, timed_steps=len(kept))
+            parts = {
+                k: statistics.median(r[k] for r in steps[a.drop :] or steps[-1:]) for k in steps[0] if "time/" in k
+            }
+            res["big"][name] = dict(s_per_step=t, peak_gb=peak, step_times=times, timed_steps=len(kept), parts=parts)
             print(
                 f"{name} on {a.shape}: {t:.2f} s/step over {len(kept)} steps ({', '.join(f'{x:.2f}' for x in times)}),"
                 f" peak {peak:.1f} GB",
@@ -136,17 +139,21 @@ def main() -> None:
         f"{device}; {a.shape}-shaped random-init model, {a.dtype}, gradient checkpointing,"
         f" {a.big_new_tokens} new tokens, median of steps {a.drop + 1}-{a.big_steps}",
         "",
-        "| script | s/step | x grpo.py | peak GB | bf16 runs without a non-finite value |",
-        "|---|---|---|---|---|",
+        "| script | s/step | generation s | log-probs + update s | x grpo.py | peak GB | bf16 runs finite |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in dict.fromkeys([*a.scripts, *big_scripts]):
         b = res["big"].get(name)
         finite = sum(res["finite"].get(f"{name}/{s}", False) for s in a.seeds)
         finite = f"{finite}/{len(a.seeds)}" if "finite" in a.parts else "not run"
+        if not (b and base):
+            lines.append(f"| {name} | – | – | – | – | – | {finite} |")
+            continue
+        gen = b["parts"].get("time/generation", float("nan"))
+        rest = b["s_per_step"] - gen
+        ratio = b["s_per_step"] / base
         lines.append(
-            f"| {name} | {b['s_per_step']:.2f} | {b['s_per_step'] / base:.2f} | {b['peak_gb']:.1f} | {finite} |"
-            if b and base
-            else f"| {name} | – | – | – | {finite}/{len(a.seeds)} |"
+            f"| {name} | {b['s_per_step']:.2f} | {gen:.2f} | {rest:.2f} | {ratio:.2f} | {b['peak_gb']:.1f} | {finite} |"
         )
     print("\n".join(lines))
     res["table"] = lines

@@ -16,12 +16,13 @@ several `run` processes may share the work (each (method, seed) is claimed with 
 Student-t interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems; the mean
 of the per-seed differences over the n seeds both finished, with their 95% t-interval) and the lowest per-seed ratio
 to GRPO's final (a collapse on one seed), the mean accuracy over all evaluations (step 0 included; a less noisy view
-of speed than one crossing), the first evaluated step at which each method's mean curve reaches GRPO's final mean
-accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and against
-generated tokens (mean and 95% t band) in docs/img/: one for the methods at their defaults, one per swept method for
-its `--tag` sweeps beside it (needs matplotlib: pip install -r benchmarks/requirements.txt). `report --json` prints
-one JSON line per method instead (`versus_grpo` defines its fields) and writes nothing. Intervals are t-intervals
-(`t_interval`), not a bootstrap: over 3 seeds a percentile bootstrap of the mean covers far less than 95%.
+of speed than one crossing) and its difference from GRPO's paired by seed (the evaluations after step 0: less
+hostage to one evaluation than the final), the first evaluated step at which each method's mean curve reaches GRPO's
+final mean accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and
+against generated tokens (mean and 95% t band) in docs/img/: one for the methods at their defaults, one per swept
+method for its `--tag` sweeps beside it (needs matplotlib: pip install -r benchmarks/requirements.txt). `report
+--json` prints one JSON line per method instead (`versus_grpo` defines its fields) and writes nothing. Intervals are
+t-intervals (`t_interval`), not a bootstrap: over 3 seeds a percentile bootstrap of the mean covers far less than 95%.
 
 Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
@@ -252,7 +253,7 @@ def first_reach(curve, target: float):
     return next(((s, t) for s, t, m, _, _ in curve if m >= target - 1e-9), (None, None))
 
 
-def versus_grpo(by_seed: dict, grpo_final: dict) -> dict:
+def versus_grpo(by_seed: dict, grpo: dict) -> dict:
     """A method's final greedy accuracy over its seeds and against GRPO's on the same seeds (same seed: same held-out
     problems and first batches, so the paired difference is the sharper test):
       final            mean over its seeds of the final accuracy, with its 95% t-interval (final_lo, final_hi);
@@ -260,13 +261,25 @@ def versus_grpo(by_seed: dict, grpo_final: dict) -> dict:
       diff             mean over those n seeds of (its final - GRPO's final), with the 95% paired t-interval (lo, hi):
                        the t-interval of the n per-seed differences;
       min_ratio        min over those seeds of (its final / GRPO's final): a collapse on one seed shows here even when
-                       the mean hides it (seeds where GRPO's final is 0 are left out; None when none is left)."""
+                       the mean hides it (seeds where GRPO's final is 0 are left out; None when none is left);
+      evals_diff       mean over those n seeds of the mean, over the evaluations after step 0 that both made, of (its
+                       accuracy - GRPO's), with its 95% paired t-interval (evals_lo, evals_hi): less hostage to one
+                       evaluation than diff.
+    grpo: GRPO's curves by seed (seed -> [(step, tokens, accuracy), ...])."""
+    grpo_final = {k: pts[-1][2] for k, pts in grpo.items()}
     finals = [pts[-1][2] for pts in by_seed.values()]
     final, final_lo, final_hi = t_interval(finals)
     shared = sorted(k for k in by_seed if k in grpo_final)
     diffs = [by_seed[k][-1][2] - grpo_final[k] for k in shared]
     diff, lo, hi = t_interval(diffs) if diffs else (None, None, None)
     ratios = [by_seed[k][-1][2] / grpo_final[k] for k in shared if grpo_final[k] > 0]
+    per_seed = []
+    for k in shared:
+        theirs = {step: acc for step, _, acc in grpo[k]}
+        pairs = [acc - theirs[step] for step, _, acc in by_seed[k] if step > 0 and step in theirs]
+        if pairs:
+            per_seed.append(sum(pairs) / len(pairs))
+    evals_diff, evals_lo, evals_hi = t_interval(per_seed) if per_seed else (None, None, None)
     return dict(
         n=len(shared),
         diff=diff,
@@ -277,6 +290,9 @@ def versus_grpo(by_seed: dict, grpo_final: dict) -> dict:
         final_hi=final_hi,
         seeds=len(finals),
         min_ratio=min(ratios) if ratios else None,
+        evals_diff=evals_diff,
+        evals_lo=evals_lo,
+        evals_hi=evals_hi,
     )
 
 
@@ -290,7 +306,8 @@ def cmd_report(a) -> None:
     base = means.get("grpo")
     target = base[-1][2] if base else None
     final_step = base[-1][0] if base else None
-    grpo_final = {k: pts[-1][2] for k, pts in curves.get("grpo", {}).items()}  # GRPO's final accuracy, by seed
+    grpo = curves.get("grpo", {})
+    grpo_final = {k: pts[-1][2] for k, pts in grpo.items()}  # GRPO's final accuracy, by seed
     order = sorted(means, key=lambda m: ("@" in m, m != "grpo", m))  # GRPO, the defaults, then sweeps
     for m in order:
         ends = sorted({pts[-1][0] for pts in curves[m].values()})
@@ -298,24 +315,28 @@ def cmd_report(a) -> None:
             sys.exit(f"{m}: its seeds end at different steps {ends}; rerun or remove the short ones")
     if a.json:  # one JSON line per method, nothing written
         for m in order:
-            print(json.dumps({"method": m, **versus_grpo(curves[m], grpo_final)}))
+            print(json.dumps({"method": m, **versus_grpo(curves[m], grpo)}))
         return
     lines = [
         f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
         "held-out problems; mean over seeds with its 95% Student-t interval over seeds (n - 1 degrees of freedom); "
         "the difference from GRPO is paired by seed (the seeds both finished: n paired) with the t-interval of the "
         "per-seed differences; min ratio: the lowest, over those seeds, of the method's final / GRPO's final on the "
-        "same seed (a collapse on one seed shows there).",
+        "same seed (a collapse on one seed shows there); evals − GRPO: the per-seed mean, over the evaluations after "
+        "step 0, of the method's accuracy minus GRPO's, paired by seed (less hostage to one evaluation than the final)"
+        ".",
         "",
         "| method | seeds | step 0 | final (step) | final, 95% t-interval | n paired "
         "| final − GRPO, paired 95% t-interval | min ratio to GRPO | mean over evals, 95% t-interval "
+        "| evals − GRPO, paired 95% t-interval "
         "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in order:
         curve, by_seed = means[m], curves[m]
-        v = versus_grpo(by_seed, grpo_final)
+        v = versus_grpo(by_seed, grpo)
         d = fmt_ci((v["diff"], v["lo"], v["hi"]), "+") if v["n"] else "–"
+        ev = fmt_ci((v["evals_diff"], v["evals_lo"], v["evals_hi"]), "+") if v["evals_diff"] is not None else "–"
         ratio = f"{v['min_ratio']:.2f}" if v["min_ratio"] is not None else "–"
         auc = t_interval([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # mean over all evaluations
         # GRPO's final over the same seeds (a 2-seed sweep is measured against those 2 seeds of GRPO)
@@ -327,7 +348,7 @@ def cmd_report(a) -> None:
         final = fmt_ci((v["final"], v["final_lo"], v["final_hi"]))
         lines.append(
             f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {v['final']:.3f} ({curve[-1][0]}) | {final} | {v['n']} | "
-            f"{d} | {ratio} | {fmt_ci(auc)} | "
+            f"{d} | {ratio} | {fmt_ci(auc)} | {ev} | "
             f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
             f"{tok_step:.0f} |"
         )

@@ -235,6 +235,9 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     assert "| 0.550 [-0.085, 1.185] |" in grpo
     # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3: 0.400 -+ 12.706 * 0.04714 / 1.414 = 0.424
     assert "| 0.400 [-0.024, 0.824] |" in grpo
+    # evals after step 0, paired: seed 1 ((0.6-0.4) + (0.6-0.5)) / 2 = 0.15, seed 2 ((0.5-0.5) + (0.7-0.6)) / 2 = 0.05;
+    # mean 0.10 -+ 12.706 * 0.0707 / 1.414 = 0.635
+    assert "| +0.100 [-0.535, +0.735] |" in srpo and grpo.count("| +0.000 [+0.000, +0.000] |") == 2  # GRPO - GRPO
     results, mechanisms = table.split("What explains it")
     names = [
         line.split("|")[1].strip() for line in results.splitlines() if line.startswith("| ") and "seeds" not in line
@@ -257,6 +260,9 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     assert out["srpo"]["n"] == 2 and out["srpo"]["diff"] == pytest.approx(0.1) and out["srpo"]["seeds"] == 2
     assert out["srpo"]["lo"] == pytest.approx(0.1) and out["srpo"]["hi"] == pytest.approx(0.1)
     assert out["srpo"]["min_ratio"] == pytest.approx(0.7 / 0.6)
+    assert out["srpo"]["evals_diff"] == pytest.approx(0.1) and out["srpo"]["evals_hi"] == pytest.approx(
+        0.1 + 0.6353, abs=1e-3
+    )
     assert out["grpo"]["final_lo"] == pytest.approx(0.55 - 12.7062 * 0.05, abs=1e-4)  # sd / sqrt(2) = 0.05
     lr = out["srpo@lr"]  # one seed: paired with GRPO's seed 1; no interval
     assert (lr["n"], lr["lo"], lr["hi"], lr["final_lo"]) == (1, None, None, None)

@@ -31,7 +31,7 @@ def build(b, code_timeout: float):
 def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
     """Rows of a local data file or directory (`data_path`, read as written: datafiles.py) or of the task's hub
     dataset, and where each row came from (`file:line`, `dataset[split] row N`)."""
-    if data_path and task == "custom" and not Path(data_path).exists():  # a hub dataset id
+    if data_path and task == "custom" and not Path(data_path).expanduser().exists():  # a hub dataset id
         name, config, split = data_path, None, "train" if split_kind == "train" else "test"
     elif data_path:
         return datafiles.read_rows(data_path)
@@ -196,7 +196,7 @@ def read_rows(path: str, flag: str) -> list[dict]:
 
 def read_rows_where(path: str, flag: str) -> tuple[list[dict], list[str]]:
     """`read_rows` and where each row came from (`file:line`)."""
-    need(Path(path).exists(), f"{flag} {path}: no such file")
+    need(Path(path).expanduser().exists(), f"{flag} {path}: no such file")
     try:
         return datafiles.read_rows(path)
     except (datafiles.DataFileError, FileNotFoundError) as e:
@@ -210,7 +210,7 @@ def check_data(task: str, path: str | None, flag: str) -> None:
         task != "arith",
         f"{flag} {path}: --task arith is built in and reads no data file (use --task gsm8k, math, code or custom)",
     )
-    if task == "custom" and not Path(path).exists() and not looks_like_path(path):  # a hub dataset id
+    if task == "custom" and not Path(path).expanduser().exists() and not looks_like_path(path):  # a hub dataset id
         if not dataset_cached(path):
             need_hub(f"{flag} {path} is not a local file, so it names a hub dataset", "a local .jsonl file")
         return
@@ -262,7 +262,7 @@ def check(a: dict) -> None:
 
 def check_rows_left(a: dict) -> None:
     """A data file whose rows are all held out for evaluation (no --eval-data-path): one line."""
-    if not Path(a["data_path"]).exists():
+    if not Path(a["data_path"]).expanduser().exists():
         return
     n = len(read_rows(a["data_path"], "--data-path"))
     held = a["num_eval"] if n >= 2 * a["num_eval"] else n // 5  # as tasks: a fifth of a small file
@@ -286,12 +286,21 @@ def file_hashes(args) -> dict:
 
 def _digest(path: Path) -> str:
     """sha256 of a file's bytes; of a data directory: of each data file's name and bytes, in name order."""
-    if path.is_file():
-        return hashlib.sha256(path.read_bytes()).hexdigest()
     h = hashlib.sha256()
+    if path.is_file():
+        _feed(h, path)
+        return h.hexdigest()
     try:
         for f in datafiles.data_files(path):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+            h.update(f.name.encode() + b"\0")
+            _feed(h, f)
     except (datafiles.DataFileError, OSError):  # no data file in it: the checks say so
         pass
     return h.hexdigest()
+
+
+def _feed(h, f: Path) -> None:
+    """A file's bytes into hash `h`, 16 MB at a time (a multi-GB data file is not read into memory whole)."""
+    with f.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)

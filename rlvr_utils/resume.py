@@ -138,7 +138,17 @@ def resume_args(args, args_type):
     )
     out = dataclasses.replace(args, **merged)
     then = saved.get("file_hashes", {})
-    now = runtime.extra("data_tasks", "--resume of a run with data files").file_hashes(out) if then else {}
+    data_given = "file_hashes" in saved and (out.data_path or out.eval_data_path)  # config.json of an older run: none
+    now = {}
+    if then or data_given:
+        now = runtime.extra("data_tasks", "--resume of a run with data files").file_hashes(out)
+    for role in ("--data-path", "--eval-data-path"):  # added or dropped: other rows to train on, or to hold out
+        need(
+            "file_hashes" not in saved or (role in then) == (role in now),
+            f"--resume {args.resume}: the run started with{'' if role in then else 'out'} {role}, and this resume "
+            + ("does not find its file (one that moved is given anew)" if role in then else "gives one")
+            + ": a resumed run trains and evaluates on the same rows",
+        )
     for role in (r for r in then if now.get(r, then[r]) != then[r]):
         warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
         print(warning, file=sys.stderr)

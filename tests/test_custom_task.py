@@ -377,8 +377,44 @@ def test_a_run_with_data_files_resumes_and_warns_when_a_file_changed(user, tmp_p
     out = _run([*first, "--total-steps", "1", "--save-every", "1"])
     assert out.returncode == 0, out.stderr[-3000:]
     (run,) = out_dir.iterdir()
+    # a held-out file the run did not have would move its held-out rows into training: refused, before anything loads
+    extra = tmp_path / "eval.jsonl"
+    extra.write_text(data.read_text().splitlines()[0] + "\n")
+    out = _run([str(ROOT / "grpo.py"), "--resume", str(run), "--total-steps", "2", "--eval-data-path", str(extra)])
+    assert out.returncode == 2 and "started without --eval-data-path, and this resume gives one" in out.stderr
     data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")  # one row more
     out = _run([str(ROOT / "grpo.py"), "--resume", str(run), "--total-steps", "2"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the file changed since the run started" in out.stderr
     assert [r["step"] for r in read_metrics(out_dir)] == [0, 1, 2]
+
+
+def test_a_data_path_under_home_written_with_a_tilde_is_read(tmp_path, monkeypatch):
+    """bash leaves `--data-path=~/rows.jsonl` unexpanded; the checks read it as the loader does (not "no such file")."""
+    from rlvr_utils import data_tasks
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    rows = [{"prompt": f"say {i}", "x": i} for i in range(20)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data_tasks.check_data("custom", "~/rows.jsonl", "--data-path")  # no SystemExit
+    args = {"data_path": "~/rows.jsonl", "num_eval": 4, "prompts_per_step": 8}
+    data_tasks.check_rows_left(args)
+    assert data_tasks.read_rows("~/rows.jsonl", "--data-path") == rows
+    with pytest.raises(SystemExit):  # 20 rows, 4 held out: too few for batches of 32 (the check did run)
+        data_tasks.check_rows_left(args | {"prompts_per_step": 32})
+
+
+def test_the_data_digest_streams_and_stays_the_digest_runs_recorded(tmp_path):
+    """_digest hashes 16 MB at a time; the digest is the one older runs recorded in config.json (a file: sha256 of
+    its bytes; a directory: of each data file's name, a NUL and its bytes, in name order), so a resume of such a run
+    does not warn of a change that did not happen."""
+    import hashlib
+
+    from rlvr_utils import data_tasks
+
+    (tmp_path / "a.jsonl").write_text('{"prompt": "x"}\n')
+    (tmp_path / "b.jsonl").write_bytes(b'{"prompt": "y"}\n' * 1_200_000)  # 19 MB: more than one chunk
+    whole = hashlib.sha256((tmp_path / "b.jsonl").read_bytes()).hexdigest()
+    assert data_tasks._digest(tmp_path / "b.jsonl") == whole
+    names_and_bytes = b"".join(n.encode() + b"\0" + (tmp_path / n).read_bytes() for n in ("a.jsonl", "b.jsonl"))
+    assert data_tasks._digest(tmp_path) == hashlib.sha256(names_and_bytes).hexdigest()

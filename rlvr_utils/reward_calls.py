@@ -64,6 +64,18 @@ def trainer_state():
     return TrainerState(global_step=0, max_steps=0, epoch=0.0)
 
 
+def unique_names(names: list[str]) -> list[str]:
+    """Each function's metric name: a repeated name gets _2, _3, ... (the next suffix no other function has), so
+    `f, f, f_2` log as f, f_3, f_2 and no two functions share rewards/<name>/*."""
+    out, used = [], set(names)
+    for i, n in enumerate(names):
+        name, k = n, 2
+        while name in out or (name != n and name in used):
+            name, k = f"{n}_{k}", k + 1
+        out.append(name)
+    return out
+
+
 class RewardFunctions:
     """The batch reward of a task with --reward-fn: `fns` [(spec, function)], summed with `weights`. Called as
     `(texts, examples, completion_ids=None, mode="train")`; `completion_ids` default: the texts re-encoded with
@@ -72,9 +84,9 @@ class RewardFunctions:
     `success_threshold`: a run's first evaluation warns when it makes every held-out completion a success, or none."""
 
     def __init__(self, fns, weights=(), tokenizer=None, timeout: float = 0.0, success_threshold: float = 1.0):
-        self.fns, self.weights = list(fns), list(weights) or [1.0] * len(fns)
-        names = [callable_name(fn) for _, fn in self.fns]
-        self.names = [n if names[:i].count(n) == 0 else f"{n}_{names[:i].count(n) + 1}" for i, n in enumerate(names)]
+        self.fns = list(fns)
+        self.weights = list(weights) or [1.0] * len(self.fns)
+        self.names = unique_names([callable_name(fn) for _, fn in self.fns])
         self.tokenizer, self.timeout, self.threshold = tokenizer, timeout, success_threshold
         self.state, self.pending = trainer_state(), {"train": reward_logs.Pending(), "eval": reward_logs.Pending()}
         self.run_dir, self.rank, self.first_eval, self.warnings, self.loop = None, 0, True, 0, None
@@ -90,6 +102,8 @@ class RewardFunctions:
         s.max_steps, s.train_batch_size = total_steps, completions or prompts_per_step
         if steps_done and (self.run_dir / "metrics.jsonl").is_file():
             s.log_history = [r for r in runtime.read_rows(self.run_dir / "metrics.jsonl") if r["step"] <= steps_done]
+        if steps_done:
+            reward_logs.trim_extra(self.run_dir, rank, steps_done)
         s.num_train_epochs = math.ceil(total_steps * prompts_per_step / self.num_train)
         s.is_local_process_zero = s.is_world_process_zero = rank == 0
         self._at(steps_done)

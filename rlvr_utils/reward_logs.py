@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from rlvr_utils.checkpoints import io_cause, write_failed
 
@@ -66,12 +68,35 @@ def stats(values: dict, names: list[str], prefix: str) -> dict:
     return out
 
 
+def extra_file(run_dir, rank: int) -> Path:
+    return Path(run_dir) / ("completions.jsonl" if rank == 0 else f"completions_rank{rank}.jsonl")
+
+
+def trim_extra(run_dir, rank: int, step: int) -> None:
+    """--resume after step `step`: this rank's completions.jsonl keeps the rows of steps up to `step` (the steps after
+    it are trained again, and would be logged twice; a line a kill cut short goes too), as metrics.jsonl does."""
+    path = extra_file(run_dir, rank)
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 def write_extra(p: Pending, run_dir, rank: int, step: int, mode: str) -> None:
     """log_extra's columns, one line per completion of a call that logged some (TRL's completions table); a full
     disk: one line, exit code 1."""
     if run_dir is None or not any(b["extra"] for b in p.batches):
         return
-    name = "completions.jsonl" if rank == 0 else f"completions_rank{rank}.jsonl"
+    name = extra_file(run_dir, rank).name
     try:
         with open(run_dir / name, "a") as f:
             for b in p.batches:

@@ -227,6 +227,21 @@ def test_kwargs_trainer_state_and_metrics(tmp_path):
     ]
 
 
+def test_a_resumed_run_drops_the_completions_of_the_steps_it_trains_again(tmp_path):
+    """--resume after step 1 of a run killed during step 3: completions.jsonl keeps steps 0-1 (steps 2-3 are trained
+    again and logged again) and loses a line the kill cut short, as metrics.jsonl does."""
+    rows = [{"step": k, "mode": "train", "completion": str(k)} for k in (1, 1, 2, 3)]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "mo'
+    (tmp_path / "completions.jsonl").write_text(text)
+    (tmp_path / "completions_rank1.jsonl").write_text(text)
+    rf = reward_calls.RewardFunctions([("s.py:f", lambda prompts, completions, **k: [1.0] * len(completions))])
+    rf.begin(tmp_path, 0, 1, total_steps=4, prompts_per_step=2, num_train=8)
+    kept = [json.loads(line) for line in (tmp_path / "completions.jsonl").open()]
+    assert [r["step"] for r in kept] == [1, 1]
+    assert (tmp_path / "completions_rank1.jsonl").read_text() == text  # rank 1 trims its own file
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_async_rewards_are_awaited_together():
     spans = {}
 
@@ -251,6 +266,21 @@ def test_async_rewards_are_awaited_together():
     assert rf(["x"], _examples(1)) == [4.0]
     assert time.time() - t0 < 0.75 and spans["b"][0] < spans["a"][1]  # concurrently, not one after the other
     assert rf.names == ["a", "B", "returns_a_coroutine"]
+
+
+def test_functions_of_the_same_name_log_under_names_no_other_function_has():
+    def f(prompts, completions, **k):
+        return [1.0] * len(completions)
+
+    def g(prompts, completions, **k):
+        return [2.0] * len(completions)
+
+    g.__name__ = "f_2"  # a function whose own name is the suffix a repeated `f` would get
+    rf = reward_calls.RewardFunctions([("a", f), ("b", f), ("c", g)])
+    rf(["x"], _examples(1))
+    assert rf.names == ["f", "f_3", "f_2"]
+    means = {k: v for k, v in rf.metrics(1).items() if k.endswith("/mean")}
+    assert means == {"rewards/f/mean": 1.0, "rewards/f_3/mean": 1.0, "rewards/f_2/mean": 2.0}  # none mixed
 
 
 def test_none_is_not_this_functions_row_and_an_all_none_row_warns(capsys):

@@ -17,6 +17,7 @@ import gzip
 import json
 import math
 import re
+import zlib
 from pathlib import Path
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -108,6 +109,8 @@ def _text(f: Path) -> str:
             return h.read()
     except EOFError:
         raise DataFileError(f"{f}: the compressed file is cut short (an interrupted download or copy?)") from None
+    except zlib.error as e:  # damaged compressed data (gzip's own checks raise OSError)
+        raise DataFileError(f"{f}: the compressed data is damaged (zlib: {e})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataFileError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
 

@@ -145,6 +145,21 @@ def test_a_truncated_gzip_data_file_is_one_line(tmp_path, task):
     assert not (tmp_path / "runs").exists()
 
 
+def test_damaged_compressed_data_is_a_data_file_error_naming_the_file(tmp_path):
+    """A .gz whose deflate stream is damaged raises zlib.error, not OSError: it too is one DataFileError naming the
+    file (the scripts print it as one line), not a traceback."""
+    import gzip
+
+    from rlvr_utils import datafiles
+
+    data = bytearray(gzip.compress("".join(json.dumps({"prompt": "p", "i": i}) + "\n" for i in range(500)).encode()))
+    data[12] ^= 0xFF  # inside the deflate stream, just past gzip's 10-byte header
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(datafiles.DataFileError, match="rows.jsonl.gz: the compressed data is damaged"):
+        datafiles.read_rows(path)
+
+
 def _copy_run(saved, tmp_path):
     d = tmp_path / saved.name
     shutil.copytree(saved, d)

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -80,10 +81,19 @@ def flags(config: dict) -> list[str]:
         if isinstance(v, bool):
             out += [flag] if v else [f"--no-{k.replace('_', '-')}"]
         elif isinstance(v, list):
-            out += [f"{flag} {x}" for x in v]
+            out += [f"{flag} {shell_word(x)}" for x in v]
         elif v is not None:
-            out.append(f"{flag} {v}")
+            out.append(f"{flag} {shell_word(v)}")
     return out
+
+
+def shell_word(value) -> str:
+    """A value as one bash word: quoted where it holds a space or a quote, as $'...' where it holds a newline or a tab
+    (SRPO's --thought-delimiter "\n\n"), so the card's command can be pasted."""
+    text = str(value)
+    if text.isprintable():
+        return shlex.quote(text)
+    return "$'" + text.encode("unicode_escape").decode().replace("'", "\\'") + "'"
 
 
 def base_license(base: str) -> str | None:
@@ -101,9 +111,10 @@ def base_license(base: str) -> str | None:
     return data.license if isinstance(data.license, str) else None
 
 
-def model_card(run_dir: Path, example: str | None = None) -> str | None:
+def model_card(run_dir: Path, example: str | None = None, adapter: bool | None = None) -> str | None:
     """README.md for `<run_dir>/model`, or None when the run directory has no config.json. `example`: a prompt as the
-    model saw it in training."""
+    model saw it in training. `adapter`: what this save writes (--save-adapter), which a resumed run may have changed
+    since config.json was written; None: config.json's."""
     from huggingface_hub import ModelCard, ModelCardData
 
     run_dir = Path(run_dir)
@@ -112,6 +123,8 @@ def model_card(run_dir: Path, example: str | None = None) -> str | None:
         assert isinstance(config, dict)
     except (OSError, ValueError, AssertionError, RecursionError):
         return None
+    if adapter is not None:
+        config["save_adapter"] = adapter
     rows = []
     if (run_dir / "metrics.jsonl").is_file():
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -201,7 +214,7 @@ def save_final_model(dist, model, tokenizer, path, example: str | None = None, a
     adapter alone. Every rank returns together. A save that cannot be written (a full disk): one line naming the
     directory, the cause and the checkpoint that is left, exit code 1; no hidden copy is left beside it."""
     state, path = dist.full_state_dict(model), Path(path)
-    card = model_card(path.parent, example) if dist.main else None
+    card = model_card(path.parent, example, adapter) if dist.main else None
     out = None
     if dist.main:
         try:

@@ -185,3 +185,17 @@ def test_the_model_card_is_portable_and_names_the_license_the_paper_and_a_prompt
     (run / "config.json").write_text(json.dumps(config))
     text = model_card.model_card(run)
     assert ModelCard(text).data.license == "other" and "set `license:`" in text
+    # a LoRA run started with --save-model, resumed with --save-adapter: the card tells how to load what was saved
+    (run / "config.json").write_text(json.dumps(config | {"lora_rank": 16, "save_model": True}))
+    merged, adapter = model_card.model_card(run), model_card.model_card(run, adapter=True)
+    assert "AutoModelForCausalLM.from_pretrained" in merged and "AutoPeftModelForCausalLM" not in merged
+    assert "AutoPeftModelForCausalLM" in adapter and "--save-adapter" in adapter
+
+
+@pytest.mark.parametrize("value", ["\n\n", "my data.jsonl", "it's", "plain", "a\tb\\c'", "ü ß"])
+def test_the_model_cards_command_gives_each_value_as_one_bash_word(value):
+    """SRPO's --thought-delimiter "\\n\\n" and a path with a space: the card's command pastes into bash as written."""
+    line = model_card.flags({"thought_delimiter": value})[0]
+    assert line.startswith("--thought-delimiter ") and "\n" not in line
+    got = subprocess.run(["bash", "-c", f"printf %s {line.split(' ', 1)[1]}"], capture_output=True, text=True)
+    assert got.stdout == value

@@ -54,6 +54,12 @@ def row_problem(task: str, row: dict) -> str | None:
             [] if "answer" in row or "solution" in row else ["answer (or solution)"]
         )
     elif task == "code" and "test_list" in row:  # MBPP-like
+        tests = row["test_list"]
+        if tests is not None and not (isinstance(tests, list) and all(isinstance(t, str) for t in tests)):
+            return (
+                f"code rows' test_list must be a list of assert lines (a JSON array; a CSV or TSV cell is one string), "
+                f"not {type(tests).__name__} {str(tests)[:60]!r}"
+            )
         need = [] if "text" in row or "prompt" in row else ["text (or prompt)"]
     elif task == "code":  # HumanEval-like
         need = [f for f in ("prompt", "test", "entry_point") if f not in row]

@@ -105,7 +105,8 @@ def _finite_float(text: str) -> float:
 
 def _text(f: Path) -> str:
     try:
-        with gzip.open(f, "rt", encoding="utf-8") if f.name.lower().endswith(".gz") else f.open(encoding="utf-8") as h:
+        gz = f.name.lower().endswith(".gz")  # utf-8-sig: a byte-order mark at the start (Windows tools) is dropped
+        with gzip.open(f, "rt", encoding="utf-8-sig") if gz else f.open(encoding="utf-8-sig") as h:
             return h.read()
     except EOFError:
         raise DataFileError(f"{f}: the compressed file is cut short (an interrupted download or copy?)") from None

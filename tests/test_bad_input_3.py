@@ -236,3 +236,24 @@ def test_a_save_that_cannot_be_written_is_one_line_and_the_last_checkpoint_stays
 def test_two_ctrl_c_while_loading_are_one_line(tmp_path):
     """A second Ctrl-C right after the first (while the process exits) prints no traceback."""
     _interrupt_while_loading(tmp_path, signals=2)
+
+
+def test_a_byte_order_mark_at_the_start_of_a_json_file_is_read_past(tmp_path):
+    """Windows tools write UTF-8 with a BOM: a .jsonl and a .json array read as without it (it was refused, and a
+    BOM'd array was read as JSON lines)."""
+    from rlvr_utils import datafiles
+
+    rows = [{"prompt": "p", "i": i} for i in range(3)]
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, indent=1).encode())
+    assert datafiles.read_rows(tmp_path / "a.jsonl")[0] == rows
+    assert datafiles.read_rows(tmp_path / "b.json")[0] == rows
+
+
+def test_an_mbpp_test_list_given_as_one_string_is_refused_naming_the_field():
+    """A CSV/TSV cell makes test_list one string, which became a list of its characters (every row then scored 0)."""
+    from rlvr_utils import data_tasks
+
+    row = {"text": "write f", "test_list": "['assert f(1) == 1']"}
+    assert "test_list must be a list of assert lines" in data_tasks.row_problem("code", row)
+    assert data_tasks.row_problem("code", row | {"test_list": ["assert f(1) == 1"]}) is None

@@ -257,3 +257,28 @@ def test_an_mbpp_test_list_given_as_one_string_is_refused_naming_the_field():
     row = {"text": "write f", "test_list": "['assert f(1) == 1']"}
     assert "test_list must be a list of assert lines" in data_tasks.row_problem("code", row)
     assert data_tasks.row_problem("code", row | {"test_list": ["assert f(1) == 1"]}) is None
+
+
+def test_a_stop_while_loading_whose_exception_was_swallowed_stops_where_loading_ends(capsys):
+    """The loading-time handler raises StopNow; run while Python is inside a __del__ or a callback, that exception is
+    printed as ignored and the loading goes on (a suite run under load then trained to the end). GracefulStop, built
+    where loading ends, stops the run there; a later run in the same process starts afresh."""
+    from rlvr_utils import runtime
+
+    saved = {sig: signal.getsignal(sig) for sig in runtime.SIGNALS}
+    try:
+        runtime.stop_while_loading()
+        handler = signal.getsignal(signal.SIGTERM)
+        try:  # what a __del__ does with it
+            handler(signal.SIGTERM, None)
+        except runtime.StopNow:
+            pass
+        assert "SIGTERM before the first step: stopped" in capsys.readouterr().err
+        with pytest.raises(runtime.StopNow) as stop:
+            runtime.GracefulStop()
+        assert stop.value.code == 130
+        runtime.stop_while_loading()  # the next run
+        assert not runtime.GracefulStop().flag
+    finally:
+        for sig, h in saved.items():
+            signal.signal(sig, h)

@@ -121,10 +121,10 @@ def main() -> None:
                 print(f"{name} on {a.shape}: FAILED {run.tail(1500)}", flush=True)
                 continue
             times = [r["time/step"] for r in steps]
-            kept = times[a.drop :] or times[-1:]
+            timed = steps[a.drop :] or steps[-1:]  # the steps after the warm-up
+            kept = [r["time/step"] for r in timed]
             t = statistics.median(kept)
             peak = max(r.get("memory/peak_gb", 0.0) for r in steps)
-            timed = steps[a.drop :] or steps[-1:]
             parts = {k: statistics.median(r[k] for r in timed) for k in steps[0] if "time/" in k}
             rest = [r["time/step"] - r.get("time/generation", 0.0) for r in timed]  # log-probs, update, the rest
             parts["time/not_generation"] = statistics.median(rest)

@@ -292,21 +292,13 @@ def file_hashes(args) -> dict:
 
 def _digest(path: Path) -> str:
     """sha256 of a file's bytes; of a data directory: of each data file's name and bytes, in name order."""
-    h = hashlib.sha256()
     if path.is_file():
-        _feed(h, path)
-        return h.hexdigest()
+        return datafiles.sha256_file(path).hexdigest()
+    h = hashlib.sha256()
     try:
         for f in datafiles.data_files(path):
             h.update(f.name.encode() + b"\0")
-            _feed(h, f)
+            datafiles.sha256_file(f, h)
     except (datafiles.DataFileError, OSError):  # no data file in it: the checks say so
         pass
     return h.hexdigest()
-
-
-def _feed(h, f: Path) -> None:
-    """A file's bytes into hash `h`, 16 MB at a time (a multi-GB data file is not read into memory whole)."""
-    with f.open("rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)

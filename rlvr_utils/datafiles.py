@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import json
 import math
 import re
@@ -101,6 +102,16 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):  # 1e400: Python reads it as inf
         raise ValueError(f"{text} is too large for a float (write null, or a smaller number)")
     return value
+
+
+def sha256_file(path: Path, h=None):
+    """sha256 of a file's bytes (`h`: a hash to go on feeding), read 16 MB at a time: a multi-GB model shard or data
+    file is not read into memory whole (resume.py compares LoRA bases, data_tasks.py hashes data files)."""
+    h = h or hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h
 
 
 def _text(f: Path) -> str:

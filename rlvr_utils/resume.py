@@ -8,7 +8,6 @@ the sharded checkpoints and world-size changes). A damaged file ends the run wit
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -155,6 +154,12 @@ def resume_args(args, args_type):
     return out
 
 
+def _digest(directory: str, name: str) -> str:
+    from rlvr_utils.datafiles import sha256_file  # a LoRA resume under another --model path only
+
+    return sha256_file(Path(directory).expanduser() / name).hexdigest()
+
+
 def _same_base(run_dir: Path, old: str, new: str) -> None:
     """--lora-rank: the checkpoint holds only the adapters, so a resume under another --model path must load the same
     base weights: config.json and every weight file byte for byte (a copy in another clone); else one line."""
@@ -166,16 +171,9 @@ def _same_base(run_dir: Path, old: str, new: str) -> None:
         names = ["config.json", *(f.name for f in p.glob("*.safetensors")), *(f.name for f in p.glob("*.bin"))]
         return {n: (p / n).stat().st_size for n in names if (p / n).is_file()}
 
-    def sha256(path: Path) -> str:  # 16 MB at a time: a shard of an 8B model is not read into memory whole
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
-        return h.hexdigest()
-
     a, b = files(old), files(new)
     same = a is not None and a == b
-    same = same and all(sha256(Path(old).expanduser() / n) == sha256(Path(new).expanduser() / n) for n in a)
+    same = same and all(_digest(old, n) == _digest(new, n) for n in a)
     need(
         same,
         f"--model {new}: not the base the run in {run_dir} trained its LoRA adapters on ({old}"

@@ -96,9 +96,9 @@ def write_extra(p: Pending, run_dir, rank: int, step: int, mode: str) -> None:
     disk: one line, exit code 1."""
     if run_dir is None or not any(b["extra"] for b in p.batches):
         return
-    name = extra_file(run_dir, rank).name
+    path = extra_file(run_dir, rank)
     try:
-        with open(run_dir / name, "a") as f:
+        with open(path, "a") as f:
             for b in p.batches:
                 for i, (text, e) in enumerate(zip(b["texts"], b["examples"])):
                     row = {"step": step, "mode": mode, "row": where(e), "prompt": e.meta.get("prompt", e.prompt)}
@@ -106,7 +106,7 @@ def write_extra(p: Pending, run_dir, rank: int, step: int, mode: str) -> None:
                     row |= {k: v[i] if i < len(v) else None for k, v in b["extra"].items()}
                     f.write(json.dumps(row, default=str) + "\n")
     except OSError as e:  # the last checkpoint is what it was
-        write_failed(f"writing log_extra's columns to {run_dir / name} failed ({io_cause(e)})")
+        write_failed(f"writing log_extra's columns to {path} failed ({io_cause(e)})")
 
 
 def check_threshold(totals: list[float], threshold: float, rank: int) -> None:

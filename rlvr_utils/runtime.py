@@ -219,10 +219,8 @@ def stop_while_loading() -> None:
 
 
 def loading_stopped() -> None:
-    """The stop asked for while loading, if the handler's StopNow was lost: a handler that runs while Python is inside
-    a __del__ or a callback has its exception printed as ignored, and the loading went on (seen in the suite under
-    load: the run then trained to its end). Called where loading ends, so such a run stops there, before the run
-    begins, with the one line already printed."""
+    """Called where loading ends: the stop asked for while loading, if its StopNow was lost (raised inside a __del__
+    or a callback, it is printed as ignored and loading goes on), so the run stops here, its one line printed."""
     if _STOPPED_WHILE_LOADING:
         raise StopNow(130)
 

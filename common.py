@@ -591,7 +591,7 @@ class Run:
         saved = None
         if self.args.save_model:  # --save-model: a Hugging Face folder with its model card
             card = runtime.extra("model_card", "--save-model")  # its example: an eval prompt
-            out = (self.dir / "model", self.task.eval[0].prompt, self.args.save_adapter)
+            out = (self.dir / "model", self.task.eval[0].prompt, vars(self.args))
             saved = card.save_final_model(self.dist, self.model, self.tokenizer, *out)
         acc = self.logger.last_eval["eval/accuracy"]
         self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")

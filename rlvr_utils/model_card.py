@@ -111,10 +111,10 @@ def base_license(base: str) -> str | None:
     return data.license if isinstance(data.license, str) else None
 
 
-def model_card(run_dir: Path, example: str | None = None, adapter: bool | None = None) -> str | None:
+def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None = None) -> str | None:
     """README.md for `<run_dir>/model`, or None when the run directory has no config.json. `example`: a prompt as the
-    model saw it in training. `adapter`: what this save writes (--save-adapter), which a resumed run may have changed
-    since config.json was written; None: config.json's."""
+    model saw it in training. `flags_now`: the run's flags as it ends (vars(args)), which a resumed run's runtime flags
+    (--total-steps, --save-adapter, ...) may have changed since config.json was written; None: config.json's."""
     from huggingface_hub import ModelCard, ModelCardData
 
     run_dir = Path(run_dir)
@@ -123,8 +123,8 @@ def model_card(run_dir: Path, example: str | None = None, adapter: bool | None =
         assert isinstance(config, dict)
     except (OSError, ValueError, AssertionError, RecursionError):
         return None
-    if adapter is not None:
-        config["save_adapter"] = adapter
+    if flags_now is not None:  # as config.json holds them (JSON's lists, paths as text)
+        config |= json.loads(json.dumps(flags_now, default=str))
     rows = []
     if (run_dir / "metrics.jsonl").is_file():
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -207,14 +207,18 @@ def _num(v) -> str:
     return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
 
-def save_final_model(dist, model, tokenizer, path, example: str | None = None, adapter: bool = False) -> Path | None:
+def save_final_model(
+    dist, model, tokenizer, path, example: str | None = None, flags_now: dict | None = None
+) -> Path | None:
     """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
     model card (README.md, `model_card`: `example`, a prompt as the model saw it in training) made from the run
-    directory `path` is in. Under LoRA the model with its adapters merged, or with `adapter` (--save-adapter) the
-    adapter alone. Every rank returns together. A save that cannot be written (a full disk): one line naming the
-    directory, the cause and the checkpoint that is left, exit code 1; no hidden copy is left beside it."""
+    directory `path` is in and the run's flags as it ends (`flags_now`). Under LoRA the model with its adapters merged,
+    or with --save-adapter the adapter alone. Every rank returns together. A save that cannot be written (a full
+    disk): one line naming the directory, the cause and the checkpoint that is left, exit code 1; no hidden copy is
+    left beside it."""
     state, path = dist.full_state_dict(model), Path(path)
-    card = model_card(path.parent, example, adapter) if dist.main else None
+    card = model_card(path.parent, example, flags_now) if dist.main else None
+    adapter = bool((flags_now or {}).get("save_adapter"))
     out = None
     if dist.main:
         try:

@@ -104,9 +104,21 @@ def write_extra(p: Pending, run_dir, rank: int, step: int, mode: str) -> None:
                     row = {"step": step, "mode": mode, "row": where(e), "prompt": e.meta.get("prompt", e.prompt)}
                     row |= {"completion": text, **{k: v[i] for k, v in b["values"].items()}}
                     row |= {k: v[i] if i < len(v) else None for k, v in b["extra"].items()}
-                    f.write(json.dumps(row, default=str) + "\n")
+                    f.write(json.dumps(_finite(row), default=str) + "\n")
     except OSError as e:  # the last checkpoint is what it was
         write_failed(f"writing log_extra's columns to {path} failed ({io_cause(e)})")
+
+
+def _finite(value):
+    """A row as JSON can hold it: a NaN or an infinity (json.dumps writes `NaN`, which JSON readers other than Python's
+    refuse) is null, as in metrics.jsonl; inside lists and dicts too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def check_threshold(totals: list[float], threshold: float, rank: int) -> None:

@@ -218,6 +218,8 @@ def test_a_lora_run_resumes_only_on_its_own_base(tmp_path):
     out = run_script("grpo.py", *args)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (d / "model" / "adapter_config.json").is_file()
+    card = (d / "model" / "README.md").read_text()  # the flags as the run ended, not as it started
+    assert "AutoPeftModelForCausalLM" in card and "--total-steps 2" in card and "--total-steps 1" not in card
 
 
 def test_lora_with_fsdp_is_refused_before_anything_loads():

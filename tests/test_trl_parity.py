@@ -187,9 +187,11 @@ def test_the_model_card_is_portable_and_names_the_license_the_paper_and_a_prompt
     assert ModelCard(text).data.license == "other" and "set `license:`" in text
     # a LoRA run started with --save-model, resumed with --save-adapter: the card tells how to load what was saved
     (run / "config.json").write_text(json.dumps(config | {"lora_rank": 16, "save_model": True}))
-    merged, adapter = model_card.model_card(run), model_card.model_card(run, adapter=True)
+    merged, adapter = model_card.model_card(run), model_card.model_card(run, flags_now={"save_adapter": True})
     assert "AutoModelForCausalLM.from_pretrained" in merged and "AutoPeftModelForCausalLM" not in merged
     assert "AutoPeftModelForCausalLM" in adapter and "--save-adapter" in adapter
+    # resumed with --total-steps 9 (a runtime flag): the card gives the flags the model was trained with at the end
+    assert "--total-steps 3" in merged and "--total-steps 9" in model_card.model_card(run, None, {"total_steps": 9})
 
 
 @pytest.mark.parametrize("value", ["\n\n", "my data.jsonl", "it's", "plain", "a\tb\\c'", "ü ß"])

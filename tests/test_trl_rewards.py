@@ -227,6 +227,27 @@ def test_kwargs_trainer_state_and_metrics(tmp_path):
     ]
 
 
+def test_log_extra_nan_is_written_as_json_null(tmp_path):
+    """json.dumps writes a float NaN as `NaN`, which JSON readers other than Python's refuse: completions.jsonl holds
+    null there, as metrics.jsonl does, inside a list too."""
+
+    def f(prompts, completions, log_extra, **kwargs):
+        log_extra("x", [float("nan"), 1.5])
+        log_extra("v", [[float("inf"), 2.0], {"a": -float("inf")}])
+        return [1.0, 0.0]
+
+    rf = reward_calls.RewardFunctions([("s.py:f", f)])
+    rf.begin(tmp_path, 0, 0, total_steps=4, prompts_per_step=2, num_train=8)
+    rf(["x", "y"], _examples(2), [[5, 1], [6]])
+    rf.metrics(1)
+
+    def strict(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "completions.jsonl").open()]
+    assert [(r["x"], r["v"]) for r in rows] == [(None, [None, 2.0]), (1.5, {"a": None})]
+
+
 def test_a_resumed_run_drops_the_completions_of_the_steps_it_trains_again(tmp_path):
     """--resume after step 1 of a run killed during step 3: completions.jsonl keeps steps 0-1 (steps 2-3 are trained
     again and logged again) and loses a line the kill cut short, as metrics.jsonl does."""

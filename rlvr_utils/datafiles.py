@@ -134,10 +134,12 @@ def _loads(text: str, f: Path, lineno: int):
         )
     except json.JSONDecodeError as e:
         raise DataFileError(f"{f}:{lineno + e.lineno - 1}: not a JSON object ({e.msg} at column {e.colno})") from None
-    except ValueError as e:  # NaN / Infinity, a key twice
-        raise DataFileError(f"{f}:{lineno}: {e}") from None
-    except RecursionError:
-        raise DataFileError(f"{f}:{lineno}: JSON nested too deep to read (thousands of levels)") from None
+    except (ValueError, RecursionError) as e:  # NaN / Infinity, a key twice, nested thousands deep
+        raise DataFileError(f"{f}:{lineno}: {_why(e)}") from None
+
+
+def _why(e: Exception) -> str:
+    return "JSON nested too deep to read (thousands of levels)" if isinstance(e, RecursionError) else str(e)
 
 
 def _read_json(f: Path) -> tuple[list[dict], list[str]]:
@@ -145,7 +147,11 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
     if not text.strip():
         raise DataFileError(f"{f}: the file is empty (expected one JSON object per line)")
     if suffix(f) == ".json" and text.lstrip().startswith("["):  # an array of rows, read whole
-        rows = _loads(text, f, 1)
+        try:
+            rows = _loads(text, f, 1)
+        except DataFileError:  # a NaN, a key twice, too deep: said again at the line of the row that holds it
+            _array_lines(text, len(text), f)
+            raise
         bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
         lines = _array_lines(text, len(rows))
         if bad is not None:
@@ -165,14 +171,25 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
     return rows, wheres
 
 
-def _array_lines(text: str, n: int) -> list[int]:
-    """The line each of the `n` elements of a (well-formed) JSON array starts on: one pass of the standard decoder."""
-    decoder, i, lines, at, line = json.JSONDecoder(), text.index("[") + 1, [], 0, 1
+def _array_lines(text: str, n: int, f: Path | None = None) -> list[int]:
+    """The line each of the first `n` elements of a JSON array starts on: one pass of the decoder. `f`: an element
+    that cannot be read (the checks of `_loads`) is a DataFileError naming its line; the array's end stops the pass."""
+    hooks = dict(parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+    decoder, i, lines, at, line = json.JSONDecoder(**(hooks if f else {})), text.index("[") + 1, [], 0, 1
     for _ in range(n):
         start = _BETWEEN.match(text, i).end()
         line, at = line + text.count("\n", at, start), start
+        if text.startswith("]", start):
+            break
         lines.append(line)
-        i = decoder.raw_decode(text, start)[1]
+        try:
+            i = decoder.raw_decode(text, start)[1]
+        except (ValueError, RecursionError) as e:
+            if f is None:
+                raise
+            if not isinstance(e, json.JSONDecodeError):  # a syntax error: the whole array's message has its line
+                raise DataFileError(f"{f}:{line}: {_why(e)}") from None
+            break
     return lines
 
 

@@ -428,6 +428,25 @@ def test_datafiles_json_arrays_keep_each_rows_line(tmp_path):
     assert [r["prompt"] for r in rows] == ["a", "b", "c"] and [w.rsplit(":", 1)[1] for w in where] == ["2", "4", "5"]
 
 
+@pytest.mark.parametrize(
+    "text, line, says",
+    [
+        ('[\n {"prompt": "a"},\n {"prompt": "b", "x": NaN}\n]\n', 3, "NaN is not a JSON value"),
+        ('[\n {"prompt": "a"},\n\n {"prompt": "b",\n "prompt": "c"}\n]\n', 4, "appears twice"),
+        ('[{"prompt": "a"},\n{"prompt": "b", "x": 1e999}]', 2, "too large for a float"),
+        ('[\n{"prompt": "a"},\n{"p": ' + "[" * 100000 + "]" * 100000 + "}]", 3, "nested too deep"),
+        ('[\n {"prompt": "a"},\n {"prompt": "b" "x": 1}\n]\n', 3, "Expecting ','"),
+    ],
+)
+def test_a_bad_value_in_a_json_array_names_its_rows_line(tmp_path, text, line, says):
+    """A NaN, a key twice, a float too large or nesting too deep inside a .json array was reported at line 1 (the
+    array's); now at the line of the row that holds it, as a syntax error and a JSON-lines file are."""
+    (tmp_path / "a.json").write_text(text)
+    with pytest.raises(datafiles.DataFileError) as e:
+        datafiles.read_rows(tmp_path / "a.json")
+    assert f"a.json:{line}: " in str(e.value) and says in str(e.value), str(e.value)
+
+
 def test_sigusr1_stops_after_the_step_as_sigterm_does_also_beside_the_watchdog():
     """Slurm's --signal sends SIGUSR1 before a time limit: its default ended the run silently. It now asks for a stop
     after the step (as SIGTERM), also while a --reward-timeout watchdog, which uses SIGUSR1 itself, is installed."""

@@ -264,7 +264,8 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
                        the mean hides it (seeds where GRPO's final is 0 are left out; None when none is left);
       evals_diff       mean over those n seeds of the mean, over the evaluations after step 0 that both made, of (its
                        accuracy - GRPO's), with its 95% paired t-interval (evals_lo, evals_hi): less hostage to one
-                       evaluation than diff.
+                       evaluation than diff; evals_n: the seeds among those n that share such an evaluation with GRPO
+                       (a seed evaluated at other steps than GRPO's is left out of evals_diff, not counted as 0).
     grpo: GRPO's curves by seed (seed -> [(step, tokens, accuracy), ...])."""
     grpo_final = {k: pts[-1][2] for k, pts in grpo.items()}
     finals = [pts[-1][2] for pts in by_seed.values()]
@@ -293,6 +294,7 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
         evals_diff=evals_diff,
         evals_lo=evals_lo,
         evals_hi=evals_hi,
+        evals_n=len(per_seed),
     )
 
 
@@ -337,6 +339,7 @@ def cmd_report(a) -> None:
         v = versus_grpo(by_seed, grpo)
         d = fmt_ci((v["diff"], v["lo"], v["hi"]), "+") if v["n"] else "–"
         ev = fmt_ci((v["evals_diff"], v["evals_lo"], v["evals_hi"]), "+") if v["evals_diff"] is not None else "–"
+        ev += f" (n = {v['evals_n']})" if v["evals_n"] not in (0, v["n"]) else ""  # seeds with no shared evaluation
         ratio = f"{v['min_ratio']:.2f}" if v["min_ratio"] is not None else "–"
         auc = t_interval([sum(p[2] for p in pts) / len(pts) for pts in by_seed.values()])  # mean over all evaluations
         # GRPO's final over the same seeds (a 2-seed sweep is measured against those 2 seeds of GRPO)

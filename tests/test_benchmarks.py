@@ -267,12 +267,27 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     lr = out["srpo@lr"]  # one seed: paired with GRPO's seed 1; no interval
     assert (lr["n"], lr["lo"], lr["hi"], lr["final_lo"]) == (1, None, None, None)
     assert lr["diff"] == pytest.approx(-0.5) and lr["min_ratio"] == 0.0
+    assert out["srpo"]["evals_n"] == 2 and lr["evals_n"] == 1
     if importlib.util.find_spec("matplotlib"):  # a benchmark-only requirement
         assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
             "learning_curves_headroom.png",
             "learning_curves_headroom_srpo_sweeps.png",
             "learning_curves_headroom_unsolved.png",
         ]
+
+
+def test_versus_grpo_pairs_evaluations_only_where_both_made_one(monkeypatch):
+    """A seed evaluated at other steps than GRPO's (another --eval-every) has no shared evaluation after step 0: it is
+    left out of evals_diff and evals_n says so, while n (the finals) still counts it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import learning_curves as lc
+
+    grpo = {1: [(0, 0, 0.2), (10, 0, 0.4), (20, 0, 0.5)], 2: [(0, 0, 0.2), (10, 0, 0.3), (20, 0, 0.6)]}
+    mine = {1: [(0, 0, 0.2), (10, 0, 0.6), (20, 0, 0.7)], 2: [(0, 0, 0.2), (15, 0, 0.9), (25, 0, 0.5)]}
+    v = lc.versus_grpo(mine, grpo)
+    assert v["n"] == 2 and v["diff"] == pytest.approx(((0.7 - 0.5) + (0.5 - 0.6)) / 2)
+    assert v["evals_n"] == 1 and v["evals_diff"] == pytest.approx(((0.6 - 0.4) + (0.7 - 0.5)) / 2)
+    assert v["evals_lo"] is None  # one seed: no interval
 
 
 def test_verify_math_benchmark_on_a_small_file(tmp_path):

@@ -179,8 +179,8 @@ def _array_lines(text: str, n: int, f: Path | None = None) -> list[int]:
     for _ in range(n):
         start = _BETWEEN.match(text, i).end()
         line, at = line + text.count("\n", at, start), start
-        if text.startswith("]", start):
-            break
+        if text.startswith("]", start) or f and text.count(",", i, start) != (1 if lines else 0):
+            break  # the array's end, or a comma missing or one too many: the whole array's message says where
         lines.append(line)
         try:
             i = decoder.raw_decode(text, start)[1]

@@ -207,9 +207,7 @@ def _num(v) -> str:
     return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
 
-def save_final_model(
-    dist, model, tokenizer, path, example: str | None = None, flags_now: dict | None = None
-) -> Path | None:
+def save_final_model(dist, model, tokenizer, path, example: str | None, flags_now: dict) -> Path | None:
     """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
     model card (README.md, `model_card`: `example`, a prompt as the model saw it in training) made from the run
     directory `path` is in and the run's flags as it ends (`flags_now`). Under LoRA the model with its adapters merged,
@@ -218,7 +216,7 @@ def save_final_model(
     left beside it."""
     state, path = dist.full_state_dict(model), Path(path)
     card = model_card(path.parent, example, flags_now) if dist.main else None
-    adapter = bool((flags_now or {}).get("save_adapter"))
+    adapter = bool(flags_now.get("save_adapter"))
     out = None
     if dist.main:
         try:

@@ -111,7 +111,9 @@ def write_extra(p: Pending, run_dir, rank: int, step: int, mode: str) -> None:
 
 def _finite(value):
     """A row as JSON can hold it: a NaN or an infinity (json.dumps writes `NaN`, which JSON readers other than Python's
-    refuse) is null, as in metrics.jsonl; inside lists and dicts too."""
+    refuse) is null, as in metrics.jsonl; inside lists and dicts too, numpy and torch values read as Python's."""
+    if hasattr(value, "tolist"):  # a numpy or torch scalar or array (json.dumps would write str(value))
+        value = value.tolist()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

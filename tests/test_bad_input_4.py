@@ -436,6 +436,9 @@ def test_datafiles_json_arrays_keep_each_rows_line(tmp_path):
         ('[{"prompt": "a"},\n{"prompt": "b", "x": 1e999}]', 2, "too large for a float"),
         ('[\n{"prompt": "a"},\n{"p": ' + "[" * 100000 + "]" * 100000 + "}]", 3, "nested too deep"),
         ('[\n {"prompt": "a"},\n {"prompt": "b" "x": 1}\n]\n', 3, "Expecting ','"),
+        # a syntax error between rows comes first: a bad value after it is not what is reported
+        ('[\n {"prompt": "a"}\n {"prompt": "b"},\n {"x": NaN}\n]\n', 3, "Expecting ','"),
+        ('[\n {"prompt": "a"},,\n {"prompt": "b"},\n {"x": NaN}\n]\n', 2, "Expecting value"),
     ],
 )
 def test_a_bad_value_in_a_json_array_names_its_rows_line(tmp_path, text, line, says):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, TINY_MODEL
@@ -234,6 +235,8 @@ def test_log_extra_nan_is_written_as_json_null(tmp_path):
     def f(prompts, completions, log_extra, **kwargs):
         log_extra("x", [float("nan"), 1.5])
         log_extra("v", [[float("inf"), 2.0], {"a": -float("inf")}])
+        log_extra("np", np.array([np.nan, 0.5], dtype=np.float32))  # numpy values: numbers, not str(value)
+        log_extra("t", [torch.tensor([1.0, float("nan")]), torch.tensor(2.0)])
         return [1.0, 0.0]
 
     rf = reward_calls.RewardFunctions([("s.py:f", f)])
@@ -246,6 +249,7 @@ def test_log_extra_nan_is_written_as_json_null(tmp_path):
 
     rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "completions.jsonl").open()]
     assert [(r["x"], r["v"]) for r in rows] == [(None, [None, 2.0]), (1.5, {"a": None})]
+    assert [(r["np"], r["t"]) for r in rows] == [(None, [1.0, None]), (0.5, 2.0)]
 
 
 def test_a_resumed_run_drops_the_completions_of_the_steps_it_trains_again(tmp_path):

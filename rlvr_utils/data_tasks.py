@@ -28,10 +28,16 @@ def build(b, code_timeout: float):
     return _custom_task(b) if b.name == "custom" else _text_task(b)
 
 
+def _exists(path: str) -> bool:
+    """Whether a path flag's file or directory is here, a leading ~ read as the shell would (bash leaves it as written
+    after `--data-path=`), as datafiles reads it."""
+    return Path(path).expanduser().exists()
+
+
 def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
     """Rows of a local data file or directory (`data_path`, read as written: datafiles.py) or of the task's hub
     dataset, and where each row came from (`file:line`, `dataset[split] row N`)."""
-    if data_path and task == "custom" and not Path(data_path).expanduser().exists():  # a hub dataset id
+    if data_path and task == "custom" and not _exists(data_path):  # a hub dataset id
         name, config, split = data_path, None, "train" if split_kind == "train" else "test"
     elif data_path:
         return datafiles.read_rows(data_path)
@@ -202,7 +208,7 @@ def read_rows(path: str, flag: str) -> list[dict]:
 
 def read_rows_where(path: str, flag: str) -> tuple[list[dict], list[str]]:
     """`read_rows` and where each row came from (`file:line`)."""
-    need(Path(path).expanduser().exists(), f"{flag} {path}: no such file")
+    need(_exists(path), f"{flag} {path}: no such file")
     try:
         return datafiles.read_rows(path)
     except (datafiles.DataFileError, FileNotFoundError) as e:
@@ -216,7 +222,7 @@ def check_data(task: str, path: str | None, flag: str) -> None:
         task != "arith",
         f"{flag} {path}: --task arith is built in and reads no data file (use --task gsm8k, math, code or custom)",
     )
-    if task == "custom" and not Path(path).expanduser().exists() and not looks_like_path(path):  # a hub dataset id
+    if task == "custom" and not _exists(path) and not looks_like_path(path):  # a hub dataset id
         if not dataset_cached(path):
             need_hub(f"{flag} {path} is not a local file, so it names a hub dataset", "a local .jsonl file")
         return
@@ -268,7 +274,7 @@ def check(a: dict) -> None:
 
 def check_rows_left(a: dict) -> None:
     """A data file whose rows are all held out for evaluation (no --eval-data-path): one line."""
-    if not Path(a["data_path"]).expanduser().exists():
+    if not _exists(a["data_path"]):
         return
     n = len(read_rows(a["data_path"], "--data-path"))
     held = a["num_eval"] if n >= 2 * a["num_eval"] else n // 5  # as tasks: a fifth of a small file
@@ -287,7 +293,7 @@ def file_hashes(args) -> dict:
     files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
     for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
         files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
-    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and Path(p).expanduser().exists()}
+    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and _exists(p)}
 
 
 def _digest(path: Path) -> str:

@@ -104,6 +104,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# the json module's hooks that refuse what JSON does not hold: NaN / Infinity, a float too large, a key twice
+_STRICT = dict(parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+
+
 def sha256_file(path: Path, h=None):
     """sha256 of a file's bytes (`h`: a hash to go on feeding), read 16 MB at a time: a multi-GB model shard or data
     file is not read into memory whole (resume.py compares LoRA bases, data_tasks.py hashes data files)."""
@@ -129,9 +133,7 @@ def _text(f: Path) -> str:
 
 def _loads(text: str, f: Path, lineno: int):
     try:
-        return json.loads(
-            text, parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
-        )
+        return json.loads(text, **_STRICT)
     except json.JSONDecodeError as e:
         raise DataFileError(f"{f}:{lineno + e.lineno - 1}: not a JSON object ({e.msg} at column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # NaN / Infinity, a key twice, nested thousands deep
@@ -174,8 +176,7 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
 def _array_lines(text: str, n: int, f: Path | None = None) -> list[int]:
     """The line each of the first `n` elements of a JSON array starts on: one pass of the decoder. `f`: an element
     that cannot be read (the checks of `_loads`) is a DataFileError naming its line; the array's end stops the pass."""
-    hooks = dict(parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
-    decoder, i, lines, at, line = json.JSONDecoder(**(hooks if f else {})), text.index("[") + 1, [], 0, 1
+    decoder, i, lines, at, line = json.JSONDecoder(**(_STRICT if f else {})), text.index("[") + 1, [], 0, 1
     for _ in range(n):
         start = _BETWEEN.match(text, i).end()
         line, at = line + text.count("\n", at, start), start

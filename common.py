@@ -476,6 +476,7 @@ class Run:
         )
         if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
             runtime.extra("engines", "--engine vllm").attach_run_engine(model, optimizer, a, dist)
+        model._rlvr_hf_generate = a.engine == "hf"  # else the static decoder (rollouts.StaticDecoder)
         hashes = {}
         if a.data_path or a.eval_data_path or a.reward_fn:  # their hashes, for --resume to compare
             hashes = runtime.extra("data_tasks", "--data-path or --reward-fn").file_hashes(a)

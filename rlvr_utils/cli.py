@@ -181,9 +181,10 @@ class BaseArgs:
     at each evaluation step, to <run-dir>/credit.jsonl and TensorBoard; draw them with tools/credit_view.py; 0 = off"""
 
     # rollout engine
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
-    vllm when it is importable and a GPU is present, else hf"""
+    engine: Literal["auto", "static", "hf", "vllm"] = "auto"
+    """static (this project's decode loop: a preallocated KV cache, CUDA graphs on a GPU; Llama-family models, else
+    generate), hf (transformers generate), vllm (a colocated vLLM engine synced after every optimizer step), or auto:
+    vllm when it is importable and a GPU is present, else static"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (on CPU: of host memory)"""
     vllm_is_cap: float = 2.0

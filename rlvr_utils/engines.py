@@ -177,11 +177,12 @@ def attach_engine(
 ) -> "VLLMEngine | None":
     """Give `model` a vLLM engine for every `generate_rollouts` call when `engine` is vllm (or auto with vLLM
     importable and a GPU present), synced after every optimizer step through an optimizer hook. `engine`
-    hf, or auto without vLLM or a GPU: None, and Hugging Face `generate` is used. Asking for vllm explicitly
+    static or hf, or auto without vLLM or a GPU: None (rollouts' static decoder, or Hugging Face `generate` for hf) is
+    used. Asking for vllm explicitly
     when it is missing is an error naming the install command (no silent fallback)."""
-    if engine not in ("auto", "hf", "vllm"):
-        raise ValueError(f"--engine {engine!r}: choose auto, hf or vllm")
-    if engine == "hf" or (engine == "auto" and not (torch.cuda.is_available() and vllm_available())):
+    if engine not in ("auto", "static", "hf", "vllm"):
+        raise ValueError(f"--engine {engine!r}: choose auto, static, hf or vllm")
+    if engine in ("static", "hf") or (engine == "auto" and not (torch.cuda.is_available() and vllm_available())):
         return None
     path = Path(model_path)
     if not path.exists():  # a hub name: vLLM loads it itself; the trainer's weights are synced right away anyway

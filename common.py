@@ -167,7 +167,7 @@ def regroup(groups: list, tokenizer, stops: list[int]) -> Rollouts:
 # ----------------------------------------------------------------------------------------------
 def token_logprobs(
     model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-    chunk_size: int = ROWS_PER_FORWARD, with_entropy: bool = False, entropy_chunk: int = 128,
+    chunk_size: int | None = None, with_entropy: bool = False, entropy_chunk: int = 128,
     fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
@@ -175,14 +175,16 @@ def token_logprobs(
     input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded). Returns logp
     [B, T] and, with `with_entropy`, the per-token entropy [B, T] (nats, no gradient) of the same
     distribution, else None. Padded completion positions are finite but meaningless: mask them.
-    Memory: rows go `chunk_size` at a time, and no [B, T, V] log-softmax or fp32 logits exist,
+    Memory: rows go `chunk_size` at a time (default: logprob_kernels.rows_per_forward, a token budget
+    on the fused path, 8 rows on the other), and no [B, T, V] log-softmax or fp32 logits exist,
     forward or backward. `fused` (default: logprob_kernels.fused_logprobs_ok(model)): the model
     returns its final hidden states and FusedLinearLogProb applies the lm_head a few positions at
-    a time, so not even the [b, T, V] logits exist; else the lm_head makes logits for completion
-    positions only (`logits_to_keep`) and SelectedLogProb takes z[y] - logsumexp(z) in fp32 a few
+    a time, so not even the [b, T, V] logits exist; else (a model whose logits are not lm_head(h))
+    rlvr_utils/unfused.py takes z[y] - logsumexp(z) from the model's own logits in fp32 a few
     positions at a time. Both compute the same function (logits over the sampling temperature)."""
     T = num_completion_tokens
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
+    chunk_size = chunk_size or logprob_kernels.rows_per_forward(input_ids.shape, fused)
     if fused:
         lm = logprob_kernels.unwrap(model).get_output_embeddings()
         positions = max(1, 2**25 // lm.out_features)  # fp32 [positions, V] temporaries of ~128 MB
@@ -198,13 +200,13 @@ def token_logprobs(
             )
             logps.append(lp.view(ids.shape[0], T))
             ents += [ent.view(ids.shape[0], T)] if with_entropy else []
-        else:
-            logits = logprob_kernels.completion_logits(model, ids, mask, T)  # [b, T, V]
-            chunk = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries ~64 MB
-            logps.append(logprob_kernels.SelectedLogProb.apply(logits, target, temperature, chunk))
-            if with_entropy:
-                ents.append(logprob_kernels.entropy_from_logits(logits, entropy_chunk, temperature))
-            del logits
+        else:  # logits that are not lm_head(h): the model's own, rlvr_utils/unfused.py
+            unfused = runtime.extra("unfused", "a model whose logits are not lm_head(h)")
+            lp, ent = unfused.logprobs(
+                model, ids, mask, T, temperature, with_entropy, entropy_chunk
+            )
+            logps.append(lp)
+            ents += [ent] if with_entropy else []
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
@@ -476,7 +478,9 @@ class Run:
         )
         if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
             runtime.extra("engines", "--engine vllm").attach_run_engine(model, optimizer, a, dist)
-        model._rlvr_hf_generate = a.engine == "hf"  # else the static decoder (rollouts.StaticDecoder)
+        model._rlvr_hf_generate = (
+            a.engine == "hf"
+        )  # else the static decoder (rollouts.StaticDecoder)
         hashes = {}
         if a.data_path or a.eval_data_path or a.reward_fn:  # their hashes, for --resume to compare
             hashes = runtime.extra("data_tasks", "--data-path or --reward-fn").file_hashes(a)

@@ -6,7 +6,8 @@ The core, what a default run loads (README: Copy one method):
   runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
   models           --model checked before it loads, then loaded (hub id or local directory), dropout off
   tasks            Task and Example, prompts, answers, and the built-in arith task with its first-wrong-step oracle
-  rollouts         the Rollouts batch and its generation (HF generate, or the vLLM engine when attached)
+  rollouts         the Rollouts batch and its generation: the static decoder (a preallocated KV cache, the model's
+                   own weights), HF generate (--engine hf), or the vLLM engine when attached
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
   checkpoints      atomic checkpoints (--save-every, Ctrl-C), the run directory and its one-writer lock
 A method's own, loaded by its script:
@@ -26,6 +27,8 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   reward_logs      what --reward-fn functions log: rewards/<name>/*, log_metric, log_extra's completions.jsonl
   watchdog         --reward-timeout: a reward call that runs too long is stopped with one line
   engines          --engine vllm: the colocated vLLM rollout engine and its importance-sampling correction
+  cuda_graphs      the static decoder's token step captured as a CUDA graph (decoding on a GPU)
+  unfused          token log-probs from the model's own logits (a model whose logits are not lm_head(h))
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
   sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
   model_card       --save-model: the weights (LoRA: merged, or the adapter) and README.md beside them

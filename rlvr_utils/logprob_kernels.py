@@ -3,11 +3,9 @@ fp32 tensors autograd would keep, on a padded batch laid out so that attention n
 
   right_padded        the training forward's layout: each row's left padding rotated to its end
   completion_hidden   final hidden states at the positions that predict the completion (the fused path's input)
-  completion_logits   the model's own logits at those positions (the unfused path's input)
-  SelectedLogProb     log-probs from the model's logits (any dtype), a few positions at a time (the unfused path)
   FusedLinearLogProb  straight from the final hidden states and the lm_head weight: no [B, T, V] logits at all
   fused_logprobs_ok   whether a model may take the fused path (checked once per model against its own logits)
-  entropy_from_logits per-position entropy, a few positions at a time
+  (models whose logits are not lm_head(h), e.g. soft-capped: rlvr_utils/unfused.py, from the model's own logits)
   MAX_LOG_RATIO       the clamp of log pi - log pi_old before exp (the scripts' ratio, the vLLM correction)
 """
 
@@ -16,39 +14,17 @@ from __future__ import annotations
 import torch
 
 MAX_LOG_RATIO = 20.0  # log pi - log pi_old is clamped to +-this (fp32) before exp, as verl and OpenRLHF do
-ROWS_PER_FORWARD = 8  # rows per model forward in the log-prob passes (common.token_logprobs, SC-GRPO's teacher)
+ROWS_PER_FORWARD = 8  # rows per forward where [b, T, V] logits exist (the unfused path; FSDP's even forwards)
+TOKENS_PER_FORWARD = 2**14  # the fused path's forwards: as many rows as fit this many tokens (one launch-bound pass
+# per micro-batch instead of one per 8 rows: the update's matmuls get large enough to run near the device's peak)
 
 
-class SelectedLogProb(torch.autograd.Function):
-    """log p(y_t) = z_t[y_t]/tau - logsumexp(z_t/tau) from logits z [b, T, V] in any dtype, computed in fp32
-    `chunk` positions at a time. It keeps only z (the model's own output, in its dtype) and the [b, T]
-    logsumexp for the backward, which rebuilds softmax chunk by chunk: d log p / d z_j = (1[j = y] - p_j) / tau.
-    Autograd's gather - logsumexp would keep an fp32 copy of z per op instead."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
-        b, T, _ = logits.shape
-        out = torch.empty(b, T, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        for t in range(0, T, chunk):
-            z = logits[:, t : t + chunk].float() / temperature
-            lse[:, t : t + chunk] = torch.logsumexp(z, -1)
-            out[:, t : t + chunk] = z.gather(-1, target[:, t : t + chunk, None]).squeeze(-1) - lse[:, t : t + chunk]
-        ctx.save_for_backward(logits, target, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, target, lse = ctx.saved_tensors
-        tau, chunk = ctx.temperature, ctx.chunk
-        grad = torch.empty_like(logits)
-        for t in range(0, logits.shape[1], chunk):
-            g_out = grad_out[:, t : t + chunk, None].float()
-            g = torch.exp(logits[:, t : t + chunk].float() / tau - lse[:, t : t + chunk, None]).mul_(-g_out)
-            g.scatter_add_(-1, target[:, t : t + chunk, None], g_out)
-            grad[:, t : t + chunk] = g.div_(tau).to(grad.dtype)
-        return grad, None, None, None
+def rows_per_forward(shape: torch.Size, fused: bool) -> int:
+    """Rows of a [B, L] batch per model forward in the log-prob passes: ROWS_PER_FORWARD where logits exist, else
+    TOKENS_PER_FORWARD // L, never fewer (so a micro-batch of at most ROWS_PER_FORWARD rows is one forward). With a
+    gradient the micro-batch's activations live until its backward anyway: this bounds the no-grad passes' temporaries
+    (old and reference log-probs)."""
+    return max(ROWS_PER_FORWARD, TOKENS_PER_FORWARD // shape[1]) if fused else ROWS_PER_FORWARD
 
 
 def add_linear_grads(g, h, weight, start: int, grad_h, grad_w, grad_b) -> None:
@@ -177,27 +153,3 @@ def completion_hidden(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> t
                 logits_to_keep=keep[0, :0])  # fmt: skip
     h = out.hidden_states[-1]
     return h.gather(1, keep[:, :, None].expand(-1, -1, h.shape[-1]))
-
-
-def completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
-    """Logits [b, T, V] (model dtype) predicting the last T tokens of each row (rows laid out by
-    `right_padded`): the lm_head runs only on the columns from the first to the last kept one
-    (`logits_to_keep`; exactly T columns when the rows' prompts have the same length, as within a group)."""
-    ids, mask, pos, keep = right_padded(ids, mask, T)
-    lo, hi = int(keep[:, 0].min()), int(keep[:, -1].max()) + 1
-    window = torch.arange(lo, hi, device=ids.device)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=window).logits
-    if hi - lo == T:  # every row's window starts at the same column: no copy
-        return logits
-    return logits.gather(1, (keep - lo)[:, :, None].expand(-1, -1, logits.shape[-1]))
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, chunk: int = 128, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy [b, T] (nats, no gradient) of softmax(logits [b, T, V] / temperature) in fp32, `chunk`
-    positions at a time so only a [b, chunk, V] softmax exists at once."""
-    out = []
-    for t in range(0, logits.shape[1], chunk):
-        z = logits[:, t : t + chunk].detach().float() / temperature
-        out.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
-    return torch.cat(out, dim=1)

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import inspect
 import sys
-import warnings
 import weakref
 from typing import Sequence
 
@@ -110,107 +109,113 @@ def make_rollouts(
 
 
 # ----------------------------------------------------------------------------------------------
-# The static decoder (the default engine): the model's own forward, one token at a time, no `generate`
+# The static decoder (the default engine): the model's own weights, one token at a time, no `generate`
 # ----------------------------------------------------------------------------------------------
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")  # the decoders whose layer the loop repeats op for op
 
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm (Llama, Qwen2/3, Mistral): weight * (x / sqrt(mean(x^2) + eps)) in fp32, fewer temporaries."""
+    """transformers' RMSNorm module's arithmetic (weight * x / sqrt(mean(x^2) + eps), in fp32), fewer temporaries."""
     x32 = x.float()
     return norm.weight * (x32 * x32.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()).to(x.dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin: transformers' apply_rotary_pos_emb, for x [B, heads, D], cos/sin [B, 1, D]."""
+    """x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb) for x [B, heads, D], cos/sin [B, 1, D]."""
     half = x.shape[-1] // 2
     return (x * cos).add_(torch.cat((-x[..., half:], x[..., :half]), -1).mul_(sin))
 
 
+def linear_of(lin) -> tuple | None:
+    """(weight, bias, PEFT LoRA layer or None) of a block's nn.Linear or LoRA-wrapped nn.Linear; None: neither."""
+    if type(lin) is torch.nn.Linear:
+        return lin.weight, lin.bias, None
+    base, adapters = getattr(lin, "base_layer", None), list(getattr(lin, "active_adapters", ()))
+    if type(base) is torch.nn.Linear and adapters == ["default"] and not lin.use_dora["default"] and not lin.merged:
+        return base.weight, base.bias, lin
+    return None
+
+
+def unsupported(model) -> str | None:
+    """Why the static decoder cannot decode `model` (None: it can)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    c = lm.config
+    if c.model_type not in LLAMA_FAMILY:
+        return f"model type {c.model_type} (it decodes {', '.join(LLAMA_FAMILY)})"
+    if any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()):
+        return "sliding-window attention"
+    if c.hidden_act != "silu":
+        return f"activation {c.hidden_act}"
+    for layer in lm.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            if linear_of(lin) is None:
+                return f"{type(lin).__name__} layers (it reads nn.Linear and PEFT LoRA ones)"
+    return None
+
+
 class StaticDecoder:
-    """Sampling without transformers' `generate`, whose per-token work is mostly overhead at RL batch sizes (a KV cache
-    grown by torch.cat, masks rebuilt, logits processors): the prompt goes through the model's own forward (the
-    prefill), then each new token goes through the decoder layers' own weights and modules in a short loop, its keys
-    and values written into a preallocated cache. The arithmetic is the model's, op for op: on CPU in fp32 the tokens
-    are `generate`'s, bitwise, greedy or sampled from the same seed (tests/test_decode.py). On CUDA each token's
-    forward is captured once per batch shape as a CUDA graph and replayed (one launch instead of hundreds; the
-    attention then reads the whole cache under a mask). Under LoRA the loop reads decode-only copies of the layers
-    with the adapters merged (W + s B A): the trained weights are never touched. gpt-fast's generate.py and
-    nanochat's engine.py are the references. Llama-family decoders (LLAMA_FAMILY, full attention, SiLU MLP);
-    `unsupported` says why another model samples with `generate`."""
-
-    GRAPHS = 4  # CUDA graphs kept (one per batch size and cache length); the oldest is dropped
-
-    @staticmethod
-    def unsupported(model) -> str | None:
-        """Why the loop cannot decode `model` (None: it can)."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        c = base.config
-        if c.model_type not in LLAMA_FAMILY:
-            return f"model type {c.model_type} (the loop decodes {', '.join(LLAMA_FAMILY)})"
-        if any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()):
-            return "sliding-window layers"
-        if c.hidden_act != "silu" or not hasattr(base.model, "rotary_emb"):
-            return f"activation {c.hidden_act}"
-        for layer in base.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
-                if StaticDecoder.weight_of(lin) is None:
-                    return f"a {type(lin).__name__} layer (neither nn.Linear nor a LoRA one)"
-        return None
-
-    @staticmethod
-    def weight_of(lin) -> tuple | None:
-        """(weight, bias, LoRA layer or None) of a block's linear layer: nn.Linear, or PEFT's LoRA Linear around one."""
-        if type(lin) is torch.nn.Linear:
-            return lin.weight, lin.bias, None
-        base = getattr(lin, "base_layer", None)
-        plain = type(base) is torch.nn.Linear and list(getattr(lin, "active_adapters", ())) == ["default"]
-        if plain and not lin.use_dora.get("default") and not getattr(lin, "merged", False):
-            return base.weight, base.bias, lin
-        return None
+    """Sampling without transformers' `generate`, whose per-token work at RL batch sizes is mostly overhead (a KV
+    cache grown by torch.cat, masks rebuilt, logits processors). The prompts go through the model's own forward
+    (the prefill, once per distinct prompt), then each new token through the decoder layers' own weights in a short
+    loop, its keys and values written into a preallocated cache. The arithmetic is the model's op for op: on CPU the
+    tokens are `generate`'s bitwise, greedy or sampled from the same seed (tests/test_decode.py). On CUDA each token's
+    forward is a CUDA graph (rlvr_utils/cuda_graphs.py). Under LoRA the loop reads decode-only copies with the
+    adapters merged (W + s B A): the trained weights are never touched. After gpt-fast (generate.py) and nanochat
+    (engine.py). Llama-family decoders only (`unsupported` says why another model samples with `generate`)."""
 
     def __init__(self, model):
         self.lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # *ForCausalLM
         self.body = self.lm.model
         self.H, self.Hkv = self.lm.config.num_attention_heads, self.lm.config.num_key_value_heads
         self.D = self.body.layers[0].self_attn.head_dim
-        self.copies: dict = {}  # decode-only weights, refreshed in place each call (CUDA graphs keep their addresses)
-        self.graphs: dict = {}  # (B, cache length) -> (graph, its inputs and output, its cache)
-        self.use_graphs = torch.cuda.is_available() and next(model.parameters()).is_cuda
-        self.whole_cache = False  # eager, read the whole cache under the mask as a CUDA graph does (tests, on CPU)
+        self.copies: dict = {}  # decode-only weights, refreshed in place (a CUDA graph keeps their addresses)
+        self.graphs: dict = {}  # (B, cache length) -> a captured step (cuda_graphs.py)
+        self.use_graphs = next(model.parameters()).is_cuda
+        self.whole_cache = False  # eager, the CUDA graph's arithmetic (the whole cache read under the mask): tests
         self.cache_arg = "cache" if "cache" in inspect.signature(self.lm.forward).parameters else "past_key_values"
 
     def weights(self) -> list[tuple]:
-        """Per layer (qkv weight, qkv bias, o, gate, up, down), each (weight, bias): the current parameters. q, k and
-        v are one matrix (a copy, so one matmul; its rows are each the same dot products); LoRA layers are merged
-        copies, W + s B A computed in fp32. Copies are refreshed in place: the optimizer changed the weights."""
+        """Per layer ((qkv weight, bias), o, gate, up, down), each (weight, bias), from the current parameters: q, k
+        and v as one matrix (a copy: one matmul, the same dot products), LoRA layers as merged copies (W + s B A in
+        fp32). Copies are refreshed in place each call: the optimizer has changed the weights."""
         out = []
         for i, layer in enumerate(self.body.layers):
             a, m = layer.self_attn, layer.mlp
-            lins = [self.weight_of(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj)]
-            lins.append(self.weight_of(m.down_proj))
+            lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
             ws = []
-            for j, (w, b, lora) in enumerate(lins):
+            for j, (w, b, lora) in enumerate(map(linear_of, lins)):
                 if lora is not None:
-                    delta = lora.get_delta_weight("default").float()
-                    w = self.refreshed((i, j), (w.float() + delta).to(w.dtype))
+                    w = self.copy((i, j), (w.float() + lora.get_delta_weight("default").float()).to(w.dtype))
                 ws.append((w, b))
-            qkv_w = self.refreshed((i, "qkv"), torch.cat([w for w, _ in ws[:3]]))
-            no_bias = ws[0][1] is None
-            qkv_b = None if no_bias else self.refreshed((i, "qkv_b"), torch.cat([b for _, b in ws[:3]]))
-            out.append(((qkv_w, qkv_b), *ws[3:]))
+            qkv_b = None if ws[0][1] is None else self.copy((i, "qkv_b"), torch.cat([b for _, b in ws[:3]]))
+            out.append(((self.copy((i, "qkv"), torch.cat([w for w, _ in ws[:3]])), qkv_b), *ws[3:]))
         return out
 
-    def refreshed(self, key, value: torch.Tensor) -> torch.Tensor:
+    def copy(self, key, value: torch.Tensor) -> torch.Tensor:
         if key not in self.copies or self.copies[key].shape != value.shape:
             self.copies[key] = value.clone()
         return self.copies[key].copy_(value)
 
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The prompts [B, P] through the model's own forward, each distinct one once (a group's G copies share it):
+        the last position's logits [B, V] and each layer's (keys, values) [B, Hkv, P, D]."""
+        from transformers import DynamicCache
+
+        distinct, row = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+        d_ids, d_mask = distinct.split(ids.shape[1], dim=1)
+        pos = (d_mask.cumsum(-1) - 1).masked_fill(d_mask == 0, 0)  # generate's position ids
+        cache = DynamicCache()  # transformers 5 calls the argument cache, 4.x past_key_values
+        kw = dict(attention_mask=d_mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
+        logits = self.lm(input_ids=d_ids, **kw).logits[row, -1]
+        layers = cache.layers if hasattr(cache, "layers") else cache  # 4.x: (keys, values) per layer
+        return logits, [(x.keys[row], x.values[row]) if hasattr(x, "keys") else (x[0][row], x[1][row]) for x in layers]
+
     def forward(self, w, kv, tok, cos, sin, slot, mask, length=None) -> torch.Tensor:
-        """One token per row through the decoder: tok [B], its rotary cos/sin [B, 1, D]; its keys and values are
-        written at cache slot `slot` ([1]) of kv [layers, 2, B, Hkv, L, D]; the attention reads the cache's first
-        `length` slots (eager) or all L under `mask` [B, 1, 1, L] (a CUDA graph). Returns the logits [B, V]."""
+        """One token per row through the decoder: tok [B] at rotary cos/sin [B, 1, D], its keys and values written at
+        cache slot `slot` of kv [layers, 2, B, Hkv, L, D]; the attention reads the first `length` slots (eager), or
+        with length None all L under the additive mask [B, 1, 1, L], `slot` a [1] tensor (a CUDA graph). Returns the
+        logits [B, V]."""
         B, H, Hkv, D = tok.shape[0], self.H, self.Hkv, self.D
         h = self.body.embed_tokens(tok)  # [B, E]
         m = mask if length is None else mask[..., :length]
@@ -221,13 +226,14 @@ class StaticDecoder:
             if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                 qk = torch.cat([rms_norm(a.q_norm, qk[:, :H]), rms_norm(a.k_norm, qk[:, H:])], 1)
             qk = rope(qk, cos, sin)
-            if length is None:  # a CUDA graph: the slot is a tensor, the whole cache is read under the mask
+            if length is None:
                 cache[0].index_copy_(2, slot, qk[:, H:, None])
                 cache[1].index_copy_(2, slot, v[:, :, None])
-                keys, values = cache[0], cache[1]
             else:
                 cache[0, :, :, slot], cache[1, :, :, slot] = qk[:, H:], v
-                keys, values = cache[0, :, :, :length], cache[1, :, :, :length]
+            keys, values = (
+                (cache[0], cache[1]) if length is None else (cache[0, ..., :length, :], cache[1, ..., :length, :])
+            )
             q = qk[:, :H].reshape(B, Hkv, H // Hkv, D)  # transformers' pack_gqa: a KV head's queries side by side
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=a.scaling)
             h = F.linear(att.reshape(B, H * D), *o).add_(h)
@@ -235,114 +241,57 @@ class StaticDecoder:
             h = F.linear(F.silu(F.linear(x, *gate)).mul_(F.linear(x, *up)), *down).add_(h)
         return self.lm.lm_head(rms_norm(self.body.norm, h))
 
-    def graph(self, w, B: int, L: int, dtype, device):
-        """The CUDA graph of `forward` for B rows and a cache of L slots, captured on first use (then its self-check:
-        a replay against the eager forward); None where capture failed (the loop stays eager, said once)."""
-        if (B, L) in self.graphs:
-            return self.graphs[(B, L)]
-        while len(self.graphs) >= self.GRAPHS:
-            self.graphs.pop(next(iter(self.graphs)))
-        kv = torch.zeros(len(w), 2, B, self.Hkv, L, self.D, dtype=dtype, device=device)  # finite where masked
-        io = dict(tok=torch.zeros(B, dtype=torch.long, device=device), slot=torch.zeros(1, dtype=torch.long, device=device))
-        io |= dict(cos=torch.zeros(B, 1, self.D, dtype=dtype, device=device), mask=torch.zeros(B, 1, 1, L, dtype=dtype, device=device))
-        io["sin"] = io["cos"].clone()
-        args = (w, kv, io["tok"], io["cos"], io["sin"], io["slot"], io["mask"])
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (writes slot 0: the prompt is copied in after the capture)
-                    self.forward(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                io["logits"] = self.forward(*args)
-            g.replay()
-            eager = self.forward(*args)
-            ok = torch.allclose(io["logits"].float(), eager.float(), rtol=0.02, atol=0.02 * float(eager.abs().max()))
-        except RuntimeError as e:
-            ok, why = False, str(e).splitlines()[0]
-        else:
-            why = "its replay disagrees with the eager forward"
-        if not ok:
-            warnings.warn(f"static decoder: no CUDA graph ({why}); decoding eagerly", stacklevel=2)
-            self.use_graphs = False
-            return None
-        self.graphs[(B, L)] = (g, io, kv)
-        return self.graphs[(B, L)]
-
     @torch.inference_mode()
     def generate(
         self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float,
         top_k: int, do_sample: bool, stops: Sequence[int], pad_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """ids, mask: [B, P] left-padded prompts. Returns the sampled ids [B, T], T <= max_new_tokens (after a row's
-        stop token: pad_id, as `generate`), and each token's log-prob [B, T] under softmax(logits / temperature),
-        the distribution token_logprobs scores. Sampling: `generate`'s warpers (temperature, top-k, top-p) and
-        torch.multinomial, or argmax when not do_sample."""
-        from transformers import DynamicCache
+        """ids, mask: [B, P] left-padded prompts. Returns the new ids [B, T], T <= max_new_tokens (after a row's stop
+        token: pad_id, as `generate`), and each token's log-prob [B, T] under softmax(logits / temperature), the
+        distribution token_logprobs scores (0 after the stop). Sampling: `generate`'s warpers and torch.multinomial
+        on the same fp32 logits (the same random stream), or argmax when not do_sample."""
         from transformers.generation import logits_process as lp
 
         B, P = ids.shape
         w = self.weights()
-        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's position ids
-        prefill = DynamicCache()
-        cache_kw = {self.cache_arg: prefill}  # transformers 5 calls it cache, 4.x past_key_values
-        out = self.lm(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **cache_kw)
-        logits = out.logits[:, -1]
-        L = P + max_new_tokens
-        graph = None
-        if self.use_graphs:
-            graph = self.graph(w, B, -(-L // 64) * 64, logits.dtype, ids.device)  # cache lengths in steps of 64
-        whole = graph is not None or self.whole_cache
-        if graph is not None:
-            _, io, kv = graph
-        else:  # the whole cache is read under the mask: finite everywhere (0 x NaN would be NaN)
-            kv = (logits.new_zeros if whole else logits.new_empty)(len(w), 2, B, self.Hkv, L, self.D)
-            io = dict(mask=logits.new_empty(B, 1, 1, L))
-        layers = prefill.layers if hasattr(prefill, "layers") else prefill  # 4.x: (keys, values) per layer
-        for i, layer in enumerate(layers):
-            kv[i, 0, :, :, :P], kv[i, 1, :, :, :P] = (layer.keys, layer.values) if hasattr(layer, "keys") else layer
-        io["mask"].fill_(-torch.inf)  # additive: 0 where a row attends (its prompt, then each new token), else -inf
-        io["mask"][:, 0, 0, :P].masked_fill_(mask.bool(), 0.0)
-        positions = pos[:, -1:] + torch.arange(1, max_new_tokens, device=ids.device)  # [B, max_new_tokens - 1]
-        cos_all, sin_all = self.body.rotary_emb(logits, positions)  # [B, max_new_tokens - 1, D]
-        warp = lp.LogitsProcessorList()
-        if do_sample and temperature != 1.0:
-            warp.append(lp.TemperatureLogitsWarper(temperature))
-        if do_sample and top_k:
-            warp.append(lp.TopKLogitsWarper(top_k))
-        if do_sample and top_p < 1.0:
-            warp.append(lp.TopPLogitsWarper(top_p))
+        logits, prompt_kv = self.prefill(ids, mask)
+        if self.use_graphs or self.whole_cache:  # the whole cache under a mask; a CUDA graph on a GPU
+            from rlvr_utils import cuda_graphs
+
+            length = -(-(P + max_new_tokens) // 64) * 64  # one graph per 64 slots of cache
+            step, kv, bias = cuda_graphs.decode_step(self, w, B, length, logits.dtype, capture=self.use_graphs)
+        else:
+            kv = logits.new_empty(len(w), 2, B, self.Hkv, P + max_new_tokens, self.D)
+            bias = logits.new_empty(B, 1, 1, P + max_new_tokens)
+
+            def step(tok, cos, sin, slot):
+                return self.forward(w, kv, tok, cos, sin, slot, bias, length=slot + 1)
+
+        for i, (keys, values) in enumerate(prompt_kv):
+            kv[i, 0, :, :, :P], kv[i, 1, :, :, :P] = keys, values
+        bias.fill_(-torch.inf)  # additive attention mask: 0 where a row attends (its prompt, then its new tokens)
+        bias[:, 0, 0, :P].masked_fill_(mask.bool(), 0.0)
+        positions = mask.sum(-1, keepdim=True) + torch.arange(max_new_tokens - 1, device=ids.device)
+        cos, sin = self.body.rotary_emb(logits, positions)  # [B, max_new_tokens - 1, D]
+        warp = lp.LogitsProcessorList()  # generate's, in its order
+        warp += [lp.TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
+        warp += [lp.TopKLogitsWarper(top_k)] if do_sample and top_k else []
+        warp += [lp.TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
         stop_ids = torch.tensor(list(stops), device=ids.device)
         unfinished = torch.ones(B, dtype=torch.long, device=ids.device)
-        every = 8 if ids.is_cuda else 1  # how often the loop asks whether every row has stopped (a sync on CUDA)
+        every = 8 if ids.is_cuda else 1  # steps between "has every row stopped?" (a sync on CUDA)
         toks, logps = [], []
         for t in range(max_new_tokens):
-            scores = logits.float()
-            if do_sample:
-                tok = torch.multinomial(F.softmax(warp(None, scores), dim=-1), num_samples=1).squeeze(1)
-            else:
-                tok = scores.argmax(-1)
-            logps.append((scores / temperature).log_softmax(-1).gather(1, tok[:, None])[:, 0] * unfinished)
+            z = logits.float()
+            tok = torch.multinomial(F.softmax(warp(None, z), -1), 1)[:, 0] if do_sample else z.argmax(-1)
+            logps.append((z / temperature).log_softmax(-1).gather(1, tok[:, None])[:, 0] * unfinished)
             tok = tok * unfinished + pad_id * (1 - unfinished)
             toks.append(tok)
             unfinished = unfinished & ~torch.isin(tok, stop_ids)
             if t == max_new_tokens - 1 or (t % every == every - 1 and not unfinished.any()):
                 break
-            slot = P + t
-            io["mask"][:, 0, 0, slot] = 0.0
-            step = (tok, cos_all[:, t, None], sin_all[:, t, None])
-            if graph is None and whole:
-                logits = self.forward(w, kv, *step, torch.tensor([slot], device=ids.device), io["mask"])
-            elif graph is None:
-                logits = self.forward(w, kv, *step, slot, io["mask"], length=slot + 1)
-            else:
-                for name, value in zip(("tok", "cos", "sin"), step):
-                    io[name].copy_(value)
-                io["slot"].fill_(slot)
-                graph[0].replay()
-                logits = io["logits"]
+            bias[:, 0, 0, P + t] = 0.0
+            logits = step(tok, cos[:, t, None], sin[:, t, None], P + t)
         return torch.stack(toks, 1), torch.stack(logps, 1)
 
 
@@ -352,7 +301,7 @@ def static_decoder(model) -> StaticDecoder | None:
     if getattr(model, "_rlvr_hf_generate", False):
         return None
     if model not in _DECODERS:
-        why = StaticDecoder.unsupported(model)
+        why = unsupported(model)
         if why is not None:
             print(f"note: sampling with transformers' generate: the static decoder does not handle {why}",
                   file=sys.stderr)  # fmt: skip
@@ -361,6 +310,7 @@ def static_decoder(model) -> StaticDecoder | None:
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StaticDecoder (None: generate)
+
 
 @torch.no_grad()
 def generate_rollouts(

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rlvr_utils import logprob_kernels
+from rlvr_utils import logprob_kernels, runtime
 from rlvr_utils.rollouts import pad_left
 
 
@@ -99,7 +99,7 @@ def micro_batches_of_groups(
 
 def logprobs_and_kl(
     model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None, pad_id: int = 0,
-    with_entropy: bool = False, kl_grad: bool = False, chunk_size: int = logprob_kernels.ROWS_PER_FORWARD,
+    with_entropy: bool = False, kl_grad: bool = False, chunk_size: int | None = None,
     time_chunk: int = 128, fused: bool | None = None, dist=None, divergence: Callable | None = None,
     kl_fn: Callable | None = None,
 ):  # fmt: skip
@@ -119,6 +119,8 @@ def logprobs_and_kl(
     lm_head or None, temperature, positions), under no_grad, instead of the KL.
     """
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
+    unfused = None if fused else runtime.extra("unfused", "a model whose logits are not lm_head(h)")
+    chunk_size = chunk_size or logprob_kernels.rows_per_forward(input_ids.shape, fused)
     lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
     positions = max(1, 2**25 // lm.out_features) if fused else 0  # as common.token_logprobs: [positions, V] fp32
     logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
@@ -132,12 +134,12 @@ def logprobs_and_kl(
             logps.append(lp.view(ids.shape[0], T))
             ents.extend([ent.view(ids.shape[0], T)] if with_entropy else [])
         else:
-            out = logprob_kernels.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, grad
+            out = unfused.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, grad
             logps.append(out.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(out, dim=-1))
-            ents.extend([logprob_kernels.entropy_from_logits(out)] if with_entropy else [])
+            ents.extend([unfused.entropy_from_logits(out)] if with_entropy else [])
         D = torch.zeros(ids.shape[0], T, device=ids.device)
         rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
-        teacher = logprob_kernels.completion_hidden if fused else logprob_kernels.completion_logits
+        teacher = logprob_kernels.completion_hidden if fused else unfused.completion_logits
         if dist is not None and dist.any(bool(rows)) and not rows:
             with torch.no_grad():  # FSDP: another rank runs its teacher on this chunk; this one an idle forward
                 teacher(model, ids[:1], mask[:1], T)

@@ -42,7 +42,8 @@ def test_greedy_eval_and_sampled_rollouts_are_generates_tokens_bitwise(tiny):
 
 def small(config_class, dtype=torch.float32, **kw):
     base = dict(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None)  # fmt: skip
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
+                bos_token_id=None)  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config_class(**(base | kw))).to(dtype).eval()
 
@@ -63,7 +64,7 @@ FAMILY = {
 def test_llama_family_models_decode_as_generate(name, dtype):
     config_class, kw = FAMILY[name]
     model = small(config_class, dtype, **kw)
-    assert rollouts.StaticDecoder.unsupported(model) is None
+    assert rollouts.unsupported(model) is None
     g = torch.Generator().manual_seed(1)
     padded = rollouts.pad_left([torch.randint(2, 99, (int(n),), generator=g).tolist() for n in range(3, 19)], 0)
     same_length = (torch.randint(2, 99, (8, 6), generator=g), torch.ones(8, 6, dtype=torch.long))
@@ -190,7 +191,7 @@ def test_a_model_outside_the_llama_family_samples_with_generate(capsys):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=1, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    assert "gpt2" in rollouts.StaticDecoder.unsupported(model)
+    assert "gpt2" in rollouts.unsupported(model)
     assert rollouts.static_decoder(model) is None
     assert "does not handle model type gpt2" in capsys.readouterr().err
 

@@ -5,7 +5,7 @@ import torch
 from helpers import padded_batch, random_model
 
 import common
-from rlvr_utils import logprob_kernels, teacher
+from rlvr_utils import logprob_kernels, teacher, unfused
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -19,12 +19,12 @@ def test_selected_logprob_forward_and_gradient_match_float64_autograd(temperatur
     ref = torch.log_softmax(z64 / temperature, -1).gather(-1, y[..., None]).squeeze(-1)
     (ref * w).sum().backward()
     z32 = z.clone().requires_grad_(True)
-    got = logprob_kernels.SelectedLogProb.apply(z32, y, temperature, chunk)
+    got = unfused.SelectedLogProb.apply(z32, y, temperature, chunk)
     (got * w).sum().backward()
     assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, atol=1e-5)
     assert torch.allclose(z32.grad.double(), z64.grad, atol=1e-6)
     zb = z.bfloat16().requires_grad_(True)  # model-dtype logits: fp32 math inside, the gradient in that dtype
-    (logprob_kernels.SelectedLogProb.apply(zb, y, temperature, chunk) * w).sum().backward()
+    (unfused.SelectedLogProb.apply(zb, y, temperature, chunk) * w).sum().backward()
     zb64 = zb.detach().double().requires_grad_(True)  # the reference on the same (rounded) logits
     (torch.log_softmax(zb64 / temperature, -1).gather(-1, y[..., None]).squeeze(-1) * w).sum().backward()
     assert zb.grad.dtype == torch.bfloat16 and torch.allclose(zb.grad.double(), zb64.grad, rtol=1e-2, atol=1e-3)

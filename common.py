@@ -175,13 +175,12 @@ def token_logprobs(
     input_ids, attention_mask: [B, L] (prompt left-padded, completion right-padded). Returns logp
     [B, T] and, with `with_entropy`, the per-token entropy [B, T] (nats, no gradient) of the same
     distribution, else None. Padded completion positions are finite but meaningless: mask them.
-    Memory: rows go `chunk_size` at a time (default: logprob_kernels.rows_per_forward, a token budget
-    on the fused path, 8 rows on the other), and no [B, T, V] log-softmax or fp32 logits exist,
-    forward or backward. `fused` (default: logprob_kernels.fused_logprobs_ok(model)): the model
-    returns its final hidden states and FusedLinearLogProb applies the lm_head a few positions at
-    a time, so not even the [b, T, V] logits exist; else (a model whose logits are not lm_head(h))
-    rlvr_utils/unfused.py takes z[y] - logsumexp(z) from the model's own logits in fp32 a few
-    positions at a time. Both compute the same function (logits over the sampling temperature)."""
+    Memory: rows go `chunk_size` at a time (default: logprob_kernels.rows_per_forward); no [B, T, V]
+    log-softmax or fp32 logits exist, forward or backward. `fused` (default: fused_logprobs_ok):
+    FusedLinearLogProb applies the lm_head to the final hidden states a few positions at a time, so
+    not even the [b, T, V] logits exist; else (logits that are not lm_head(h)) rlvr_utils/unfused.py
+    takes z[y] - logsumexp(z) from the model's own logits in fp32 a few positions at a time. Both
+    compute the same function (logits over the sampling temperature)."""
     T = num_completion_tokens
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     chunk_size = chunk_size or logprob_kernels.rows_per_forward(input_ids.shape, fused)
@@ -200,13 +199,11 @@ def token_logprobs(
             )
             logps.append(lp.view(ids.shape[0], T))
             ents += [ent.view(ids.shape[0], T)] if with_entropy else []
-        else:  # logits that are not lm_head(h): the model's own, rlvr_utils/unfused.py
+        else:  # logits that are not lm_head(h): the model's own (rlvr_utils/unfused.py)
             unfused = runtime.extra("unfused", "a model whose logits are not lm_head(h)")
-            lp, ent = unfused.logprobs(
-                model, ids, mask, T, temperature, with_entropy, entropy_chunk
-            )
-            logps.append(lp)
-            ents += [ent] if with_entropy else []
+            out = unfused.logprobs(model, ids, mask, T, temperature, with_entropy, entropy_chunk)
+            logps.append(out[0])
+            ents += [out[1]] if with_entropy else []
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
@@ -478,9 +475,7 @@ class Run:
         )
         if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
             runtime.extra("engines", "--engine vllm").attach_run_engine(model, optimizer, a, dist)
-        model._rlvr_hf_generate = (
-            a.engine == "hf"
-        )  # else the static decoder (rollouts.StaticDecoder)
+        model._rlvr_hf_generate = a.engine == "hf"  # else rollouts.StaticDecoder
         hashes = {}
         if a.data_path or a.eval_data_path or a.reward_fn:  # their hashes, for --resume to compare
             hashes = runtime.extra("data_tasks", "--data-path or --reward-fn").file_hashes(a)

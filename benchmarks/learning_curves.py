@@ -64,6 +64,7 @@ METHODS = {
     "srpo": ["srpo.py", "--reset", "self"],
     "rrpo": ["srpo.py", "--reset", "random"],
     "srpo_oracle": ["srpo.py", "--reset", "oracle"],
+    "control": ["benchmarks/perfect_credit.py"],  # the positive control: perfect process credit (not a method)
 }
 
 

@@ -157,6 +157,20 @@ def test_the_cuda_graphs_whole_cache_arithmetic_gives_the_same_tokens(tiny):
     assert ((logp[m] - sampled.sample_logp[m]).abs() / (1 + logp[m].abs())).max() < 1e-5  # relative: a longer sum
 
 
+def test_a_failed_cuda_graph_capture_leaves_the_decoder_eager_and_says_so(tiny):
+    """On CPU a capture fails (no CUDA): one warning, the decoder stays eager, the tokens are the eager ones."""
+    model, tok = tiny
+    task = tasks.load_task("arith", tok, seed=1, num_eval=16)
+    prompts = [e.prompt_ids for e in task.eval]
+    eager = common.generate_rollouts(model, tok, prompts, list(range(16)), 1, 48, temperature=1e-5, do_sample=False)
+    rollouts.static_decoder(model).use_graphs = True
+    with pytest.warns(UserWarning, match="no CUDA graph"):
+        again = common.generate_rollouts(model, tok, prompts, list(range(16)), 1, 48, temperature=1e-5,
+                                         do_sample=False)  # fmt: skip
+    assert rollouts.static_decoder(model).use_graphs is False
+    assert torch.equal(eager.completion_ids, again.completion_ids)
+
+
 def test_lora_decodes_merged_copies_and_never_writes_the_base(tiny):
     """Under LoRA the loop reads W + s B A from copies of its own: the tokens are PEFT's (adapters on, greedy), they
     follow the adapters after an optimizer step, and the base weights stay bitwise what they were."""

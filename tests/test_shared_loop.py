@@ -73,6 +73,9 @@ REPLACED = {
         ("surrogate = torch.min(ratio * A,", "REINFORCE; --clip: the dual-clipped surrogate"),
         ("run.end_step(step, ro, rewards, stats, sampling)", "+ the reset/* metrics"),
     ],
+    "benchmarks/perfect_credit.py": [
+        ("token_adv = advantages.to(run.device)[:, None].expand(-1, T)", "the control's perfect credit"),
+    ],
 }
 
 

@@ -105,10 +105,53 @@ def run_one(setting: str, name: str, script_flags: list[str], seed: int, a) -> s
         tmp_credit = out.with_suffix(".credit.tmp")
         tmp_credit.write_bytes(gzip.compress(res.files["credit.jsonl"], mtime=0))
         os.replace(tmp_credit, credit_path(out))
+    tmp_run = out.with_suffix(".run.tmp")  # the run's provenance beside its rows (what `report` pools by)
+    not_default = [*script_flags[1:], *SETTINGS[setting], *a.extra.split(), *log_credit]
+    record = provenance([script, *flags, *a.extra.split(), *log_credit], not_default, a, res.wall_s)
+    tmp_run.write_text(json.dumps(record, indent=1))
+    os.replace(tmp_run, run_path(out))
     tmp_out = out.with_suffix(".tmp")
     tmp_out.write_text("".join(json.dumps(r) + "\n" for r in res.rows))  # as the script wrote them (json.dumps)
     os.replace(tmp_out, out)
     return f"{name} seed {seed}: {res.wall_s:.0f} s"
+
+
+def run_path(metrics: Path) -> Path:
+    """A run's provenance: seed<k>.run.json beside its seed<k>.jsonl."""
+    return metrics.with_name(metrics.stem + ".run.json")
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else platform's."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown processor"
+
+
+def provenance(command: list[str], not_default: list[str], a, wall_s: float) -> dict:
+    """What produced a run: the commit (and whether the tree had uncommitted changes), the full command, the flags that
+    differ from the script's defaults (the method's, the setting's, --extra's), the machine, torch and Python."""
+    import platform
+
+    import torch
+
+    git = lambda *c: subprocess.run(["git", *c], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted": bool(git("status", "--porcelain", "-uno")),
+        "command": command,
+        "flags_not_default": not_default,
+        "machine": f"{platform.node()}: {platform.machine()}, {os.cpu_count()} cores, {cpu_name()}",
+        "threads": a.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "wall_s": round(wall_s, 1),
+        "finished": __import__("datetime").datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def cmd_run(a) -> None:

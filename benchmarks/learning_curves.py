@@ -279,6 +279,66 @@ def bootstrap_ci(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float,
     return m, means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
+def paired_p(diffs: list[float]) -> float | None:
+    """Two-sided p-value of the paired t-test that the mean of `diffs` (per-seed differences) is 0: P(|T| >= |t|),
+    t = mean / (sd / sqrt(n)), n - 1 degrees of freedom. 1.0 when every difference is 0, None for one seed."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    m = sum(diffs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in diffs) / (n - 1))
+    if sd == 0:
+        return 1.0 if m == 0 else 0.0
+    return 1.0 - t_two_sided(m / (sd / math.sqrt(n)), n - 1)
+
+
+def holm(pvalues: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values (name -> p; None left out): the k-th smallest of m gets
+    max over j <= k of min(1, (m - j + 1) p_(j)). Rejecting where the adjusted p < alpha keeps the chance of any false
+    rejection in the family at most alpha, whatever the dependence between the comparisons."""
+    ranked = sorted((p, name) for name, p in pvalues.items() if p is not None)
+    m, out, running = len(ranked), {}, 0.0
+    for k, (p, name) in enumerate(ranked):
+        running = max(running, min(1.0, (m - k) * p))
+        out[name] = running
+    return out
+
+
+def detectable(diffs: list[float], power: float = 0.8, level: float = 0.95) -> float | None:
+    """The smallest true mean difference a paired t-test at `level` (two-sided) detects with probability `power`
+    over n seeds with these differences' spread: (t_{(1+level)/2, n-1} + t_{power, n-1}) * sd / sqrt(n) (the usual
+    approximation of the noncentral t; slightly under the exact value for few seeds). None for one seed."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    m = sum(diffs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in diffs) / (n - 1))
+    return (t_quantile((1 + level) / 2, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
+
+
+def fieller(num: list[float], den: list[float], level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """The ratio of two paired means, mean(num) / mean(den), with Fieller's `level` interval (per seed k: num_k, den_k,
+    e.g. a method's and the control's gains over GRPO on seed k). With a = mean(num), b = mean(den), their variances
+    v_aa, v_bb and covariance v_ab (of the means: over n seeds, divided by n), and t = t_{(1+level)/2, n-1}, the
+    interval is the set of r with (a - r b)^2 <= t^2 (v_aa - 2 r v_ab + r^2 v_bb): the roots of
+    (b^2 - t^2 v_bb) r^2 - 2 (a b - t^2 v_ab) r + (a^2 - t^2 v_aa) = 0. It is bounded only when the denominator's
+    own interval excludes 0 (b^2 > t^2 v_bb); else (ratio, None, None): the share is not defined by the data."""
+    n = len(num)
+    if n < 2 or n != len(den):
+        return None, None, None
+    a, b = sum(num) / n, sum(den) / n
+    v_aa = sum((x - a) ** 2 for x in num) / (n - 1) / n
+    v_bb = sum((y - b) ** 2 for y in den) / (n - 1) / n
+    v_ab = sum((x - a) * (y - b) for x, y in zip(num, den)) / (n - 1) / n
+    ratio = a / b if b else None
+    t2 = t_quantile((1 + level) / 2, n - 1) ** 2
+    qa, qb, qc = b * b - t2 * v_bb, a * b - t2 * v_ab, a * a - t2 * v_aa
+    if qa <= 0:
+        return ratio, None, None
+    root = math.sqrt(max(qb * qb - qa * qc, 0.0))
+    return ratio, (qb - root) / qa, (qb + root) / qa
+
+
 def mean_curve(by_seed: dict) -> list[tuple[int, float, float, float, float]]:
     """(step, mean generated tokens, mean accuracy, 95% low, 95% high: the t-interval over seeds, the mean itself for
     one seed) at the steps every seed evaluated."""
@@ -330,6 +390,8 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
         diff=diff,
         lo=lo,
         hi=hi,
+        p=paired_p(diffs),
+        mde80=detectable(diffs),
         final=final,
         final_lo=final_lo,
         final_hi=final_hi,
@@ -340,6 +402,36 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
         evals_hi=evals_hi,
         evals_n=len(per_seed),
     )
+
+
+def versus_control(by_seed: dict, grpo: dict, control: dict) -> dict:
+    """A method against the positive control (benchmarks/perfect_credit.py) on the seeds all three finished:
+    vs_control  mean of (its final - the control's final), with the paired 95% t-interval (vs_control_lo, _hi);
+    share       the share of the control's gain over GRPO that the method recovers, mean(its final - GRPO's) /
+                mean(the control's final - GRPO's), with Fieller's 95% interval (share_lo, share_hi; None when the
+                control's own gain is not shown: the share is then undefined); n_control: the seeds used."""
+    final = lambda curves, k: curves[k][-1][2]  # noqa: E731
+    shared = sorted(k for k in by_seed if k in grpo and k in control)
+    mine = [final(by_seed, k) - final(grpo, k) for k in shared]
+    ctrl = [final(control, k) - final(grpo, k) for k in shared]
+    vs = t_interval([final(by_seed, k) - final(control, k) for k in shared]) if shared else (None, None, None)
+    share = fieller(mine, ctrl)
+    return dict(n_control=len(shared), vs_control=vs[0], vs_control_lo=vs[1], vs_control_hi=vs[2],
+                share=share[0], share_lo=share[1], share_hi=share[2])  # fmt: skip
+
+
+def commits_of(setting: str, results: Path) -> dict:
+    """method -> the commits its finished seeds were run at (each seed's .run.json; older results: the method's
+    meta.json, which every `run` call rewrote, so it names the last one)."""
+    out = {}
+    for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
+        meta = d / "meta.json"
+        fallback = json.loads(meta.read_text()).get("commit", "unknown") if meta.exists() else "unknown"
+        for f in sorted(d.glob("seed*.jsonl")):
+            run = run_path(f)
+            commit = json.loads(run.read_text())["commit"] if run.exists() else f"{fallback} (meta.json)"
+            out.setdefault(d.name, set()).add(commit)
+    return out
 
 
 def cmd_report(a) -> None:
@@ -359,9 +451,22 @@ def cmd_report(a) -> None:
         ends = sorted({pts[-1][0] for pts in curves[m].values()})
         if len(ends) > 1:
             sys.exit(f"{m}: its seeds end at different steps {ends}; rerun or remove the short ones")
+    commits = commits_of(a.setting, Path(a.results))
+    every = sorted(set().union(*commits.values())) if commits else []
+    if len(every) > 1 and not a.pool_commits:
+        why = "pooling them compares code as well as methods: rerun at one commit, or pass --pool-commits"
+        sys.exit(f"{a.setting}: its runs come from {len(every)} commits ({', '.join(every)}); {why}")
+    control = curves.get("control")
+    family = [m for m in order if m != "grpo"]  # the comparisons with GRPO in this table: Holm's family
+    rows = {m: versus_grpo(curves[m], grpo) for m in order}
+    adjusted = holm({m: rows[m]["p"] for m in family})
+    for m in order:
+        rows[m] |= {"p_holm": adjusted.get(m), "family": len(family), "commits": sorted(commits.get(m, []))}
+        if control is not None and m not in ("grpo", "control"):
+            rows[m] |= versus_control(curves[m], grpo, control)
     if a.json:  # one JSON line per method, nothing written
         for m in order:
-            print(json.dumps({"method": m, **versus_grpo(curves[m], grpo)}))
+            print(json.dumps({"method": m, **rows[m]}))
         return
     lines = [
         f"Setting `{a.setting}` ({' '.join(SETTINGS.get(a.setting, [])) or 'defaults'}); greedy pass@1 on 200 "
@@ -372,16 +477,39 @@ def cmd_report(a) -> None:
         "step 0, of the method's accuracy minus GRPO's, paired by seed (less hostage to one evaluation than the final)"
         ".",
         "",
+        f"p: the paired t-test's, two-sided; Holm: adjusted over this table's family of {len(family)} comparisons with "
+        "GRPO; detects: the smallest true difference this many seeds detect 80% of the time at 95% (two-sided), "
+        "from the differences' spread"
+        + (
+            "; − control and the share of the control's gain (Fieller's 95% "
+            "interval; – where the control's own gain is not shown): against benchmarks/perfect_credit.py on the "
+            "same seeds"
+            if control is not None
+            else ""
+        )
+        + f". Commits: {', '.join(every)}.",
+        "",
         "| method | seeds | step 0 | final (step) | final, 95% t-interval | n paired "
-        "| final − GRPO, paired 95% t-interval | min ratio to GRPO | mean over evals, 95% t-interval "
-        "| evals − GRPO, paired 95% t-interval "
-        "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| final − GRPO, paired 95% t-interval | p (Holm) | detects (80%) | min ratio to GRPO "
+        "| mean over evals, 95% t-interval | evals − GRPO, paired 95% t-interval "
+        + ("| final − control, paired 95% t-interval | share of the control's gain, 95% " if control else "")
+        + "| steps to GRPO's final (same seeds) | speed-up | tokens to it | tokens / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if control else ""),
     ]
     for m in order:
         curve, by_seed = means[m], curves[m]
-        v = versus_grpo(by_seed, grpo)
+        v = rows[m]
         d = fmt_ci((v["diff"], v["lo"], v["hi"]), "+") if v["n"] else "–"
+        pv = f"{v['p']:.3f} ({v['p_holm']:.3f})" if v.get("p_holm") is not None else "–"
+        mde = f"{v['mde80']:.3f}" if v.get("mde80") is not None and m != "grpo" else "–"
+        vc = ""
+        if control is not None:
+            c = fmt_ci((v["vs_control"], v["vs_control_lo"], v["vs_control_hi"]), "+") if v.get("n_control") else "–"
+            sh = "–"
+            if v.get("share") is not None:
+                sh = f"{v['share']:.2f}" + (f" [{v['share_lo']:.2f}, {v['share_hi']:.2f}]" if v["share_lo"] is not None
+                                            else " [undefined]")  # fmt: skip
+            vc = f"{c} | {sh} | "
         ev = fmt_ci((v["evals_diff"], v["evals_lo"], v["evals_hi"]), "+") if v["evals_diff"] is not None else "–"
         ev += f" (n = {v['evals_n']})" if v["evals_n"] not in (0, v["n"]) else ""  # seeds with no shared evaluation
         ratio = f"{v['min_ratio']:.2f}" if v["min_ratio"] is not None else "–"
@@ -395,10 +523,22 @@ def cmd_report(a) -> None:
         final = fmt_ci((v["final"], v["final_lo"], v["final_hi"]))
         lines.append(
             f"| {m} | {len(by_seed)} | {curve[0][2]:.3f} | {v['final']:.3f} ({curve[-1][0]}) | {final} | {v['n']} | "
-            f"{d} | {ratio} | {fmt_ci(auc)} | {ev} | "
+            f"{d} | {pv} | {mde} | {ratio} | {fmt_ci(auc)} | {ev} | {vc}"
             f"{s if s is not None else 'not reached'} | {speed} | {f'{tok / 1e3:.0f}k' if tok is not None else '–'} | "
             f"{tok_step:.0f} |"
         )
+    lines += ["", "What the intervals exclude (95%, paired by seed; the upper bound of each difference from GRPO):", ""]
+    for m in family:
+        v = rows[m]
+        if v["hi"] is None:
+            continue
+        if v["lo"] > 0:
+            lines.append(f"- {m}: above GRPO by at least {v['lo']:+.3f} (a gain above {v['hi']:+.3f} is excluded)")
+        elif v["hi"] < 0:
+            lines.append(f"- {m}: below GRPO by at least {-v['hi']:.3f} (a loss beyond {v['lo']:+.3f} is excluded)")
+        else:
+            lines.append(f"- {m}: no difference shown; a gain above {v['hi']:+.3f} and a loss beyond {v['lo']:+.3f} "
+                         f"are excluded (it detects {v['mde80']:.3f} 80% of the time)")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     out = Path(a.results) / a.setting
@@ -546,11 +686,12 @@ def main() -> None:
     p.add_argument("--setting", default="headroom")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    p.add_argument("--pool-commits", action="store_true", help="report runs made at different commits together")
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON line per method (method, n, diff, lo, hi, final, final_lo, final_hi, seeds, min_ratio) "
-        "and write nothing",
+        help="print one JSON line per method (versus_grpo's fields, p, p_holm, mde80, family, commits; with a control: "
+        "versus_control's vs_control and share, each with _lo/_hi) and write nothing",
     )
     a = ap.parse_args()
     if a.cmd == "run" and a.extra and not a.tag:

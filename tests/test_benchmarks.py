@@ -230,7 +230,9 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     assert "0.650 (20)" in srpo and "| 10 | 2.00x |" in srpo  # mean 0.55 at step 10: twice as fast
     # paired by seed: 0.6 - 0.5 and 0.7 - 0.6 (no spread: a zero-width interval) over n = 2 seeds; the lowest ratio
     # to GRPO's final on the same seed: min(0.6 / 0.5, 0.7 / 0.6) = 1.1667
-    assert "| 2 | +0.100 [+0.100, +0.100] | 1.17 |" in srpo
+    # p: no spread, so 0 (Holm over the family of 2 comparisons: 0 too); detects: no spread, 0
+    assert "| 2 | +0.100 [+0.100, +0.100] | 0.000 (0.000) | 0.000 | 1.17 |" in srpo
+    assert "family of 2 comparisons" in table and "- srpo: above GRPO by at least +0.100" in table
     # finals 0.5 and 0.6: mean 0.55 -+ t_{0.975, 1} * sd / sqrt(2) = 12.706 * 0.0707 / 1.414 = 0.635
     assert "| 0.550 [-0.085, 1.185] |" in grpo
     # mean over evaluations: (0.2+0.4+0.5)/3 and (0.2+0.5+0.6)/3: 0.400 -+ 12.706 * 0.04714 / 1.414 = 0.424
@@ -258,6 +260,7 @@ def test_learning_curves_report_from_raw_results(tmp_path):
     out = {r["method"]: r for r in map(json.loads, js.stdout.splitlines())}  # every stdout line is JSON
     assert list(out) == ["grpo", "srpo", "srpo@lr"] and not (tmp_path / "img2").exists()
     assert out["srpo"]["n"] == 2 and out["srpo"]["diff"] == pytest.approx(0.1) and out["srpo"]["seeds"] == 2
+    assert out["srpo"]["p"] == 0.0 and out["srpo"]["family"] == 2 and "share" not in out["srpo"]  # no control here
     assert out["srpo"]["lo"] == pytest.approx(0.1) and out["srpo"]["hi"] == pytest.approx(0.1)
     assert out["srpo"]["min_ratio"] == pytest.approx(0.7 / 0.6)
     assert out["srpo"]["evals_diff"] == pytest.approx(0.1) and out["srpo"]["evals_hi"] == pytest.approx(
@@ -274,6 +277,23 @@ def test_learning_curves_report_from_raw_results(tmp_path):
             "learning_curves_headroom_srpo_sweeps.png",
             "learning_curves_headroom_unsolved.png",
         ]
+
+
+def test_learning_curves_report_refuses_runs_of_two_commits_unless_asked(tmp_path):
+    """Each run's provenance names its commit; a table of runs from two commits compares code as well as methods."""
+    for method, commit in (("grpo", "aaa"), ("srpo", "bbb")):
+        d = tmp_path / "long" / method
+        d.mkdir(parents=True)
+        for seed in (1, 2):
+            rows = [{"step": s, "num_tokens": 100, "eval/accuracy": 0.1 * (s + seed)} for s in (0, 10)]
+            (d / f"seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d / f"seed{seed}.run.json").write_text(json.dumps({"commit": commit}))
+    report = [sys.executable, "benchmarks/learning_curves.py", "report", "--setting", "long", "--json"]
+    report += ["--results", str(tmp_path)]
+    refused = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "2 commits (aaa, bbb)" in refused.stderr
+    pooled = subprocess.run(report + ["--pool-commits"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert pooled.returncode == 0 and json.loads(pooled.stdout.splitlines()[1])["commits"] == ["bbb"]
 
 
 def test_versus_grpo_pairs_evaluations_only_where_both_made_one(monkeypatch):

@@ -595,9 +595,9 @@ def test_tiny_models_greedy_answers_are_the_same_through_autotokenizer(tiny):
     assert answers[0] == answers[1] and all("####" in a for a in answers[0])
 
 
-def test_the_readmes_chat_template_keeps_the_prompt_the_model_was_trained_on(tmp_path, monkeypatch):
+def test_the_docs_chat_template_keeps_the_prompt_the_model_was_trained_on(tmp_path, monkeypatch):
     text = (
-        (ROOT / "README.md")
+        (ROOT / "docs" / "tasks.md")
         .read_text()
         .split("**Adding a chat template", 1)[1]
         .split("```python\n", 1)[1]

@@ -1,10 +1,11 @@
-"""The two ways to copy one method (README "Copy one method"): the minimal copy, what a default run of the script loads
-(the core, plus the method's own module), and the full copy (all of rlvr_utils/). Prints the README's table, or
-rewrites it in place between its markers with --write; tests/test_copy.py keeps the README equal to this output and
-the minimal copy equal to what a default run loads.
+"""The README's generated blocks. The two ways to copy one method (README "Copy one method"): the minimal copy, what a
+default run of the script loads (the core, plus the method's own module), and the full copy (all of rlvr_utils/); and
+the Layout, whose rlvr_utils/ part is the package's own module list (rlvr_utils/__init__.py's docstring). Prints them,
+or rewrites them in place between their markers with --write; tests/test_copy.py keeps the README equal to this output
+and the minimal copy equal to what a default run loads.
 
-    python tools/copy_tiers.py            # print the table
-    python tools/copy_tiers.py --write    # rewrite README.md's table
+    python tools/copy_tiers.py            # print both blocks
+    python tools/copy_tiers.py --write    # rewrite them in README.md
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ OWN = {  # the module a method's default run loads besides the core
     "ep_grpo.py": "rlvr_utils/ep_diagnostics.py",
 }
 BEGIN, END = "<!-- copy tiers: python tools/copy_tiers.py --write -->", "<!-- /copy tiers -->"
+LAYOUT = "<!-- layout: python tools/copy_tiers.py --write -->", "<!-- /layout -->"
+TOP = """grpo.py            the baseline; every other script is a diff of it (GRPO / DAPO / Dr. GRPO by flags)
+sc_grpo.py         SC-GRPO          grpo_lambda.py   GRPO-λ          ep_grpo.py   EP-GRPO
+srpo.py            SRPO / RRPO / oracle resets
+common.py          what every script uses, in the order a step uses it, and `Run`: the plumbing around the loop
+rlvr_utils/        the support package (its __init__.py lists the modules, below); it imports neither common.py nor
+                   a script, and has no import cycle (tests/test_layout.py)"""
+BOTTOM = """assets/            tiny-arith/ (the default --model), tiny-arith-long/ (the long setting); tools/train_tiny_model.py
+benchmarks/        learning curves, speed, memory, verifiers, the positive control; raw results in benchmarks/results/
+docs/              one page per method, and running.md, tasks.md, lora.md, conventions.md, trl.md, benchmarks.md, ...
+tools/             credit_view.py (see the credit), doc_links.py, places_to_open.py, copy_tiers.py (this block)
+tests/             pytest, CPU (python -m pytest -q)      .ci/run   CI: a fresh venv, then the test command
+pyproject.toml     ruff (format and lint; line length 100 for the scripts and common.py, 120 elsewhere)"""
 
 
 def minimal(script: str) -> list[str]:
@@ -57,17 +71,30 @@ def table() -> str:
     return "\n".join([BEGIN, *rows, "", note, END])
 
 
+def layout() -> str:
+    """The README's Layout block: the top level, then rlvr_utils/__init__.py's module list as it stands."""
+    doc = (ROOT / "rlvr_utils" / "__init__.py").read_text().split('"""')[1]
+    modules = doc[doc.index("\nThe core") :].strip("\n")
+    body = "\n".join("  " + line if line.strip() else "" for line in modules.splitlines())
+    return "\n".join([LAYOUT[0], "```", TOP, body, BOTTOM, "```", LAYOUT[1]])
+
+
+def blocks() -> list[tuple[tuple[str, str], str]]:
+    return [((BEGIN, END), table()), (LAYOUT, layout())]
+
+
 def main() -> None:
-    out = table()
     if "--write" not in sys.argv[1:]:
-        print(out)
+        print("\n\n".join(text for _, text in blocks()))
         return
     readme = (ROOT / "README.md").read_text()
-    if BEGIN not in readme or END not in readme:
-        sys.exit(f"error: README.md has no {BEGIN} ... {END} block to rewrite")
-    head, rest = readme.split(BEGIN, 1)
-    (ROOT / "README.md").write_text(head + out + rest.split(END, 1)[1])
-    print("README.md: the copy tiers rewritten")
+    for (begin, end), text in blocks():
+        if begin not in readme or end not in readme:
+            sys.exit(f"error: README.md has no {begin} ... {end} block to rewrite")
+        head, rest = readme.split(begin, 1)
+        readme = head + text + rest.split(end, 1)[1]
+    (ROOT / "README.md").write_text(readme)
+    print("README.md: the copy tiers and the layout rewritten")
 
 
 if __name__ == "__main__":

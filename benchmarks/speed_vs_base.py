@@ -23,16 +23,9 @@ import subprocess
 from pathlib import Path
 
 from harness import run_script
+from step_time import SCRIPTS  # the scripts and flags step_time.py times
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {
-    "grpo.py": [],
-    "sc_grpo.py": [],
-    "grpo_lambda.py": [],
-    "ep_grpo.py": [],
-    "srpo.py": [],
-    "srpo.py --reset random": ["--reset", "random"],
-}
 
 
 def commit(tree: Path) -> str:

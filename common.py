@@ -363,8 +363,7 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
 # ----------------------------------------------------------------------------------------------
 def evaluate(
     model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64,
-    temperature: float = 0.0, dist: Dist | None = None, success_threshold: float = 1.0,
-    num_generations: int = 0,
+    temperature: float = 0.0, dist: Dist | None = None, success_threshold: float = 1.0, num_generations=0,
 ) -> dict:  # fmt: skip
     """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
     sample at that temperature. Returns {"eval/accuracy": the share of prompts whose reward reaches

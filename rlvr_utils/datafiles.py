@@ -9,8 +9,9 @@ twice in one object and JSON nested too deep for the reader are an error naming 
 column twice. Then the rows' values come from `load_dataset` ("json", "csv", "parquet", "arrow"), the files of one kind
 in one call (one schema for all, as `load_dataset(kind, data_files=[...])` gives a directory's files): a JSON column of
 ints and floats reads as floats (7 -> 7.0), a column mixing numbers and strings as `datasets` decodes it ("007" -> 7),
-2**70 as a float, a key missing from a row as None; CSV cells typed by pandas per column. A directory: each of its data
-files in name order. Suffixes are matched in any case (.JSONL).
+a key missing from a row as None, and a file `datasets` cannot read (an int beyond 64 bits, say) is an error naming it,
+as a TRL user's `load_dataset` raises; CSV cells typed by pandas per column. A directory: each of its data files in
+name order. Suffixes are matched in any case (.JSONL).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from rlvr_utils.tasks import HUB_DATASETS
 
 HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
 PATH_FLAGS = ("model", "data_path", "eval_data_path")  # a local one is shown by its name
-PROJECT = "[credit-rlvr](https://github.com/credit-rlvr/credit-rlvr)"  # the project's repository, linked on each card
+# the project's repository, linked on each card (no address is recorded in the tree: confirm it where it is published)
+PROJECT = "[credit-rlvr](https://github.com/credit-rlvr/credit-rlvr)"
 BUNDLED = "assets/tiny-arith"  # the bundled model, as a clone of the project names it
 
 

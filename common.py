@@ -362,25 +362,29 @@ def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_me
 # ----------------------------------------------------------------------------------------------
 def evaluate(
     model, tokenizer, task: Task, max_new_tokens: int, batch_size: int = 64,
-    temperature: float = 0.0, dist: Dist | None = None, success_threshold: float = 1.0,
+    temperature: float = 0.0, dist: Dist | None = None, success_threshold: float = 1.0, num_generations=0,
 ) -> dict:  # fmt: skip
     """pass@1 on the task's held-out prompts: greedy when temperature == 0 (default), else one
     sample at that temperature. Returns {"eval/accuracy": the share of prompts whose reward reaches
     `success_threshold`, "eval/reward": the mean reward, "eval/mean_length"}. Under torchrun each
     rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
-    sums are all-reduced, so every rank returns the same figures."""
+    sums are all-reduced, so every rank returns the same figures. num_generations > 0: TRL's
+    evaluation, samples and their training metrics (rlvr_utils/trl_eval.py)."""
     ex, rank, world = task.eval, (dist.rank if dist else 0), (dist.world if dist else 1)
     n = -(-len(ex) // world)
     mine = ex[rank * n : (rank + 1) * n]
-    counted = len(mine)
+    counted, G = len(mine), max(num_generations, 1)
     mine = mine + [ex[0]] * (n - counted)  # equal slices: FSDP ranks run the same generate calls
     greedy = dict(temperature=max(temperature, 1e-5), do_sample=temperature > 0)
     prompts, ids = [e.prompt_ids for e in mine], [e.id for e in mine]
     ro = generate_rollouts(
-        model, tokenizer, prompts, ids, 1, max_new_tokens, **greedy, batch_size=batch_size
+        model, tokenizer, prompts, ids, G, max_new_tokens, **greedy, batch_size=batch_size
     )
-    texts, completions = ro.texts[:counted], ro.completion_lists()[:counted]
-    r = task.rewards(texts, mine[:counted], completions, mode="eval")
+    k, owners = counted * G, [e for e in mine[:counted] for _ in range(G)]
+    r = task.rewards(ro.texts[:k], owners, ro.completion_lists()[:k], mode="eval")
+    if num_generations:  # TRL's evaluation: the samples' training metrics, under eval/
+        trl_eval = runtime.extra("trl_eval", "--eval-num-generations")
+        return trl_eval.metrics(task, ro, r, G, success_threshold, dist, len(ex))
     r = [x for x in r if x == x]  # NaN: no reward function scored it (TRL's None): left out
     correct, total, n = sum(x >= success_threshold for x in r), sum(r), len(r)
     length = ro.completion_mask[:counted].sum().item()
@@ -493,9 +497,10 @@ class Run:
         self.metrics = self.logger.last_eval
 
     def evaluate(self) -> dict:
-        a = self.args
-        flags = (a.max_new_tokens, a.gen_batch_size, a.eval_temperature, self.dist)
-        return evaluate(self.model, self.tokenizer, self.task, *flags, a.success_threshold)
+        a = self.args  # --eval-num-generations: --eval-temperature, else --temperature (TRL)
+        temp = a.eval_temperature or (a.temperature if a.eval_num_generations else 0.0)
+        flags = (a.max_new_tokens, a.gen_batch_size, temp, self.dist, a.success_threshold)
+        return evaluate(self.model, self.tokenizer, self.task, *flags, a.eval_num_generations)
 
     def steps(self):
         """The steps still to run, with a progress bar; each starts a new peak-memory measurement
@@ -597,4 +602,5 @@ class Run:
         self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")
         if self.args.save_model:  # after the save: a closed stdout cannot lose the model
             self.dist.print(f"saved model to {saved}")
+        checkpoints.unlock_run_dir(self.dir)  # a clean finish: .lock goes (rank 0 holds it)
         self.dist.close(then_exit=True)  # torchrun: every rank exits 0 here

@@ -150,17 +150,18 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
         pivot, temp = ep_ablations.pooled_threshold(H, mask, inv, *scope, quantile=row_quantile)
     g_hat = entropy_gate(H, mask, pivot, f.gate, f.gate_alpha, temp, f.gate_norm)
     # process signal P: delta, the implicit-PRM log-ratio per token, z-scored over the group's
-    # tokens in each window
+    # tokens in each window; an unscored rollout (reward NaN, TRL's None) is not in its group
     b, zero_entropy = progress_windows(H, mask, n_win, f.progress)
-    delta = (logp_old.float() - logp_ref.float()) * m
+    scored = mask * ~r.isnan()[:, None]  # [B, T] the tokens of the scored rollouts
+    delta = (logp_old.float() - logp_ref.float()) * scored
     cells = inv[:, None] * n_win + b  # a cell: (group, window)
     cut = (f.process_clip, f.process_std_min)
-    P, n_cell, ok = cell_zscore(delta, valid, cells, n_groups * n_win, *cut)
+    P, n_cell, ok = cell_zscore(delta, scored.bool(), cells, n_groups * n_win, *cut)
     if f.process_granularity != "token":  # ablations: window sums or prefix sums, per cell
         from rlvr_utils import ep_ablations  # extra: --process-granularity
 
         how = (n_win, f.process_granularity, *cut)
-        P, n_cell, ok = ep_ablations.window_process(delta, b, inv, mask, *how, zscore=cell_zscore)
+        P, n_cell, ok = ep_ablations.window_process(delta, b, inv, scored, *how, zscore=cell_zscore)
     lam0 = f.process_coef if f.process_coef_zero_var is None else f.process_coef_zero_var
     lam = torch.where(zero_var, lam0, f.process_coef)[:, None]
     A = g_hat * (a_out[:, None] + lam * polarity[:, None] * P) * m
@@ -168,8 +169,9 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
         from rlvr_utils import ep_ablations  # extra: --anchor-form, --advantage-form
 
         form = (f.advantage_form, n_win, f.implicit_beta, *cut)
+        r0 = r.nan_to_num()  # an unscored row: out of the cells, its A set to 0 below
         A, P, n_cell, ok = ep_ablations.other_forms(
-            g_hat, a_out, lam, P, n_cell, ok, r, delta, b, inv, mask, *form, zscore=cell_zscore
+            g_hat, a_out, lam, P, n_cell, ok, r0, delta, b, inv, scored, *form, zscore=cell_zscore
         )
     if r.isnan().any():  # a completion no reward function scored (TRL's None): advantage 0
         A = A.masked_fill(r.isnan()[:, None], 0.0)

@@ -156,7 +156,9 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
     none (n_c = 0, all scores equal): one rollout o_r, drawn uniformly, is the others' reference.
     Plain (f = 1): a group with n_c = 0 whose graded `scores` differ (the code task), a kind not in
     `weighted` (single: n_c = 1 and all: n_c = G are ablations that follow the partial rule), a
-    group of one. Draws come from `generator` only."""
+    group of one. An unscored rollout (score NaN: no reward function scored it, TRL's None) is
+    neither a success nor a failure: G and n_c count the scored ones, it gets no teacher and is
+    never o_r (a group with none scored is plain). Draws come from `generator` only."""
     correct, modes = correct.bool().cpu(), []
     gids = torch.arange(len(correct)) // group_size if group_ids is None else group_ids.cpu()
     scores = correct.float() if scores is None else scores.float().cpu()
@@ -166,11 +168,12 @@ def route_groups(correct, group_size: int, generator, group_ids=None, weighted=(
         rows = torch.tensor([i for i, g in enumerate(ids) if g == u])
         if len(rows) != group_size:
             raise ValueError(f"every group must have {group_size} completions, got {len(rows)}")
+        rows = rows[~scores[rows].isnan()]  # the scored rollouts: an unscored one takes no part
         nc = int(correct[rows].sum())
         kind = (
             "none" if nc == 0 else "all" if nc == len(rows) else "single" if nc == 1 else "partial"
         )
-        s = scores[rows][~scores[rows].isnan()]  # NaN: no reward function scored it, left out
+        s = scores[rows]
         graded = kind == "none" and len(s) > 0 and bool(s.max() > s.min())  # partial credit
         modes.append(kind if kind in weighted and len(rows) > 1 and not graded else "plain")
         if modes[-1] == "none":
@@ -331,7 +334,6 @@ if __name__ == "__main__":
         teachers, role, wlen, bad = build_teachers(
             tokenizer, args.task, ro, examples, correct, tau_row, limit, max_ref, routing
         )
-        role[ro.scores.isnan().cpu()] = Role.PLAIN  # no reward (TRL's None): advantage 0, no f
         active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (c's percentile)
         weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f, 1 on plain rows
         sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, the sc/* metrics

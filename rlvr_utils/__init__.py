@@ -18,7 +18,7 @@ A method's own, loaded by its script:
 The extras, each imported where its flag is handled (runtime.extra names the file a copy lacks):
   resume           --resume: the run's flags and its checkpoint restored
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
-  datafiles        local data files read as written (JSON rows keep their types), each row's file line
+  datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line
   rewards          GSM8K and MATH answers (math-verify)
   sandbox          the code task's sandboxed test runner (not a security boundary)
   sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, the program and its tests
@@ -32,6 +32,7 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   distributed      torchrun: DDP / FSDP2, sharding the batch, reducing metrics
   sharded          --fsdp's checkpoints: torch.distributed.checkpoint, resharded onto any world size
   model_card       --save-model: the weights (LoRA: merged, or the adapter) and README.md beside them
+  trl_eval         --eval-num-generations: TRL's evaluation, samples per prompt and their training metrics under eval/
   lora             --lora-rank: PEFT adapters, the reference with adapters off, merged weights for vLLM and saves
   credit           --log-credit: each token's effective credit, read from the loss's gradient, and credit.jsonl
   ep_ablations     EP-GRPO's ablation flags: the alternative forms (docs/ep_grpo.md)

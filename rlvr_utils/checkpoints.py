@@ -339,6 +339,17 @@ def lock_run_dir(run_dir) -> None:
 _LOCKS: dict = {}  # run directory -> its open descriptors (the directory, .lock), one of them locked
 
 
+def unlock_run_dir(run_dir) -> None:
+    """A clean finish: `.lock` removed, then the lock released (meanwhile a second process still finds the directory
+    locked), so that a finished run leaves no `.lock`. A process that does not hold it (a rank > 0): nothing."""
+    fds = _LOCKS.pop(str(Path(run_dir).absolute()), [])
+    if fds:
+        with contextlib.suppress(FileNotFoundError):  # removed by hand meanwhile
+            os.unlink(Path(run_dir).absolute() / ".lock")
+    for fd in fds:
+        os.close(fd)
+
+
 def _holder(run_dir: Path, lock_fd: int) -> str:
     """Who holds the lock: the live process /proc/locks names for the directory (or .lock), else `.lock`'s text."""
     ids = set()

@@ -162,12 +162,13 @@ class BaseArgs:
     lora_alpha: float | None = None
     """LoRA alpha: the adapters are scaled by alpha / r (default: r, a scale of 1, as in the official SRPO code)"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input, in [0, 1); it acts in train mode only (--gradient-checkpointing)"""
+    """dropout on the adapters' input, in [0, 1): it acts in every forward of the adapted policy but generation's (the
+    update's, and the no-grad passes that score its rollouts: old log-probs, SC-GRPO's teacher, EP-GRPO's)"""
     lora_target_modules: tuple[str, ...] = ()
     """module names to adapt (e.g. q_proj v_proj); default: every linear layer of the blocks (PEFT's all-linear)"""
     save_adapter: bool = False
-    """with --lora-rank, --save-model writes the adapter (peft's AutoPeftModelForCausalLM loads it) instead of the model
-    with the adapters merged (AutoModelForCausalLM)"""
+    """with --lora-rank: save the final adapter (implies --save-model; peft's AutoPeftModelForCausalLM loads it) instead
+    of the model with the adapters merged (AutoModelForCausalLM)"""
 
     # evaluation
     eval_every: int = 25
@@ -175,7 +176,12 @@ class BaseArgs:
     num_eval: int = 200
     """held-out prompts per evaluation"""
     eval_temperature: float = 0.0
-    """0 = greedy pass@1"""
+    """0: greedy pass@1 (eval/accuracy: the share of prompts solved); > 0: one sample per prompt at this temperature;
+    with --eval-num-generations, 0 means --temperature (as TRL samples its evaluation)"""
+    eval_num_generations: int = 0
+    """TRL's evaluation (docs/trl.md): this many samples per held-out prompt, the training metrics of them under eval/
+    (eval/reward, eval/reward_std, eval/completions/mean_length, ...; eval/accuracy: the share of samples that
+    succeed); 0: the greedy pass@1"""
     log_credit: int = 0
     """record N training rollouts' per-token credit (the loss's gradient on each token's log-prob, in advantage units)
     at each evaluation step, to <run-dir>/credit.jsonl and TensorBoard; draw them with tools/credit_view.py; 0 = off"""
@@ -211,6 +217,7 @@ def parse(args_type, validate=None):
     args = expand_paths(_tyro(args_type))
     if args.resume:  # the run's own flags (its config.json), checked against these
         args = extra("resume", "--resume").resume_args(args, args_type)
+    args = dataclasses.replace(args, save_model=args.save_model or args.save_adapter)  # --save-adapter: the save too
     check_common(args)
     args = validate(args) if validate is not None else args
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -274,6 +281,7 @@ def check_common(args) -> None:
     ranges |= dict(lora_alpha="> 0", lora_dropout="[0, 1)")
     ranges |= dict.fromkeys(["learning_rate", "max_grad_norm", "code_timeout"], "> 0")
     nonneg = "weight_decay beta vllm_is_cap vllm_is_min eval_temperature overlong_penalty_factor reward_timeout"
+    nonneg += " eval_num_generations"
     ranges |= dict.fromkeys(nonneg.split(), ">= 0")
     ranges |= dict(top_p="(0, 1]", epsilon="(0, 1)", epsilon_high="> 0", vllm_gpu_memory_utilization="(0, 1]")
     need_ranges(args, **{name: spec for name, spec in ranges.items() if name in a})
@@ -288,22 +296,13 @@ def check_common(args) -> None:
     need(a["num_generations"] >= 2, f"--num-generations must be >= 2 ({compared}), got {a['num_generations']}")
     values = f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})"
     need(a["arith_max_value"] >= a["arith_max_operand"], values)
-    if a.get("overlong_buffer"):
-        need(
-            a["overlong_buffer"] < a["max_new_tokens"],
-            f"--overlong-buffer ({a['overlong_buffer']}) must be smaller than --max-new-tokens ({a['max_new_tokens']})",
-        )
-    if "num_minibatches" in a:
-        need(
-            a["prompts_per_step"] % a["num_minibatches"] == 0,
-            f"--num-minibatches {a['num_minibatches']} must divide "
-            f"--prompts-per-step {a['prompts_per_step']} (each mini-batch holds whole prompts)",
-        )
+    long = f"--overlong-buffer ({a['overlong_buffer']}) must be smaller than --max-new-tokens ({a['max_new_tokens']})"
+    need(not a["overlong_buffer"] or a["overlong_buffer"] < a["max_new_tokens"], long)
+    mb = f"--num-minibatches {a.get('num_minibatches')} must divide --prompts-per-step {a['prompts_per_step']}"
+    need(a["prompts_per_step"] % a.get("num_minibatches", 1) == 0, f"{mb} (each mini-batch holds whole prompts)")
     dev = a["device"]
-    need(
-        dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
-        f"--device {dev}: choose auto, cpu, cuda or cuda:N",
-    )
+    ok = dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
+    need(ok, f"--device {dev}: choose auto, cpu, cuda or cuda:N")
     if dev.startswith("cuda"):
         import torch
 
@@ -328,11 +327,11 @@ def check_common(args) -> None:
         need(not (a["fsdp"] and torchrun), "--lora-rank with --fsdp is not supported: the adapters are small, use DDP")
         peft = "--lora-rank needs peft, which is not installed: pip install peft"
         need(importlib.util.find_spec("peft") is not None, peft)
-    need(a["lora_rank"] or not a["save_adapter"], "--save-adapter needs --lora-rank (there is no adapter to save)")
-    wandb = (
-        "--track logs to Weights & Biases, which is not installed: pip install wandb (then wandb login), or leave out"
-    )
-    need(not a["track"] or importlib.util.find_spec("wandb") is not None, f"{wandb} --track")
+    for f in ("lora_alpha", "lora_dropout", "lora_target_modules", "save_adapter"):  # LoRA's own: alone they do nothing
+        why = "without it every weight trains: there is no adapter to act on"
+        need(a["lora_rank"] or a[f] in (None, 0, (), False), f"--{f.replace('_', '-')} needs --lora-rank ({why})")
+    wandb = "--track logs to Weights & Biases, which is not installed: pip install wandb (then wandb login)"
+    need(not a["track"] or importlib.util.find_spec("wandb") is not None, f"{wandb}, or leave out --track")
     check_run_flags(a)
 
 
@@ -347,6 +346,7 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
+    out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []
     out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if world_size() > 1 else []
     out += [("sharded", "--fsdp")] if a.get("fsdp") and world_size() > 1 else []

@@ -1,6 +1,6 @@
 """The tasks that read data, an extra (loaded with --task gsm8k, math, code or custom, --data-path, --eval-data-path or
 --reward-fn): the hub dataset through `datasets.load_dataset`, or a local file or directory with --data-path, read as
-written (datafiles.py: JSON rows keep their JSON types; csv/tsv/parquet/arrow through `datasets`); custom: a file, a
+TRL's users read it (datafiles.py: checked line by line, then through `datasets.load_dataset`); custom: a file, a
 directory or a hub id. gsm8k and math (rewards.py), code (sandbox.py: HumanEval's format or an MBPP-like one), custom
 (custom.py: the user's rows and reward functions). Their checks run before anything loads (cli.parse): each problem
 one line naming the flag or file, exit code 2.
@@ -35,7 +35,7 @@ def _exists(path: str) -> bool:
 
 
 def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
-    """Rows of a local data file or directory (`data_path`, read as written: datafiles.py) or of the task's hub
+    """Rows of a local data file or directory (`data_path`, as `datasets` reads it: datafiles.py) or of the task's hub
     dataset, and where each row came from (`file:line`, `dataset[split] row N`)."""
     if data_path and task == "custom" and not _exists(data_path):  # a hub dataset id
         name, config, split = data_path, None, "train" if split_kind == "train" else "test"
@@ -201,8 +201,8 @@ def _custom_task(b: TaskBuilder):
 # the checks before anything loads
 # ----------------------------------------------------------------------------------------------
 def read_rows(path: str, flag: str) -> list[dict]:
-    """Every row of a local data file or directory (datafiles.py: JSON rows as written, with `file:line: reason` for a
-    line that is not a JSON object), and a clear error for a missing, empty or unreadable file."""
+    """Every row of a local data file or directory (datafiles.py: as `datasets` reads it, with `file:line: reason` for
+    a line that is not a JSON object), and a clear error for a missing, empty or unreadable file."""
     return read_rows_where(path, flag)[0]
 
 

@@ -1,13 +1,17 @@
-"""Local data files, read as written: every row with the place it came from (`file:line`), for the checks before a run
-and for the tasks (a reward's error names the row's line).
+"""Local data files read the way TRL's users read them, through `datasets.load_dataset`, so that a reward receives the
+values (and types) a GRPOTrainer would hand it from the same file; every row with the place it came from (`file:line`),
+for the checks before a run and for the tasks (a reward's error names the row's line).
 
-.jsonl, .json (an array of objects, or one object per line), either gzipped (.gz): Python's own JSON reader (a line
-at a time, or the whole array at once, with its own line and column on an error), so a reward receives each value
-with its JSON type whatever other rows hold (a float in one row does not turn another row's ints into floats, "007"
-stays a string, 2**70 stays exact); NaN and Infinity, which JSON does not have, a key twice in one object and JSON
-nested too deep for the reader are an error naming the line. .csv, .tsv, .parquet, .arrow: through
-`datasets.load_dataset` (the types TRL's users get from it: CSV cells typed by pandas per column; a column named twice
-in a header is an error). A directory: each of its data files in name order. Suffixes are matched in any case (.JSONL).
+Each file is first checked here, so that a file that cannot be read is one error naming its line: .jsonl, .json (an
+array of objects, or one object per line), either gzipped (.gz), with Python's own JSON reader (a line at a time, or
+the whole array at once, with its own line and column on an error); NaN and Infinity, which JSON does not have, a key
+twice in one object and JSON nested too deep for the reader are an error naming the line; a CSV header that names a
+column twice. Then the rows' values come from `load_dataset` ("json", "csv", "parquet", "arrow"), the files of one kind
+in one call (one schema for all, as `load_dataset(kind, data_files=[...])` gives a directory's files): a JSON column of
+ints and floats reads as floats (7 -> 7.0), a column mixing numbers and strings as `datasets` decodes it ("007" -> 7),
+a key missing from a row as None, and a file `datasets` cannot read (an int beyond 64 bits, say) is an error naming it,
+as a TRL user's `load_dataset` raises; CSV cells typed by pandas per column. A directory: each of its data files in
+name order. Suffixes are matched in any case (.JSONL).
 """
 
 from __future__ import annotations
@@ -66,14 +70,62 @@ def data_files(path: str | Path) -> list[Path]:
 
 
 def read_rows(path: str | Path) -> tuple[list[dict], list[str]]:
-    """Every row of a data file or directory, and where each came from (`file:line`, or `file: row N` for parquet and
-    arrow). Raises DataFileError (or FileNotFoundError) naming the file and the line."""
-    rows, wheres = [], []
-    for f in data_files(path):
-        got, where = _read_json(f) if suffix(f) in JSON_SUFFIXES else _read_table(f)
+    """Every row of a data file or directory as `datasets.load_dataset` reads it, and where each came from
+    (`file:line`, or `file: row N` for parquet and arrow). Raises DataFileError (or FileNotFoundError) naming the file
+    and the line."""
+    files = data_files(path)
+    lines = {f: _json_lines(f) if suffix(f) in JSON_SUFFIXES else _table_lines(f) for f in files}
+    loaded, rows, wheres = _loaded(files, lines), [], []
+    for f in files:
+        got, where = loaded[f], lines[f]
+        if not got:
+            raise DataFileError(f"{f}: the file holds no rows")
         rows += got
-        wheres += where
+        wheres += where if where and len(where) == len(got) else [f"{f}: row {i}" for i in range(1, len(got) + 1)]
     return rows, wheres
+
+
+def _kind(f: Path) -> tuple[str, dict]:
+    """The `load_dataset` builder of a file and its keywords."""
+    s = suffix(f)
+    return ("json", {}) if s in JSON_SUFFIXES else (TABLE_SUFFIXES[s], {"sep": "\t"} if s == ".tsv" else {})
+
+
+def _loaded(files: list[Path], lines: dict) -> dict:
+    """Each file's rows from `load_dataset`: the files of one kind together (one schema, as a TRL user's one call over
+    them gives), split back by each file's rows; files whose rows cannot be counted first, or that `datasets` cannot
+    read together (two schemas), one at a time."""
+    groups: dict = {}
+    for f in files:
+        groups.setdefault(repr(_kind(f)), []).append(f)
+    out = {}
+    for group in groups.values():
+        counts = [len(lines[f]) if lines[f] is not None else -1 for f in group]
+        rows = _load(group) if len(group) > 1 and min(counts) >= 0 else None
+        if rows is not None and len(rows) == sum(counts):
+            it = iter(rows)
+            out |= {f: [next(it) for _ in range(n)] for f, n in zip(group, counts)}
+        else:
+            out |= {f: _load([f], alone=True) for f in group}
+    return out
+
+
+def _load(files: list[Path], alone: bool = False) -> list[dict] | None:
+    """`load_dataset(kind, data_files=files, split="train")`'s rows; a file it cannot read: DataFileError naming it
+    (`alone`), several files: None."""
+    from datasets import load_dataset
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # a local file loads in a moment: no "Generating train split" bars
+    kind, extra = _kind(files[0])
+    try:
+        return list(load_dataset(kind, data_files=[str(f) for f in files], split="train", **extra))
+    except Exception as e:  # not a parquet file, a ragged CSV, a JSON column datasets cannot type, ...
+        if not alone:
+            return None
+        first = str(e).splitlines()[0] if str(e) else ""
+        why = f"{type(e).__name__}: {first[:150]}"
+        raise DataFileError(f"{files[0]}: cannot be read as {suffix(files[0])[1:]} by datasets ({why})") from None
 
 
 def row_name(where: str, i: int) -> str:
@@ -144,7 +196,8 @@ def _why(e: Exception) -> str:
     return "JSON nested too deep to read (thousands of levels)" if isinstance(e, RecursionError) else str(e)
 
 
-def _read_json(f: Path) -> tuple[list[dict], list[str]]:
+def _json_lines(f: Path) -> list[str]:
+    """A JSON file checked row by row as Python's reader reads it: the place (`file:line`) of each row."""
     text = _text(f)
     if not text.strip():
         raise DataFileError(f"{f}: the file is empty (expected one JSON object per line)")
@@ -160,17 +213,16 @@ def _read_json(f: Path) -> tuple[list[dict], list[str]]:
             raise DataFileError(f"{f}:{lines[bad]}: the JSON array must hold one object per row")
         if not rows:
             raise DataFileError(f"{f}: the JSON array holds no rows")
-        return rows, [f"{f}:{line}" for line in lines]
-    rows, wheres = [], []
+        return [f"{f}:{line}" for line in lines]
+    wheres = []
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a JSON string
         if not line.strip():
             continue
         row = _loads(line, f, lineno)
         if not isinstance(row, dict):
             raise DataFileError(f"{f}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
         wheres.append(f"{f}:{lineno}")
-    return rows, wheres
+    return wheres
 
 
 def _array_lines(text: str, n: int, f: Path | None = None) -> list[int]:
@@ -194,28 +246,19 @@ def _array_lines(text: str, n: int, f: Path | None = None) -> list[int]:
     return lines
 
 
-def _read_table(f: Path) -> tuple[list[dict], list[str]]:
-    from datasets import load_dataset
-    from datasets.utils.logging import disable_progress_bar
-
-    disable_progress_bar()  # a local file loads in a moment: no "Generating train split" bars
-    kind, s = TABLE_SUFFIXES[suffix(f)], suffix(f)
-    extra = {"sep": "\t"} if s == ".tsv" else {}
-    starts = _record_lines(f, extra.get("sep", ",")) if kind == "csv" else None
-    if starts is not None and len(starts) < 2:  # the header (or nothing)
-        raise DataFileError(f"{f}: the file holds no rows (expected a header line, then one row per line)")
-    if kind == "parquet" and _parquet_rows(f) == 0:
+def _table_lines(f: Path) -> list[str] | None:
+    """A table checked before `datasets` reads it: each CSV/TSV record's first line (`file:line`, the header's left
+    out), a parquet file's `file: row N`; None where the rows are not counted here (arrow)."""
+    s = suffix(f)
+    if TABLE_SUFFIXES[s] == "csv":
+        starts = _record_lines(f, "\t" if s == ".tsv" else ",")
+        if len(starts) < 2:  # the header (or nothing)
+            raise DataFileError(f"{f}: the file holds no rows (expected a header line, then one row per line)")
+        return [f"{f}:{n}" for n in starts[1:]]
+    n = _parquet_rows(f) if s == ".parquet" else None
+    if n == 0:
         raise DataFileError(f"{f}: the file holds no rows")
-    try:
-        rows = list(load_dataset(kind, data_files=str(f), split="train", **extra))
-    except Exception as e:  # not a parquet file, a ragged CSV, ...
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise DataFileError(f"{f}: cannot be read as {s[1:]} ({type(e).__name__}: {first[:150]})") from None
-    if not rows:
-        raise DataFileError(f"{f}: the file holds no rows")
-    if starts is not None and len(starts) - 1 == len(rows):  # each record's first line, after the header's
-        return rows, [f"{f}:{n}" for n in starts[1:]]
-    return rows, [f"{f}: row {i}" for i in range(1, len(rows) + 1)]
+    return None if n is None else [f"{f}: row {i}" for i in range(1, n + 1)]
 
 
 def _record_lines(f: Path, sep: str) -> list[int]:

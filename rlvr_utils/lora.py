@@ -9,7 +9,7 @@ Checkpoints hold the adapters and the optimizer state (the base is --model's, lo
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+import warnings
 
 import torch
 
@@ -18,7 +18,7 @@ def wrap(model, args):
     """`model` with LoRA adapters (rank --lora-rank, scale --lora-alpha / rank, --lora-dropout) on
     --lora-target-modules (default: every linear layer of the blocks, PEFT's "all-linear", the lm_head left out);
     only the adapters train. The adapters start at B = 0, so the wrapped model computes exactly the base's outputs."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     from rlvr_utils.runtime import need, usage_error
 
@@ -29,17 +29,27 @@ def wrap(model, args):
         bias="none", task_type="CAUSAL_LM",
     )  # fmt: skip
     if targets == "all-linear":
-        return get_peft_model(model, config)
+        return _peft_model(model, config)
     embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
     ends = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if any(m is e for e in embeddings)}
     tied = sorted(ends & set(targets)) if getattr(model.config, "tie_word_embeddings", False) else []
     need(not tied, f"--lora-target-modules {' '.join(tied)}: this model ties its input and output embeddings, so an "
          "adapter there changes both (and a merged save or vLLM keeps one): adapt the blocks' layers")  # fmt: skip
     try:
-        return get_peft_model(model, config)
+        return _peft_model(model, config)
     except ValueError as e:  # no module of that name, a module PEFT cannot adapt
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         usage_error(f"--lora-target-modules {' '.join(targets)}: {why}")
+
+
+def _peft_model(model, config):
+    """get_peft_model, without the FutureWarning every LoRA run began with: PeftModel's constructor (peft 0.21) reads
+    transformers' deprecated `is_gradient_checkpointing` (transformers 5: `is_activation_checkpointing`)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def is_lora(model) -> bool:
@@ -103,14 +113,12 @@ def iter_merged_weights(model):
 
 
 @contextlib.contextmanager
-def saved_as(model, adapter: bool):
+def saved_as(model, adapter: bool, base: str):
     """--save-model under LoRA: the object to `save_pretrained`: the adapter (`adapter`: a PeftModel directory with
-    adapter_config.json) or a merged model (the adapters merged into a copy-free unloaded base; the run ends after)."""
-    if adapter:  # a local base by its absolute path, so that the adapter loads from any directory
-        config = model.peft_config["default"]
-        base = Path(str(config.base_model_name_or_path or "")).expanduser()
-        if config.base_model_name_or_path and base.exists():
-            config.base_model_name_or_path = str(base.resolve())
+    adapter_config.json naming its base `base`, as the user gave it: model_card.base_as_given) or a merged model (the
+    adapters merged into a copy-free unloaded base; the run ends after)."""
+    if adapter:  # not the absolute path of this machine's copy: a hub id, or the path the user gave
+        model.peft_config["default"].base_model_name_or_path = base
         yield model
     else:
         yield model.merge_and_unload()

@@ -1,16 +1,18 @@
 """The model card `--save-model` writes beside the weights (README.md), built with huggingface_hub's ModelCard and
-ModelCardData so that the hub reads its metadata: base_model (a hub id, or a local directory's name), library_name,
+ModelCardData so that the hub reads its metadata: base_model (the base's hub id, where it has one), library_name,
 the pipeline, tags with the method, the license (the base model's where its card names one, else `other` with a line
 telling the user to set it), the datasets of the hub tasks; then the method and its paper to cite, the run's flags, its
-evaluations and an example prompt. Read from the run directory (config.json, metrics.jsonl) so that it says what the
-run did; local paths (the model, data files, reward files) are reduced to their names, so no path of the training
-machine goes to the hub. `save_final_model` writes the model and its card (Run.finish).
+evaluations, an example prompt, a link to this project and the library versions it trained with. Read from the run
+directory (config.json, metrics.jsonl) so that it says what the run did; local paths (the model, data files, reward
+files) are reduced to their names, so no path of the training machine goes to the hub. `save_final_model` writes the
+model and its card (Run.finish); an adapter names its base as the user gave it (`base_as_given`).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.metadata
 import json
 import re
 import shlex
@@ -19,13 +21,17 @@ import sys
 from pathlib import Path
 
 from rlvr_utils import checkpoints
-from rlvr_utils.cli import BaseArgs
+from rlvr_utils.cli import DEFAULT_MODEL, BaseArgs
 from rlvr_utils.models import looks_like_path
 from rlvr_utils.runtime import extra
 from rlvr_utils.tasks import HUB_DATASETS
 
 HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
 PATH_FLAGS = ("model", "data_path", "eval_data_path")  # a local one is shown by its name
+# the project, named on each card; the tree records no public address for it, so none is invented here: a published
+# copy adds its link to this line
+PROJECT = "credit-rlvr (one readable script per credit-assignment RLVR method)"
+BUNDLED = "assets/tiny-arith"  # the bundled model, as a clone of the project names it
 
 
 def script_doc(script: str) -> str:
@@ -57,6 +63,35 @@ def paper(doc: str) -> tuple[str, str | None]:
 
 def local(value: str) -> bool:
     return looks_like_path(value) or Path(value).expanduser().exists()
+
+
+def hub_id(model: str) -> str | None:
+    """The base model's hub id: --model itself when it is one, a snapshot in the hub's cache (`.../models--ORG--NAME/
+    snapshots/REV`) by its id; None for a local model of its own (the bundled one included)."""
+    if not local(model):
+        return model
+    found = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", str(Path(model).expanduser()))
+    return f"{found.group(1)}/{found.group(2)}" if found else None
+
+
+def base_as_given(model: str) -> str:
+    """The base as an adapter's `base_model_name_or_path` names it: its hub id where it has one, the bundled model as
+    `assets/tiny-arith` (a clone's path, not this machine's), else --model as the user gave it."""
+    if (hub := hub_id(model)) is not None:
+        return hub
+    return BUNDLED if Path(model).expanduser().resolve() == Path(DEFAULT_MODEL).resolve() else model
+
+
+def versions(adapter: bool) -> list[str]:
+    """The card's framework versions (TRL's cards list theirs): torch, transformers, datasets and, for LoRA, peft."""
+    names = ["torch", "transformers", "datasets"] + (["peft"] if adapter else [])
+    out = []
+    for name in names:
+        try:
+            out.append(f"- {name}: {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
 
 
 def portable(key: str, value):
@@ -142,7 +177,7 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
     data = portable("data_path", config.get("data_path") or "")
     hub_data = data if task == "custom" and data and not local(config["data_path"]) else None
     card = ModelCardData(
-        base_model=name or None,
+        base_model=hub_id(base) if base else None,  # a hub id or nothing: the hub reads it as one
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license or "other",
@@ -171,11 +206,14 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
         last, first = evals[-1], evals[0]
         table = [f"| {r['step']} | {r['eval/accuracy']:.3f} | {_num(r.get('eval/reward'))} |" for r in (first, last)]
         lines += ["| step | eval/accuracy | eval/reward |", "|---|---|---|", *dict.fromkeys(table), ""]
+        n, temp = config.get("eval_num_generations") or 0, config.get("eval_temperature")
+        what = f"{config.get('num_eval')} held-out prompts whose completion (pass@1, temperature {temp})"
+        if n:  # --eval-num-generations: TRL's sampled evaluation
+            temp = temp or config.get("temperature")
+            what = f"{n} samples (temperature {temp}) of each of {config.get('num_eval')} held-out prompts that"
         lines.append(
-            f"Final accuracy **{last['eval/accuracy']:.3f}** after step {last['step']}: the share of "
-            f"{config.get('num_eval')} held-out prompts whose completion (pass@1, temperature "
-            f"{config.get('eval_temperature')}) gets a reward of at least {config.get('success_threshold')} "
-            "(`--success-threshold`)."
+            f"Final accuracy **{last['eval/accuracy']:.3f}** after step {last['step']}: the share of {what} "
+            f"gets a reward of at least {config.get('success_threshold')} (`--success-threshold`)."
         )
     else:
         lines.append("No evaluation was logged.")
@@ -184,9 +222,11 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
     if rank:  # --lora-rank: what the folder holds
         what = "a LoRA adapter, loaded over its base" if adapter else "the model with its LoRA adapters merged"
         lines += ["", f"Trained with LoRA (rank {rank}); this folder holds {what}."]
-        if adapter and local(str(config.get("model", ""))):  # adapter_config.json names the base's path
-            lines[-1] += (" Its `adapter_config.json` names the base by its absolute path on the training machine: "
-                          "elsewhere, set `base_model_name_or_path` to the base's hub id or local copy.")  # fmt: skip
+        given = base_as_given(base)
+        if adapter and hub_id(base) is None:  # adapter_config.json names a local base as the user gave it
+            where = "in a clone of credit-rlvr" if given == BUNDLED else f"`{name}` as given to --model"
+            lines[-1] += (f" Its `adapter_config.json` names the base by its local path ({where}): elsewhere, set "
+                          "`base_model_name_or_path` to the base's hub id or local copy.")  # fmt: skip
     lines += ["", "## Use", "", "```python", "from transformers import AutoTokenizer"]
     lines += [f"from {'peft' if adapter else 'transformers'} import {loader}", ""]
     lines += [
@@ -198,6 +238,7 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
         lines += ["print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))"]
     lines += ["```", "", "Prompts are written as in training (the example above): the task's prompt, or the chat "]
     lines[-1] += "template's rendering when the tokenizer has one."
+    lines += ["", "## Framework versions", "", f"Trained with {PROJECT}.", "", *versions(bool(rank))]
     if cited:
         lines += ["", "## Citation", "", f"The method: {cited}" + (f", https://arxiv.org/abs/{arxiv}" if arxiv else "")]
     return str(ModelCard(f"---\n{card.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
@@ -221,7 +262,7 @@ def save_final_model(dist, model, tokenizer, path, example: str | None, flags_no
     if dist.main:
         try:
             if hasattr(model, "peft_config"):  # --lora-rank
-                with extra("lora", "--lora-rank").saved_as(model, adapter) as saved:
+                with extra("lora", "--lora-rank").saved_as(model, adapter, base_as_given(flags_now["model"])) as saved:
                     out = checkpoints.save_model_atomic(saved, tokenizer, path, None, card)
             else:
                 out = checkpoints.save_model_atomic(model, tokenizer, path, state, card)

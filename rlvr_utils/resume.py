@@ -112,6 +112,7 @@ def resume_args(args, args_type):
                 f"--{f.name.replace('_', '-')}" + (f" (one of {', '.join(map(str, choices))})" if choices else ""),
             )
     changeable = ", ".join("--" + f.replace("_", "-") for f in RUNTIME_FLAGS[1:])
+    named = given_flags(args_type)  # a flag given at its default value is given too (--lora-rank 0)
     for f in dataclasses.fields(args_type):
         given, default = getattr(args, f.name), getattr(defaults, f.name)
         if f.name not in saved:
@@ -119,12 +120,12 @@ def resume_args(args, args_type):
             continue
         old = tuple(saved[f.name]) if isinstance(default, tuple) and isinstance(saved[f.name], list) else saved[f.name]
         if f.name in RUNTIME_FLAGS:  # given on this command line, or else the run's own
-            merged[f.name] = given if given != default or f.name == "resume" else old
+            merged[f.name] = given if f.name in named else old
             if f.name == "model" and saved.get("lora_rank") and merged["model"] != old:
                 _same_base(run_dir, old, merged["model"])
             continue
         need(
-            given == default or given == old,
+            f.name not in named or given == old,
             f"--{f.name.replace('_', '-')} {given}: the run in {run_dir} was started "
             f"with {old}; a resumed run keeps its flags (only {changeable} may change)",
         )
@@ -151,6 +152,16 @@ def resume_args(args, args_type):
     for role in (r for r in then if now.get(r, then[r]) != then[r]):
         warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
         print(warning, file=sys.stderr)
+    return out
+
+
+def given_flags(args_type, argv: list[str] | None = None) -> set[str]:
+    """The fields this command line names, as tyro reads them (`--flag V`, `--flag=V`, `--flag_name`, `--no-flag`),
+    whatever their values: a flag given at its default value is given."""
+    names, out = {f.name for f in dataclasses.fields(args_type)}, set()
+    for word in sys.argv[1:] if argv is None else argv:
+        name = word[2:].split("=", 1)[0].replace("-", "_") if word.startswith("--") else ""
+        out |= {n for n in (name, name.removeprefix("no_")) if n in names}
     return out
 
 

@@ -249,7 +249,7 @@ class RewardFunctions:
             reward_logs.write_extra(p, self.run_dir, self.rank, self.state.global_step, mode)
             if self.first_eval and [t for t in p.totals if t == t]:  # t == t: scored (not NaN)
                 self.first_eval = False
-                reward_logs.check_threshold([t for t in p.totals if t == t], self.threshold, self.rank)
+                reward_logs.check_threshold(p.totals, self.threshold, self.rank)  # as eval/accuracy: NaN no success
         return reward_logs.merged(out, logged)
 
     def merged_into(self, builtin: dict, step: int | None = None, mode: str = "train", rows=None) -> dict:

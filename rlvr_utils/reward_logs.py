@@ -124,14 +124,16 @@ def _finite(value):
 
 
 def check_threshold(totals: list[float], threshold: float, rank: int) -> None:
-    """The first evaluation: a warning when every held-out completion is a success, or none although rewards differ."""
-    share = sum(t >= threshold for t in totals) / len(totals)
-    spread = max(totals) > min(totals)  # all 0 on a hard task is normal; graded rewards that never reach it are not
+    """The first evaluation: a warning when every held-out completion is a success, or none although rewards differ.
+    `totals`: every evaluated completion's reward, NaN where none was given (no success, as eval/accuracy counts it)."""
+    scored = [t for t in totals if t == t]
+    share = sum(t >= threshold for t in totals) / len(totals)  # the logged eval/accuracy's share
+    spread = max(scored) > min(scored)  # all 0 on a hard task is normal; graded rewards that never reach it are not
     if (share == 1.0 or share == 0.0 and spread) and rank == 0:
         side = "reaches" if share == 1.0 else "is below"
         print(
             f"\nwarning: eval/accuracy {share:.3f} at the first evaluation: every held-out completion's reward "
-            f"{side} --success-threshold {threshold:g} (rewards {min(totals):g} to {max(totals):g}), so "
+            f"{side} --success-threshold {threshold:g} (rewards {min(scored):g} to {max(scored):g}), so "
             "successes say nothing; set --success-threshold to the reward a correct completion gets "
             "(README: Your own task)",
             file=sys.stderr,

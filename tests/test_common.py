@@ -571,3 +571,16 @@ def test_completion_metrics_count_unsolved_groups_by_the_verifier_score():
     assert m["frac_groups_unsolved"] == 0.5 and m["frac_reward_zero_std"] == 0.5
     ro.scores = None  # scripts whose rollouts carry no separate score: the rewards themselves
     assert runtime.completion_metrics(ro, torch.zeros(8), 4)["frac_groups_unsolved"] == 1.0
+
+
+def test_dynamic_sampling_judges_a_group_by_its_scored_rows(tiny):
+    """An unscored completion (reward None: NaN) is neither a signal nor its absence: [1, None, 1, 0] has a signal
+    (kept), [1, None, 1, 1] has none (dropped), whatever NaN does to a max or a min."""
+    model, tok = tiny
+    for scores, kept in (([1.0, math.nan, 1.0, 0.0], 1.0), ([1.0, math.nan, 1.0, 1.0], 0.0)):
+        task = _scripted_task(tok, lambda i, k, s=scores: s[k % 4])
+        args = _Args(dynamic_sampling=True, max_sampling_rounds=1, max_new_tokens=4)
+        _, _, info = common.rollouts_with_rewards(
+            model, tok, task, common.prompt_batches(task.train, 2, seed=0), runtime.Dist(), args
+        )
+        assert info["sampling/groups_kept"] == kept, scores

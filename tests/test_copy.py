@@ -189,6 +189,7 @@ MISSING = [  # (script, flags, the extra module it needs)
     ("grpo.py", ["--engine", "vllm"], "engines.py"),
     ("grpo.py", ["--log-credit", "2"], "credit.py"),
     ("grpo.py", ["--save-model"], "model_card.py"),
+    ("grpo.py", ["--eval-num-generations", "4"], "trl_eval.py"),
     ("grpo.py", ["--resume", "runs/x"], "resume.py"),
     ("grpo.py", ["--task", "gsm8k", "--data-path", "rows.jsonl"], "data_tasks.py"),
     ("grpo.py", ["--reward-fn", "r.py:f"], "custom.py"),

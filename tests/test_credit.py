@@ -435,3 +435,39 @@ def test_the_page_in_headless_chromium_legend_contrast_and_folds(tmp_path, width
     assert [row for row in out["legend"] if row][1][0] == "-1"  # sc_grpo: scale 1 (its 95th percentile)
     ((opened, summary, height),) = out["details"]
     assert not opened and summary.startswith("step 10, prompt 3: 1 rollout collapsed") and height < 40
+
+
+def test_sc_grpo_rows_show_their_role_by_name():
+    """SC-GRPO's per-row role is sc_grpo.Role: the cell says `role weighted`, not `role 1`; other numbers as numbers."""
+    row = _arith_rows("sc_grpo.py", [0.5] * 3, row=0)
+    row["signals"] = {"role": 1.0, "f": [0.5] * len(row["tokens"])}
+    head = credit_view.cell_head(row)
+    assert "role weighted" in head and "role 1" not in head
+    assert "role reference" in credit_view.cell_head(dict(row, signals={"role": 3.0}))
+    assert "role weighted" in _page_of({"sc": [row]})  # the tooltips too
+
+
+def test_the_picture_shows_a_failed_rollout_where_there_is_one():
+    """--png draws, of the rows every run shares, a failed one (a right one has no wrong line for credit to find)."""
+    right = [dict(_arith_rows(s, [1.0, 1.0, 1.0], row=0), reward=1.0, signals={}) for s in ("grpo.py", "sc_grpo.py")]
+    wrong = [dict(_arith_rows(s, [0.1, -1.0, 0.5], row=1), signals={}) for s in ("grpo.py", "sc_grpo.py")]
+    picked = credit_view.pick_rows([("a", [right[0], wrong[0]]), ("b", [right[1], wrong[1]])])
+    assert [r["row"] for r in picked] == [1, 1]
+    alone = credit_view.pick_rows([("a", [right[0], wrong[0]]), ("b", [right[1]])])  # nothing shared but the right
+    assert [r["reward"] for r in alone] == [1.0, 1.0]
+    assert credit_view.pick_rows([("a", [right[0], wrong[0]])])[0]["row"] == 1
+
+
+def test_the_picture_has_a_colour_bar(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    bars = []
+    real = matplotlib.figure.Figure.colorbar
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "colorbar", lambda self, *a, **k: bars.append(real(self, *a, **k)) or bars[-1]
+    )
+    rows = [dict(_arith_rows("grpo.py", [0.1, -1.0, 0.5], row=1), signals={})]
+    credit_view.png([("a", rows)], str(tmp_path / "p.png"))
+    assert len(bars) == 1 and [t.get_text() for t in bars[0].ax.get_xticklabels()][1] == "0"
+    assert (tmp_path / "p.png").stat().st_size > 1000

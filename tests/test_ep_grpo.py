@@ -557,3 +557,22 @@ def test_moving_anchors_are_refused_under_fsdp_before_anything_loads():
             cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
         assert r.returncode == 2 and "--process-anchor ema/lagged do not support --fsdp" in r.stderr, r.stderr[-2000:]
+
+
+def test_an_unscored_rollout_is_left_out_of_its_groups_process_statistics():
+    """Rewards [1, None, 0], one window: delta's z-score is over the scored rows' tokens (mean 0, std 1: P = +1 / -1),
+    not pulled by the unscored row's large delta; the unscored row gets P = 0 and A = 0. With gate_alpha 0 and
+    lambda 0.2: A = A_out + lambda * d * P = 1 + 0.2 and -1 + 0.2 (A_out = +-1, population std)."""
+    entropy, mask = torch.ones(3, 2), torch.ones(3, 2)
+    logp_old = torch.tensor([[1.0, 1.0], [100.0, 100.0], [-1.0, -1.0]])
+    flags = ep_grpo.Args(num_buckets=1, gate_alpha=0.0, process_coef=0.2)
+    rewards = torch.tensor([1.0, math.nan, 0.0])
+    a, parts = ep_advantages(entropy, logp_old, torch.zeros(3, 2), mask, rewards, 3, flags=flags, return_parts=True)
+    assert parts["process"].tolist() == [[1.0, 1.0], [0.0, 0.0], [-1.0, -1.0]]
+    assert parts["cell_members"].tolist() == [4.0]  # the scored rows' four tokens
+    assert torch.allclose(a, torch.tensor([[1.2, 1.2], [0.0, 0.0], [-0.8, -0.8]]), atol=1e-5)
+    for form in (dict(advantage_form="B"), dict(anchor_form="multiplicative"), dict(process_granularity="window")):
+        b = ep_advantages(
+            entropy, logp_old, torch.zeros(3, 2), mask, rewards, 3, flags=dataclasses.replace(flags, **form)
+        )
+        assert torch.isfinite(b).all() and (b[1] == 0).all() and (b[0] != 0).all(), form

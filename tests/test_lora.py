@@ -134,13 +134,14 @@ def test_the_saved_model_loads_the_standard_way(tmp_path, adapter):
         from peft import AutoPeftModelForCausalLM
 
         here = os.getcwd()
-        os.chdir(tmp_path)  # not the repository: the base is found by the absolute path adapter_config.json gives
+        os.chdir(ROOT)  # a clone's root: the base is found by the path adapter_config.json gives, assets/tiny-arith
         try:
             model = AutoPeftModelForCausalLM.from_pretrained(str(saved))
         finally:
             os.chdir(here)
         assert (saved / "adapter_config.json").is_file() and "adapter" in card.lower()
-        assert json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"] == str(TINY_MODEL)
+        base = json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert base == "assets/tiny-arith" and str(ROOT) not in (saved / "adapter_config.json").read_text()
     else:
         from transformers import AutoModelForCausalLM
 
@@ -238,3 +239,47 @@ def test_missing_peft_is_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse(cli.BaseArgs)
     assert e.value.code == 2 and "--lora-rank needs peft" in capsys.readouterr().err
+
+
+def test_the_default_alpha_is_the_rank_a_scale_of_one():
+    """--lora-alpha's default is r (alpha / r = 1, the official SRPO code's), not PEFT's or 2r: each adapted layer's
+    scaling is 1, and alpha 8 at rank 4 gives 2. A hand check of the adapter's output: W x + scale * B A x."""
+    from peft.tuners.lora import LoraLayer
+
+    for alpha, scale in ((None, 1.0), (8.0, 2.0)):
+        wrapped = lora.wrap(_policy()[0], _args(lora_alpha=alpha))
+        layers = [m for m in wrapped.modules() if isinstance(m, LoraLayer)]
+        assert layers and {m.scaling["default"] for m in layers} == {scale}
+        layer = layers[0]
+        _nudge(wrapped)
+        x = torch.randn(3, layer.in_features)
+        want = layer.base_layer(x) + scale * layer.lora_B["default"](layer.lora_A["default"](x))
+        assert torch.allclose(layer(x), want, atol=1e-6)
+
+
+def test_a_lora_run_starts_without_a_warning():
+    """peft's PeftModel reads transformers' deprecated is_gradient_checkpointing: its FutureWarning began every LoRA
+    run; lora.wrap silences that one warning (and only it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lora.wrap(_policy()[0], _args())
+
+
+def test_an_adapter_names_its_base_as_the_user_gave_it(tmp_path):
+    """adapter_config.json's base_model_name_or_path: the bundled model by its path in a clone (assets/tiny-arith), not
+    this machine's absolute path; a hub id as such."""
+    from rlvr_utils import model_card
+
+    assert model_card.base_as_given(str(TINY_MODEL)) == "assets/tiny-arith"
+    assert model_card.base_as_given("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    assert model_card.base_as_given(str(snapshot)) == "Qwen/Qwen2.5-0.5B"  # a copy of the hub's cache: its id
+    assert model_card.base_as_given("./my-base") == "./my-base"  # a local path, as given
+    wrapped = lora.wrap(_policy()[0], _args())
+    with lora.saved_as(wrapped, True, model_card.base_as_given(str(TINY_MODEL))) as saved:
+        saved.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "assets/tiny-arith"

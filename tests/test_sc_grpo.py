@@ -591,3 +591,60 @@ def test_graded_group_without_a_full_solve_keeps_its_grpo_advantages():
     assert (ref[:4] == -1).all() and (ref[4:8] >= 0).sum() == 3 and (ref[8:] >= 0).all()
     modes, _ = sc_grpo.route_groups(scores >= 1.0, 4, torch.Generator().manual_seed(0))  # binary view: both "none"
     assert modes[:2] == ["none", "none"]
+
+
+# --- unscored rollouts (a reward of None: NaN) ---------------------------------------------------
+NAN = float("nan")
+
+
+def test_an_unscored_rollout_is_neither_success_nor_failure_in_the_routing():
+    """[1, None, 1, 1] is routed by its three scored rollouts (all correct: plain, not partial); [1, None, 1, 0] is
+    partial with n_c = 2 of 3; in [0, None, 0, 0] (solve-none) the unscored rollout is never drawn as o_r; an all-None
+    group is plain, not solve-none (sc/groups_none). The unscored one never gets a teacher (tau -1)."""
+    rows = [[1, NAN, 1, 1], [1, NAN, 1, 0], [0, NAN, 0, 0], [NAN] * 4]
+    scores = torch.tensor(rows).flatten()
+    correct = scores >= 1.0
+    drawn = set()
+    for seed in range(60):
+        modes, tau = sc_grpo.route_groups(correct, 4, torch.Generator().manual_seed(seed), scores=scores)
+        assert modes == ["plain", "partial", "none", "plain"]
+        assert tau[[1, 5, 9, 13]].tolist() == [-1] * 4 and (tau[:4] == -1).all() and (tau[12:] == -1).all()
+        assert all(int(tau[i]) in (4, 6) for i in (4, 6, 7)) and tau[4] != 4 and tau[6] != 6
+        r = [i for i in (8, 10, 11) if tau[i] == -1]  # o_r: one of the scored rollouts
+        assert len(r) == 1 and all(tau[i] == r[0] for i in (8, 10, 11) if i != r[0])
+        drawn.add(r[0])
+    assert drawn == {8, 10, 11}  # each scored rollout is o_r sometimes, the unscored one never
+    all_ = sc_grpo.route_groups(correct, 4, torch.Generator().manual_seed(0), weighted=("all",), scores=scores)
+    assert all_[0][0] == "all" and all_[1][1] == -1 and all(int(all_[1][i]) in (0, 2, 3) for i in (0, 2, 3))
+
+
+def test_an_unscored_rollout_gets_no_role_and_advantage_zero_in_a_solve_none_group(tiny):
+    """The credit of [0, None, 0, 0] end to end (routing, teachers, f and the bonus): the unscored rollout is PLAIN
+    with advantage 0 exactly (given a role it got alpha * zscore, -0.068 here), its siblings share the bonus."""
+    _, tok = tiny
+    ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
+    ro = _rollouts(tok, ["12+3=15", "1+1=3\n1", "15-4=11", "9"], 4)
+    scores = torch.tensor([0.0, NAN, 0.0, 0.0])
+    correct, gid = scores >= 1.0, ro.group_ids
+    for seed in range(8):
+        _, tau = sc_grpo.route_groups(correct, 4, torch.Generator().manual_seed(seed), gid, scores=scores)
+        _, role, wlen, _ = sc_grpo.build_teachers(
+            tok, "arith", ro, {0: ex}, correct, tau, 10**6, 8192, torch.Generator()
+        )
+        assert role[1] == Role.PLAIN and sorted(role.tolist()) == [Role.PLAIN, Role.DIVERSITY, Role.DIVERSITY, 3]
+        active = sc_grpo.weighted_tokens(ro.completion_mask, role, wlen)
+        D = torch.rand(ro.completion_mask.shape, generator=torch.Generator().manual_seed(seed)) + 0.1
+        adv = common.group_advantages(scores, 4)[:, None].expand_as(D).clone()  # 0 for every row
+        _, adv, _ = sc_grpo.weights_and_advantages(D, active, role, gid, adv)
+        assert (adv[1] == 0).all() and (adv[role == Role.DIVERSITY].abs() > 0).all()
+
+
+def test_the_additive_kl_term_acts_whatever_the_weight_mode(tmp_path, monkeypatch):
+    """--kl-loss-coef: D, with its gradient, joins the loss in every pass, also where f is not made (--weight-mode
+    none): the teacher runs for it (need_teacher = f_here or kl_grad), so the gradient differs from the run without."""
+    plain, g_plain = _run_capturing_grads(monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none")
+    kl, g_kl = _run_capturing_grads(
+        monkeypatch, tmp_path, "sc_grpo.py", "--weight-mode", "none", "--kl-loss-coef", "0.5"
+    )
+    assert plain["sc/kl_mean"] == 0 and kl["sc/kl_mean"] > 0 and kl["sc/weight_mean"] == 0  # D made, f not
+    assert not all(torch.equal(a, b) for a, b in zip(g_kl, g_plain))

@@ -3,12 +3,18 @@ change to the shared loop is made in every algorithm file"): every line of grpo.
 comments dropped) appears, in order, in each other script's, except the lines listed below, each one a documented
 difference of that method. A shared line edited in one script, or in grpo.py alone, fails here."""
 
+import copy
 import io
+import json
 import re
 import tokenize
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import run_dir, run_inprocess
+
+import common
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,3 +133,34 @@ def test_each_script_stays_readable_in_one_sitting(name):
     long = [line for line in text if len(line) > 100]
     assert len(lines) <= SIZES[name], f"{name}: {len(lines)} lines"
     assert len(long) <= 0.10 * len(text), f"{name}: {len(long)} of {len(text)} lines over 100 characters"
+
+
+# the shared loop's rules by what they do, so that a change made alike in all five scripts still fails
+TINY = ["--total-steps", "1", "--eval-every", "0", "--num-eval", "1", "--prompts-per-step", "2", "--threads", "1"]
+TINY += ["--num-generations", "2", "--max-new-tokens", "8"]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", *sorted(REPLACED)])
+def test_the_engine_weight_corrects_the_policy_term_and_not_the_kl(script, tmp_path, monkeypatch):
+    """vLLM's importance weight (common.engine_correction, pi_old / pi_vllm) corrects the sampled tokens' policy
+    gradient for the engine's sampling; the k3 KL to the reference is the policy's own term, left alone. With the weight
+    0 on every token: at --beta 0 no gradient is left (the policy term is weighted), at --beta 0.5 against a reference
+    that differs from the policy the KL's gradient is (the KL is not)."""
+    real_reference = common.reference
+
+    def moved_reference(model, args):  # a reference the policy has moved away from: the KL has a gradient
+        ref = copy.deepcopy(real_reference(model, args))
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        return ref
+
+    monkeypatch.setattr(common, "reference", moved_reference)
+    monkeypatch.setattr(common, "engine_correction", lambda ro, mb, old, m, *a: torch.zeros_like(m))
+    norms = {}
+    for beta in ("0", "0.5"):
+        out = tmp_path / beta
+        run_inprocess(script, *TINY, "--beta", beta, "--output-dir", str(out))
+        rows = [json.loads(line) for line in (run_dir(out) / "metrics.jsonl").open()]
+        norms[beta] = rows[1]["grad_norm"]
+    assert norms["0"] == 0 and norms["0.5"] > 0, norms

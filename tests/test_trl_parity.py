@@ -177,7 +177,7 @@ def test_the_model_card_is_portable_and_names_the_license_the_paper_and_a_prompt
     monkeypatch.setattr(sys, "argv", [str(ROOT / "srpo.py")])
     text = model_card.model_card(run, "Solve: 1+2\n")
     card = ModelCard(text)
-    assert card.data.base_model == "my-base" and card.data.license == "apache-2.0"
+    assert card.data.base_model is None and card.data.license == "apache-2.0"  # a local base: no hub id to name
     assert card.data.library_name == "transformers" and "srpo" in card.data.tags
     assert str(tmp_path) not in text and "`rows.jsonl`" in text and "r.py:score" in text  # names, not paths
     assert "arxiv.org/abs/2605.25507" in text and '"Solve: 1+2\\n"' in text and "# my-base trained with SRPO" in text

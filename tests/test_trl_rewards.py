@@ -1,7 +1,8 @@
 """A TRL user's rewards and data, unchanged: --reward-fn called as TRL's GRPOTrainer calls it (completion_ids,
 trainer_state, log_extra / log_metric, typed columns, async functions awaited together, None as "not this row"), the
-per-function metrics, every reward failure as one line, the data formats read as written, reward models, and the
-Hugging Face round trip (the bundled tokenizers through AutoTokenizer, --save-model's folder and its model card)."""
+per-function metrics, every reward failure as one line, the data formats read as `datasets` reads them (as TRL's
+users do), reward models, and the Hugging Face round trip (the bundled tokenizers through AutoTokenizer,
+--save-model's folder and its model card)."""
 
 import asyncio
 import json
@@ -32,14 +33,14 @@ def _text(c):
     return c if isinstance(c, str) else c[0]["content"]
 
 
-def recording(prompts, completions, completion_ids, trainer_state, answer, code, big, mixed, log_extra, log_metric,
+def recording(prompts, completions, completion_ids, trainer_state, answer, code, mixed, log_extra, log_metric,
               **kwargs):
     """TRL's keywords and the typed columns, recorded; 1.0 when the last '#### N' is the answer."""
     with open(os.environ["REWARD_LOG"], "a") as f:
         f.write(json.dumps({
             "step": trainer_state.global_step, "max_steps": trainer_state.max_steps, "ids": completion_ids,
-            "texts": [_text(c) for c in completions], "code": code, "big": [str(b) for b in big], "mixed": mixed,
-            "types": [[type(v).__name__ for v in row] for row in zip(answer, code, big, mixed)],
+            "texts": [_text(c) for c in completions], "code": code, "mixed": mixed,
+            "types": [[type(v).__name__ for v in row] for row in zip(answer, code, mixed)],
         }) + "\\n")
     log_extra("chars", [len(_text(c)) for c in completions])
     log_metric("custom/calls", 1.0)
@@ -75,7 +76,7 @@ def hangs(prompts, completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    """Rows with typed columns ("007" among ints, 2**70 + i, one float among ints) and the reward file."""
+    """Rows with typed columns ("007" among ints, one float among ints) and the reward file."""
     d = tmp_path_factory.mktemp("trl_user")
     (d / "rewards.py").write_text(REWARDS)
     (d / "exit_at_import.py").write_text("import sys\nsys.exit(0)\n")
@@ -84,7 +85,7 @@ def user(tmp_path_factory):
     for i in range(24):
         p = tasks.make_arith_problem(rng, steps=3)
         code = "007" if i % 3 == 0 else i
-        rows.append({"prompt": tasks.arith_prompt(p), "answer": p.answer, "code": code, "big": 2**70 + i, "mixed": i})
+        rows.append({"prompt": tasks.arith_prompt(p), "answer": p.answer, "code": code, "mixed": i})
     rows[5]["mixed"] = 1.5
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
@@ -137,11 +138,10 @@ def test_every_script_calls_rewards_as_trl_does(user, tmp_path, tiny, script):
     steps = [c["step"] for c in calls]
     assert steps == sorted(steps) and {0, 1, 2} <= set(steps) and {c["max_steps"] for c in calls} == {2}
     tok = tiny[1]
-    for c in calls:  # the completion ids are the completion's tokens; the columns as written in the file
+    for c in calls:  # the completion ids are the completion's tokens; the columns as datasets reads the file (TRL)
         assert [tok.decode(ids, skip_special_tokens=True) for ids in c["ids"]] == c["texts"]
-        for code, big, mixed, types in zip(c["code"], c["big"], c["mixed"], c["types"]):
-            assert types[0] == "int" and types[1] == ("str" if code == "007" else "int") and types[2] == "int"
-            assert int(big) >= 2**70 and (types[3] == "float") == (mixed == 1.5)
+        for types in c["types"]:  # "007" among ints decodes to 7; one float makes the column floats
+            assert types == ["int", "int", "float"], types
     if script != "srpo.py":  # the sampled ids, stop token included, in training (16 rows) as in evaluation (4 rows)
         for c in calls:  # (srpo.py's calls do not pass the sampled ids yet: its texts are re-encoded, no stop token)
             assert any(ids and ids[-1] == tok.eos_token_id for ids in c["ids"]), c
@@ -481,11 +481,11 @@ def test_reward_model_wrapper_scores_as_trl(tmp_path):
     assert got[0] == pytest.approx(float(alone), abs=1e-5)  # right padding: a row's score does not depend on the batch
 
 
-# --- data as written -------------------------------------------------------------------------------------------------
-def test_data_formats_are_read_as_written(tmp_path, tiny):
+# --- data as datasets reads it (as TRL's users do) ------------------------------------------------------------------
+def test_data_formats_are_read_as_datasets_reads_them(tmp_path, tiny):
     rows = [
-        {"prompt": "Solve: 1+2\n", "answer": 3, "code": "007", "big": 2**70},
-        {"prompt": "Solve: 2+2\n", "answer": 4.5, "code": 12, "big": 1},
+        {"prompt": "Solve: 1+2\n", "answer": 3, "code": "007"},
+        {"prompt": "Solve: 2+2\n", "answer": 4.5, "code": 12},
     ]
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.JSONL").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -494,7 +494,8 @@ def test_data_formats_are_read_as_written(tmp_path, tiny):
     (tmp_path / "d" / "e.tsv").write_text("prompt\tanswer\nSolve: 1+2\t3\n")
     (tmp_path / "d" / "notes.txt").write_text("not data")
     got, wheres = datafiles.read_rows(tmp_path / "d")
-    assert got[:4] == rows + rows and type(got[0]["answer"]) is int and got[0]["big"] == 2**70
+    typed = [{**r, "answer": float(r["answer"]), "code": int(r["code"])} for r in rows]  # one float: all floats
+    assert got[:4] == typed + typed and type(got[0]["answer"]) is float and got[0]["code"] == 7
     assert got[4:] == [
         {"prompt": "Solve: 1+2\n", "answer": 3},
         {"prompt": "Solve: 5+5", "answer": 10},
@@ -519,7 +520,7 @@ def test_data_formats_are_read_as_written(tmp_path, tiny):
         num_eval=2,
         reward_fn=[f"{reward}:r"],
     )
-    assert [e.meta["columns"]["answer"] for e in task.train] == [3, 4.5] and task.eval[1].meta["where"].endswith(
+    assert [e.meta["columns"]["answer"] for e in task.train] == [3.0, 4.5] and task.eval[1].meta["where"].endswith(
         "b.json:3"
     )
 
@@ -540,8 +541,9 @@ def test_bad_data_is_one_line_naming_the_file_line(tmp_path, capsys, text, words
     assert e.value.code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
 
 
-def test_an_int_column_with_one_float_keeps_its_ints(tmp_path, tiny):
-    """The README's reward on rows whose answers are ints but one: Arrow made them all floats ('44.0' != '44')."""
+def test_the_readme_reward_scores_an_int_column_with_one_float(tmp_path, tiny):
+    """The README's reward on rows whose answers are ints but one: `datasets` reads them all as floats, as TRL's users
+    get them (44.0), and the reward compares numbers, so it scores them right under both trainers."""
     model, tok = tiny
     rng, rows = random.Random(0), []
     for _ in range(8):

@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlvr_utils import credit  # noqa: E402
 from rlvr_utils.runtime import usage_error  # noqa: E402
+from sc_grpo import Role  # noqa: E402  (SC-GRPO's row roles, shown by name)
 
 
 class BadInput(Exception):
@@ -238,7 +239,7 @@ def row_html(row: dict, scale: float) -> str:
     for i, tok in enumerate(row["tokens"]):
         tip = [f"credit {row['credit'][i]:+.4g}"]
         for name, v in row["signals"].items():
-            tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else f"{name} {v:.4g}")
+            tip.append(f"{name} {v[i]:.4g}" if isinstance(v, list) else signal(row, name, v, ".4g"))
         if i == reset:
             tip.append("resampled from here (the tokens before it are the kept prefix)")
         text = html.escape(tok.replace("\n", "")) + ("&#8629;" if "\n" in tok else "")
@@ -282,10 +283,18 @@ def kind(row: dict) -> tuple[str, str]:
     )
 
 
+def signal(row: dict, name: str, value: float, fmt: str) -> str:
+    """A row-level signal as `name value`; SC-GRPO's role by its name (sc_grpo.Role: plain, weighted, diversity,
+    reference), not its number."""
+    if name == "role" and row["script"] == "sc_grpo.py" and value in set(Role):
+        return f"role {Role(int(value)).name.lower()}"
+    return f"{name} {value:{fmt}}"
+
+
 def cell_head(row: dict) -> str:
     """The line above a rollout: which row it is (for SRPO, which kind of row), its reward and its row-level
     signals."""
-    sig = [f"{k} {v:.3g}" for k, v in row["signals"].items() if not isinstance(v, list) and k != "reset_at"]
+    sig = [signal(row, k, v, ".3g") for k, v in row["signals"].items() if not isinstance(v, list) and k != "reset_at"]
     sig = "; " + ", ".join(sig) if sig else ""
     if not is_srpo(row):
         return html.escape(f"row {row['row']}, reward {row['reward']:.3g}{sig}")
@@ -407,11 +416,14 @@ its exact value and the method's signals.{
 
 
 def png(runs: list[tuple[str, list[dict]]], path: str, width: int = 60) -> None:
-    """One row (the first one every run shares, else each run's first) per run, tokens wrapped at `width` chars."""
+    """One row per run (pick_rows: one every run shares, a failed one where there is one), tokens wrapped at `width`
+    chars, under a colour bar: each row on its own scale, from -(its largest |credit|) to +(it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, Normalize
 
     picks = []  # each drawn row on its own scale (its largest |credit| is full colour), the scale in its label
     for (name, rows), row in zip(runs, pick_rows(runs)):
@@ -446,15 +458,24 @@ def png(runs: list[tuple[str, list[dict]]], path: str, width: int = 60) -> None:
             )
     ax.set_xlim(-0.1, width * 0.13 + 0.3)
     ax.set_ylim(-len(lines), 1)
+    steps = ListedColormap([_rgb(c, 1.0) for c in (i / 127.5 - 1 for i in range(256))])
+    bar = fig.colorbar(
+        ScalarMappable(Normalize(-1, 1), steps), ax=ax, orientation="horizontal", fraction=0.05, pad=0.02
+    )
+    bar.set_ticks([-1, 0, 1], labels=["-|credit| max: pushed down", "0", "+|credit| max: pushed up"], fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def pick_rows(runs: list[tuple[str, list[dict]]]) -> list[dict]:
-    """The rollout to draw for each run: the first (step, prompt, row) every run recorded where every run's credit is
-    not all zero and the runs' credit differs most; else each run's first row with credit (SRPO: a reset row)."""
+    """The rollout to draw for each run: of the (step, prompt, row) every run recorded with credit, the one where the
+    runs' credit differs most, among the failed ones where there are some (a failure is where credit has a line to
+    find); else each run's first row with credit, a failed one first (SRPO: a reset row)."""
     key = lambda r: (r["step"], r["prompt_id"], r["row"])  # noqa: E731
+    failed = lambda r: r["reward"] < SUCCESS  # noqa: E731  (NaN: unscored, not a failure)
     index = [{key(r): r for r in rows} for _, rows in runs]
     shared = [k for k in index[0] if all(k in ix and any(ix[k]["credit"]) for ix in index)]
+    shared = [k for k in shared if all(failed(ix[k]) for ix in index)] or shared
+    runs = [(name, sorted(rows, key=lambda r: not failed(r))) for name, rows in runs]  # stable: failed ones first
 
     def spread(k):  # how differently the runs shape the credit along the rollout (after scaling each to its mean)
         shapes = []

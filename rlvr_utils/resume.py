@@ -296,11 +296,47 @@ def damaged(copy: Path) -> str | None:
 
 
 def _load(path: Path, run: Path) -> dict:
+    """trainer.pt with torch.load(weights_only=True): tensors, numbers, strings and containers of them, never code (a
+    run directory may come from someone else: https://pytorch.org/docs/stable/notes/serialization.html). Older
+    checkpoints hold NumPy's random key as an array: NumPy's array types alone are allowed for them. Anything else is
+    refused in one line naming the file and what it would have imported."""
     try:
-        return torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto the saver's GPU
-    except Exception as e:  # truncated, empty or not a torch file
+        with torch.serialization.safe_globals(_numpy_array_types()):
+            state = torch.load(path, weights_only=True, map_location="cpu")  # not every rank onto the saver's GPU
+    except Exception as e:  # truncated, empty, not a torch file, or a pickle that names code
+        if "Weights only load failed" in str(e):
+            names = _unsafe_names(path)
+            usage_error(
+                f"--resume {run}: {path} is refused: it holds more than tensors, numbers and lists"
+                + (f" (loading it would import {', '.join(names[:3])})" if names else "")
+                + ", and unpickling a file made or changed elsewhere can run code"
+            )
         reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
         usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
+    need(isinstance(state, dict), f"--resume {run}: {path} is not a checkpoint (a dict of its state)")
+    return state
+
+
+NUMPY_ARRAYS = (
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+)
+
+
+def _numpy_array_types() -> list:
+    """What an older trainer.pt needs for np.random.get_state()'s uint32 array (now saved as a list of ints)."""
+    rebuild = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
+    return [(rebuild, NUMPY_ARRAYS[2]), (rebuild, NUMPY_ARRAYS[3]), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _unsafe_names(path: Path) -> list[str]:
+    """The globals a pickle names beyond weights_only's own and NumPy's arrays (read, not run)."""
+    try:
+        return [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if not n.startswith(NUMPY_ARRAYS)]
+    except Exception:  # not a zip, truncated: nothing to name
+        return []
 
 
 def _tied(model) -> set:

@@ -5,17 +5,24 @@ failure is one line whatever its objects do, paths with `~user`, the credit page
 LoRA rank beyond the layers, and the code sandbox's writes through sqlite3. Each is one line (exit code 2 for what the
 user passed, 1 for what failed while running), no traceback, nothing run that the user did not ask for."""
 
+import math
 import os
 import pickle
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_bad_input import TINY, _one_line, _run
+from conftest import ROOT
+from test_bad_input import _one_line, _run
+from test_trl_rewards import _examples
 
-from rlvr_utils import checkpoints, resume
+from rlvr_utils import checkpoints, custom, resume, reward_calls, runtime, tasks
 
 
 class _Planted:
@@ -95,3 +102,188 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
             sharded.restore(tmp_path / bad, other, torch.optim.AdamW(other.parameters()), tmp_path)
         err = capsys.readouterr().err
         assert e.value.code == 2 and words in err and err.count("\n") == 1 and not marker.exists(), err
+
+
+# --- 2-5. a reward call cannot change what the next call or the run sees ---------------------------------------------
+def _chat_examples(columns):
+    """Custom chat rows with their own columns, as data_tasks builds them."""
+    return [
+        tasks.Example(i, "q", "", "p", [1], meta={"prompt": [{"role": "user", "content": f"p{i}"}], "chat": True,
+                                                  "columns": c, "where": f"f.jsonl:{i + 1}"})
+        for i, c in enumerate(columns)
+    ]  # fmt: skip
+
+
+def test_a_rewards_in_place_edits_reach_neither_the_next_call_nor_the_rows():
+    rows = [{"tags": ["a"]}, {"tags": ["b"]}]
+    examples, seen = _chat_examples(rows), []
+
+    def editing(prompts, completions, completion_ids, tags, **kw):
+        ids = [list(c) for c in completion_ids]
+        seen.append(([list(t) for t in tags], prompts[0][0]["content"], completions[0][0]["content"], ids))
+        for t in tags:
+            t.append("x")
+        prompts[0][0]["content"] = "edited"
+        completions[0][0]["content"] = "edited"
+        completion_ids[0].append(99)
+        return [1.0, 0.0]
+
+    rf = reward_calls.RewardFunctions([("r.py:editing", editing), ("r.py:editing", editing)])
+    for _ in range(2):  # two functions in a batch, then another batch (an evaluation of the same rows)
+        rf(["x", "y"], examples, completion_ids=[[1], [2]])
+    assert all(s == ([["a"], ["b"]], "p0", "x", [[1], [2]]) for s in seen) and len(seen) == 4, seen
+    assert rows == [{"tags": ["a"]}, {"tags": ["b"]}] and examples[0].meta["prompt"][0]["content"] == "p0"
+
+
+def test_torch_state_a_reward_changes_is_restored_with_one_warning(capsys):
+    def careless(prompts, completions, **kw):
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        return [1.0]
+
+    rf = reward_calls.RewardFunctions([("r.py:careless", careless)])
+    try:
+        for _ in range(3):
+            rf(["x"], _examples(1))
+            assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_default_dtype(torch.float32)
+    err = capsys.readouterr().err
+    assert err.count("warning: --reward-fn r.py:careless changed torch's grad mode") == 1, err
+    assert err.count("default dtype") == 1, err
+
+
+def test_trainer_state_log_history_stays_the_runs(tmp_path):
+    def junk(prompts, completions, trainer_state, **kw):
+        if trainer_state.log_history:
+            trainer_state.log_history[0]["step"] = "nonsense"
+        trainer_state.log_history.append("junk")
+        trainer_state.global_step = -5
+        return [1.0]
+
+    def replaces(prompts, completions, trainer_state, **kw):
+        trainer_state.log_history = None
+        return [1.0]
+
+    rf = reward_calls.RewardFunctions([("r.py:junk", junk), ("r.py:replaces", replaces)])
+    rf.begin(tmp_path, 0, 0, 3, 1, 4)
+    for step in (1, 2):
+        rf(["x"], _examples(1))
+        rf.merged_into({"reward": 1.0}, step)
+    assert [r["step"] for r in rf.state.log_history] == [1, 2] and rf.state.global_step == 2
+
+
+def test_a_reward_whose_objects_fail_to_print_is_still_one_line(capsys):
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    class NoRepr:
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    def raises(prompts, completions, **kw):
+        raise Unprintable()
+
+    def exits(prompts, completions, **kw):
+        raise SystemExit(NoRepr())
+
+    in_a_list, alone = (lambda prompts, completions, **kw: [NoRepr()]), (lambda prompts, completions, **kw: NoRepr())
+    for fn, words in [(raises, "Unprintable"), (in_a_list, "<NoRepr>"), (alone, "<NoRepr>"), (exits, "(<NoRepr>)")]:
+        with pytest.raises(SystemExit) as e:
+            reward_calls.RewardFunctions([("r.py:f", fn)])(["x"], _examples(1))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err.strip().count("\n") == 0 and words in err, err
+
+
+# --- 6. a reward whose signature cannot be read ----------------------------------------------------------------------
+def test_a_reward_without_a_readable_signature_is_one_line(tmp_path):
+    (tmp_path / "sig.py").write_text(
+        "import functools\n\npartial_max = functools.partial(max, 1)\n\n\nclass Lying:\n    @property\n"
+        "    def __signature__(self):\n        raise RuntimeError('no')\n\n    def __call__(self, *a, **k):\n"
+        "        return [1.0]\n\n\nlying = Lying()\n"
+    )
+    for spec in ["builtins:dict", "builtins:max", f"{tmp_path / 'sig.py'}:partial_max", f"{tmp_path / 'sig.py'}:lying"]:
+        with pytest.raises(custom.RewardFnError, match="has no signature to read") as e:
+            custom.load_reward_fn(spec)
+        assert str(e.value).startswith(f"--reward-fn {spec}: ") and "\n" not in str(e.value)
+
+
+# --- minor: what a reward returns, raises or leaves behind ----------------------------------------------------------
+def test_a_set_is_refused_and_a_masked_entry_is_unscored(capsys):
+    with pytest.raises(SystemExit) as e:
+        reward_calls.RewardFunctions([("r.py:f", lambda prompts, completions, **kw: {1.0, 0.0})])(
+            ["x", "y"], _examples(2)
+        )
+    assert e.value.code == 1 and "r.py:f returned a set, which has no order" in capsys.readouterr().err
+    masked = np.ma.masked_array([1.0, 2.0], mask=[False, True])
+    for out in (masked, [0.5, np.ma.masked]):  # numpy's own tolist() gives None where masked
+        got = reward_calls.RewardFunctions([("r.py:f", lambda prompts, completions, out=out, **kw: out)])(
+            ["x", "y"], _examples(2)
+        )
+        assert got[0] in (1.0, 0.5) and math.isnan(got[1]), got
+
+
+def test_a_rewards_own_stop_now_is_one_line(capsys):
+    """StopNow is the run's stop on a signal (test_trl_rewards: a signal's still stops at once); one a reward raises
+    itself stopped the run silently."""
+
+    def raises_its_own(prompts, completions, **kw):
+        raise runtime.StopNow(130)
+
+    with pytest.raises(SystemExit) as e:
+        reward_calls.RewardFunctions([("r.py:f", raises_its_own)])(["x"], _examples(1))
+    assert e.value.code == 1 and "r.py:f raised the run's own StopNow" in capsys.readouterr().err
+
+
+def test_an_alarm_and_a_thread_a_reward_leaves_are_cancelled_or_named(capsys):
+    stop = threading.Event()
+
+    def leaves(prompts, completions, **kw):
+        signal.alarm(30)
+        threading.Thread(target=stop.wait, name="left-behind").start()
+        return [1.0]
+
+    try:
+        reward_calls.RewardFunctions([("r.py:leaves", leaves)])(["x"], _examples(1))
+        assert signal.alarm(0) == 0  # cancelled: it would have fired in the middle of the update
+    finally:
+        stop.set()
+    err = capsys.readouterr().err
+    assert "r.py:leaves left an alarm pending" in err and "left a thread running ('left-behind'" in err, err
+
+
+def test_a_forked_child_that_returns_into_the_run_ends_there(tmp_path):
+    """os.fork in a reward: the child returns the function's value into the run's code; it must not go on training
+    beside the run (in a child process: before the fix the forked copy would run the rest of the caller)."""
+    code = (
+        "import os, sys\n"
+        "from rlvr_utils import reward_calls, tasks\n"
+        "ex = [tasks.Example(0, 'q', '', 'p', [1], meta={'prompt': 'p', 'columns': {}, 'where': 'f.jsonl:1'})]\n"
+        "def forks(prompts, completions, **kw):\n"
+        "    os.environ['CHILD'] = str(os.fork())\n"
+        "    return [1.0]\n"
+        "reward_calls.RewardFunctions([('r.py:forks', forks)])(['x'], ex)\n"
+        "child = int(os.environ['CHILD'])\n"
+        "print('went on in', 'the child' if child == 0 else 'the parent', flush=True)\n"
+        "if child:\n"
+        "    print('child exit', os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines() == ["went on in the parent", "child exit 1"], r
+    assert "error: --reward-fn r.py:forks: a process it forked returned into the run" in r.stderr, r.stderr
+
+
+def test_a_fifo_or_a_directory_as_the_reward_file_and_an_import_that_changes_directory(tmp_path, monkeypatch, capsys):
+    os.mkfifo(tmp_path / "fifo.py")
+    (tmp_path / "dir.py").mkdir()
+    for name in ("fifo.py", "dir.py"):
+        with pytest.raises(custom.RewardFnError, match=f"{name} is not a regular file"):
+            custom.load_reward_fn(f"{tmp_path / name}:f")
+    (tmp_path / "moves.py").write_text(
+        f"import os\nos.chdir({str(tmp_path / 'dir.py')!r})\n\n\ndef f(**kw):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    custom.load_reward_fn(f"{tmp_path / 'moves.py'}:f")
+    assert os.getcwd() == str(tmp_path) and "importing it changed the working directory" in capsys.readouterr().err

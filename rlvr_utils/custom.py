@@ -39,7 +39,7 @@ def load_reward_fn(spec: str) -> Callable:
     `prompts` and `completions` as keywords (or **kwargs)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        model = Path(spec).expanduser().is_dir() or (spec.count("/") == 1 and not spec.endswith(".py"))
+        model = Path(os.path.expanduser(spec)).is_dir() or (spec.count("/") == 1 and not spec.endswith(".py"))
         raise RewardFnError(
             f"--reward-fn {spec}: a reward model is not a function: wrap it with rlvr_utils.custom.RewardModel in a "
             "file and name that (README: Reward models)"
@@ -49,7 +49,7 @@ def load_reward_fn(spec: str) -> Callable:
     cwd = _cwd()
     try:
         if where.endswith(".py"):
-            path = Path(where).expanduser()
+            path = Path(os.path.expanduser(where))
             if not path.is_file():
                 odd = f"{path} is not a regular file (a directory, a FIFO or a device)"
                 raise RewardFnError(f"--reward-fn {spec}: {odd if path.exists() else f'no such file {path}'}")

@@ -31,7 +31,7 @@ def build(b, code_timeout: float):
 def _exists(path: str) -> bool:
     """Whether a path flag's file or directory is here, a leading ~ read as the shell would (bash leaves it as written
     after `--data-path=`), as datafiles reads it."""
-    return Path(path).expanduser().exists()
+    return Path(os.path.expanduser(path)).exists()
 
 
 def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
@@ -250,7 +250,7 @@ def check_custom(a: dict) -> None:
 
 def dataset_cached(name: str) -> bool:
     """Whether the `datasets` or hub cache holds something of hub dataset `name` (then offline loading may work)."""
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    home = Path(os.path.expanduser(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")))
     roots = [
         Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")),
         Path(os.environ.get("HF_HUB_CACHE", home / "hub")),
@@ -293,7 +293,7 @@ def file_hashes(args) -> dict:
     files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
     for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
         files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
-    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and _exists(p)}
+    return {role: _digest(Path(os.path.expanduser(p))) for role, p in files.items() if p and _exists(p)}
 
 
 def _digest(path: Path) -> str:

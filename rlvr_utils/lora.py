@@ -9,6 +9,7 @@ Checkpoints hold the adapters and the optimizer state (the base is --model's, lo
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -108,7 +109,7 @@ def saved_as(model, adapter: bool):
     adapter_config.json) or a merged model (the adapters merged into a copy-free unloaded base; the run ends after)."""
     if adapter:  # a local base by its absolute path, so that the adapter loads from any directory
         config = model.peft_config["default"]
-        base = Path(str(config.base_model_name_or_path or "")).expanduser()
+        base = Path(os.path.expanduser(str(config.base_model_name_or_path or "")))
         if config.base_model_name_or_path and base.exists():
             config.base_model_name_or_path = str(base.resolve())
         yield model

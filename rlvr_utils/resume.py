@@ -157,7 +157,7 @@ def resume_args(args, args_type):
 def _digest(directory: str, name: str) -> str:
     from rlvr_utils.datafiles import sha256_file  # a LoRA resume under another --model path only
 
-    return sha256_file(Path(directory).expanduser() / name).hexdigest()
+    return sha256_file(Path(os.path.expanduser(directory)) / name).hexdigest()
 
 
 def _same_base(run_dir: Path, old: str, new: str) -> None:
@@ -165,7 +165,7 @@ def _same_base(run_dir: Path, old: str, new: str) -> None:
     base weights: config.json and every weight file byte for byte (a copy in another clone); else one line."""
 
     def files(path: str) -> dict | None:  # name -> size: files of another size differ without being read
-        p = Path(path).expanduser()
+        p = Path(os.path.expanduser(path))
         if not p.is_dir():
             return None
         names = ["config.json", *(f.name for f in p.glob("*.safetensors")), *(f.name for f in p.glob("*.bin"))]

@@ -5,6 +5,7 @@ failure is one line whatever its objects do, paths with `~user`, the credit page
 LoRA rank beyond the layers, and the code sandbox's writes through sqlite3. Each is one line (exit code 2 for what the
 user passed, 1 for what failed while running), no traceback, nothing run that the user did not ask for."""
 
+import dataclasses
 import math
 import os
 import pickle
@@ -22,7 +23,7 @@ from conftest import ROOT
 from test_bad_input import _one_line, _run
 from test_trl_rewards import _examples
 
-from rlvr_utils import checkpoints, custom, resume, reward_calls, runtime, tasks
+from rlvr_utils import checkpoints, cli, custom, data_tasks, resume, reward_calls, runtime, tasks
 
 
 class _Planted:
@@ -287,3 +288,34 @@ def test_a_fifo_or_a_directory_as_the_reward_file_and_an_import_that_changes_dir
     monkeypatch.chdir(tmp_path)
     custom.load_reward_fn(f"{tmp_path / 'moves.py'}:f")
     assert os.getcwd() == str(tmp_path) and "importing it changed the working directory" in capsys.readouterr().err
+
+
+# --- 7. ~user that names no user -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--data-path", "--eval-data-path", "--output-dir", "--model", "--resume"])
+def test_a_tilde_that_names_no_user_is_one_line(monkeypatch, capsys, flag):
+    import grpo
+
+    extra = ["--task", "gsm8k"] if "data" in flag else []
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *extra, flag, "~no_such_user_62/x"])
+    with pytest.raises(SystemExit) as e:
+        cli.parse(grpo.Args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: {flag} ~no_such_user_62/x: ~no_such_user_62 names no user to expand\n"
+
+
+def test_a_local_path_that_starts_with_a_tilde_is_read_once_and_absolute(monkeypatch, tmp_path):
+    """`./~rows/x.jsonl` is a local path that pathlib shortens to `~rows/x.jsonl`, which Path.expanduser then raises
+    on (no such user): it is made absolute once, so nothing expands it again; --reward-fn's file likewise."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~rows").mkdir()
+    (tmp_path / "~rows" / "x.jsonl").write_text('{"prompt": "1+1?"}\n' * 30)
+    (tmp_path / "~rows" / "r.py").write_text(
+        "def f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    args = cli.expand_paths(dataclasses.replace(cli.BaseArgs(), data_path="./~rows/x.jsonl"))
+    assert args.data_path == str(tmp_path / "~rows" / "x.jsonl")
+    assert data_tasks.file_hashes(dataclasses.replace(args, reward_fn=("./~rows/r.py:f",))).keys() == {
+        "--data-path",
+        "--reward-fn 1",
+    }
+    custom.load_reward_fn("./~rows/r.py:f")

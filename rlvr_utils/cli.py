@@ -310,6 +310,8 @@ def check_common(args) -> None:
         extra(module, flag)
     if a["task"] != "arith" or a["reward_fn"] or a["data_path"] or a["eval_data_path"]:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
+    if a["lora_rank"]:  # a rank beyond the adapted layers of --model's config
+        extra("lora", "--lora-rank").check_rank(a)
     if a["task"] == "arith":
         train, evals = arith_problems(
             a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]

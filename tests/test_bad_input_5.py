@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT
+from helpers import random_model
 from test_bad_input import _one_line, _run
 from test_trl_rewards import _examples
 
@@ -319,3 +320,27 @@ def test_a_local_path_that_starts_with_a_tilde_is_read_once_and_absolute(monkeyp
         "--reward-fn 1",
     }
     custom.load_reward_fn("./~rows/r.py:f")
+
+
+# --- 10. a LoRA rank beyond the layers -------------------------------------------------------------------------------
+def test_a_lora_rank_above_the_layers_is_one_line_before_and_after_the_model_loads(monkeypatch, capsys):
+    import grpo
+    from rlvr_utils import lora
+
+    for rank in ("129", str(2**40)):  # the bundled model's smallest layer dimension is 128 (hidden_size)
+        monkeypatch.setattr(sys, "argv", ["grpo.py", "--lora-rank", rank])
+        with pytest.raises(SystemExit) as e:
+            cli.parse(grpo.Args)
+        err = capsys.readouterr().err
+        assert (
+            e.value.code == 2
+            and err.startswith(f"error: --lora-rank {rank}: above 128, the smallest")
+            and (err.count("\n") == 1)
+        ), err
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--lora-rank", "128", "--lora-target-modules", "q_proj"])
+    assert cli.parse(grpo.Args).lora_rank == 128
+    model = random_model()  # hidden 32: a config that could not be read before loading is checked in wrap
+    args = dataclasses.replace(cli.BaseArgs(), lora_rank=33, lora_target_modules=("q_proj", "v_proj"))
+    with pytest.raises(SystemExit) as e:
+        lora.wrap(model, args)
+    assert e.value.code == 2 and "--lora-rank 33: above 16, the smallest" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 from rlvr_utils import custom, datafiles, rewards
@@ -265,6 +266,10 @@ def check(a: dict) -> None:
     check_custom(a)
     check_data(a["task"], a["data_path"], "--data-path")
     check_data(a["task"], a["eval_data_path"], "--eval-data-path")
+    same = a["data_path"] and a["eval_data_path"] and _exists(a["data_path"]) and _exists(a["eval_data_path"])
+    if same and os.path.samefile(os.path.expanduser(a["data_path"]), os.path.expanduser(a["eval_data_path"])):
+        print(f"warning: --eval-data-path {a['eval_data_path']} is the --data-path file: the run is evaluated on the "
+              "rows it trains on, so eval/accuracy says nothing about held-out prompts", file=sys.stderr)  # fmt: skip
     if a["task"] != "arith" and a["data_path"] is not None and a["eval_data_path"] is None:
         check_rows_left(a)
     hub = HUB_DATASETS.get(a["task"], (None,))[0]

@@ -71,7 +71,9 @@ def resume_args(args, args_type):
     keeps the run's). The run must be this script's and hold a complete checkpoint before --total-steps. Returns the
     merged args."""
     run_dir, script = Path(args.resume), Path(sys.argv[0]).name
-    need((run_dir / "config.json").is_file(), f"--resume {args.resume}: not a run directory (no config.json)")
+    cfg = run_dir / "config.json"  # a FIFO, a device or a directory of that name: not "no config.json"
+    what = f"{cfg} is not a regular file" if cfg.exists() else "not a run directory (no config.json)"
+    need(cfg.is_file(), f"--resume {args.resume}: {what}")
     try:
         saved = json.loads((run_dir / "config.json").read_text())
         assert isinstance(saved, dict)

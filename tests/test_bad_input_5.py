@@ -6,9 +6,11 @@ LoRA rank beyond the layers, and the code sandbox's writes through sqlite3. Each
 user passed, 1 for what failed while running), no traceback, nothing run that the user did not ask for."""
 
 import dataclasses
+import json
 import math
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -19,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, TINY_MODEL
 from helpers import random_model
-from test_bad_input import _one_line, _run
+from test_bad_input import TINY, _one_line, _run
 from test_trl_rewards import _examples
 
+import common
 from rlvr_utils import checkpoints, cli, custom, data_tasks, resume, reward_calls, runtime, tasks
 
 
@@ -344,3 +347,66 @@ def test_a_lora_rank_above_the_layers_is_one_line_before_and_after_the_model_loa
     with pytest.raises(SystemExit) as e:
         lora.wrap(model, args)
     assert e.value.code == 2 and "--lora-rank 33: above 16, the smallest" in capsys.readouterr().err
+
+
+# --- minor: the model card, config.json that is not a file, the eval file's name, tensorboard's line ------------------
+def test_the_cards_title_escapes_html_and_its_example_runs_outside_the_bmp(tmp_path, monkeypatch):
+    from rlvr_utils import model_card
+
+    base = tmp_path / "<img src=x onerror=alert(1)>"
+    base.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"script": "grpo.py", "model": str(base), "task": "arith"}))
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "grpo.py")])
+    text = model_card.model_card(run, "Solve: 😀 é\n")
+    (title,) = [ln for ln in text.splitlines() if ln.startswith("# ")]
+    assert title.startswith("# &lt;img src=x onerror=alert(1)&gt; trained with"), title  # elsewhere: in `code`
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("prompt = ")]
+    scope = {}
+    exec(line, scope)  # the card's example, pasted
+    assert scope["prompt"] == "Solve: 😀 é\n" and scope["prompt"].encode()
+
+
+@pytest.mark.parametrize("what", ["fifo", "directory"])
+def test_a_config_json_that_is_not_a_file_is_not_called_missing(tmp_path, monkeypatch, capsys, what):
+    from rlvr_utils import models
+
+    model = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, model)
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json") if what == "fifo" else (model / "config.json").mkdir()
+    with pytest.raises(SystemExit) as e:
+        models.check_model(str(model))
+    assert e.value.code == 2 and "config.json is not a regular file" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(model)])
+    with pytest.raises(SystemExit) as e:
+        import grpo
+
+        cli.parse(grpo.Args)
+    assert e.value.code == 2 and "config.json is not a regular file" in capsys.readouterr().err
+
+
+def test_an_eval_file_with_no_usable_prompt_is_named_and_the_same_file_twice_warns(tmp_path, capsys):
+    train, too_long = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"prompt": "1+1?"}\n' * 10)
+    too_long.write_text(json.dumps({"prompt": "1+1? " * 400}) + "\n")
+    tokenizer = common.load_tokenizer(str(TINY_MODEL))
+    with pytest.raises(SystemExit) as e:
+        tasks.load_task("custom", tokenizer, data_path=str(train), eval_data_path=str(too_long), max_prompt_length=64)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: --eval-data-path {too_long}: no usable eval prompts"), err
+    (tmp_path / "r.py").write_text("def f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    flags = {"task": "custom", "data_path": str(train), "eval_data_path": str(tmp_path / "." / "train.jsonl")}
+    data_tasks.check(flags | {"reward_fn": (f"{tmp_path / 'r.py'}:f",), "reward_weights": (), "num_eval": 2})
+    err = capsys.readouterr().err
+    assert "is the --data-path file: the run is evaluated on the rows it trains on" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_the_printed_tensorboard_command_is_one_quoted_word(tmp_path):
+    out = tmp_path / "runs $(touch pwned)"
+    r = _run("grpo.py", *TINY, "--total-steps", "1", "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    command = r.stdout.split("(tensorboard --logdir ", 1)[1].split("); ", 1)[0]
+    assert shlex.split(command) == [str(out)], command  # pasted into a shell: the directory, nothing run

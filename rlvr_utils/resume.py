@@ -138,6 +138,12 @@ def resume_args(args, args_type):
         f"(--total-steps {merged['total_steps']}): give a larger --total-steps to extend it",
     )
     out = dataclasses.replace(args, **merged)
+    planted = [] if args.reward_fn else [s for s in out.reward_fn if _in_run(run_dir, s)]  # given again: asked for
+    need(
+        not planted,
+        f"--resume {args.resume}: its config.json names --reward-fn {', '.join(planted)}, inside the run directory: a "
+        "resumed run imports no code from its run directory unless this command line names it (give --reward-fn again)",
+    )
     then = saved.get("file_hashes", {})
     data_given = "file_hashes" in saved and (out.data_path or out.eval_data_path)  # config.json of an older run: none
     now = {}
@@ -154,6 +160,13 @@ def resume_args(args, args_type):
         warning = f"warning: {role}: the file changed since the run started; the resumed run reads it as it is now"
         print(warning, file=sys.stderr)
     return out
+
+
+def _in_run(run_dir: Path, spec: str) -> bool:
+    """Whether a --reward-fn PATH.py:NAME names a file inside the run directory."""
+    where = spec.rpartition(":")[0]
+    path = Path(os.path.expanduser(where)).resolve()
+    return where.endswith(".py") and path.is_relative_to(run_dir.resolve())
 
 
 def _digest(directory: str, name: str) -> str:

@@ -52,6 +52,26 @@ def test_resume_refuses_a_trainer_pt_that_would_run_code(saved, tmp_path):
     assert not marker.exists(), line
 
 
+@pytest.mark.slow
+def test_resume_imports_no_reward_file_from_the_run_directory_unless_named_again(saved, tmp_path, monkeypatch):
+    """A run directory's config.json naming a --reward-fn file inside that directory (a planted one) is not imported on
+    --resume unless the command line names it."""
+    d = tmp_path / saved.name
+    shutil.copytree(saved, d)
+    marker = tmp_path / "ran"
+    (d / "r.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n\n\ndef f(**kw):\n    pass\n")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"reward_fn": [f"{d / 'r.py'}:f"]}))
+    line = _one_line(_run("grpo.py", "--resume", str(d), "--total-steps", "2"), "inside the run directory")
+    assert not marker.exists(), line
+    import grpo
+
+    monkeypatch.setattr(
+        sys, "argv", ["grpo.py", "--resume", str(d), "--total-steps", "2", "--reward-fn", f"{d}/r.py:f"]
+    )
+    assert cli.parse(grpo.Args).reward_fn == (f"{d}/r.py:f",) and marker.exists()  # asked for: imported
+
+
 def test_trainer_pt_loads_weights_only_and_an_older_one_with_numpy_arrays_still_loads(tmp_path, capsys):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

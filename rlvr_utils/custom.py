@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rlvr_utils import reward_calls
-from rlvr_utils.reward_guard import from_signal, text
+from rlvr_utils.reward_isolation import from_signal, text
 
 
 class RewardFnError(ValueError):

@@ -31,9 +31,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlvr_utils import reward_guard, reward_logs, runtime, watchdog
-from rlvr_utils.reward_guard import from_signal
-from rlvr_utils.reward_guard import text as _text
+from rlvr_utils import reward_isolation, reward_logs, runtime, watchdog
+from rlvr_utils.reward_isolation import from_signal
+from rlvr_utils.reward_isolation import text as _text
 from rlvr_utils.reward_logs import where as _where
 from rlvr_utils.runtime import StopNow
 
@@ -93,7 +93,7 @@ class RewardFunctions:
         self.state, self.pending = trainer_state(), {"train": reward_logs.Pending(), "eval": reward_logs.Pending()}
         self.run_dir, self.rank, self.first_eval, self.warnings, self.loop = None, 0, True, 0, None
         self.prompts_per_step, self.num_train = 0, 0
-        self.guard = reward_guard.CallGuard()  # what a call may change or leave behind (reward_guard.py)
+        self.guard = reward_isolation.CallGuard()  # what a call may change or leave behind (reward_isolation.py)
 
     def begin(self, run_dir, rank: int, steps_done: int, total_steps: int, prompts_per_step: int, num_train: int,
               completions: int = 0):  # fmt: skip
@@ -143,7 +143,7 @@ class RewardFunctions:
         }
         outs, waits, n = {}, [], len(texts)  # by the function's position (a function may be named twice)
         for k, (spec, fn) in enumerate(self.fns):
-            call = functools.partial(fn, **reward_guard.own_copies(_accepted(fn, kwargs)))  # TRL: each batch anew
+            call = functools.partial(fn, **reward_isolation.own_copies(_accepted(fn, kwargs)))  # TRL: each batch anew
             if is_async(fn):
                 waits.append((k, spec, call))
                 continue

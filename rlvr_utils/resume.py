@@ -7,6 +7,7 @@ the sharded checkpoints and world-size changes). A damaged file ends the run wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -316,7 +317,7 @@ def _load(path: Path, run: Path) -> dict:
     checkpoints hold NumPy's random key as an array: NumPy's array types alone are allowed for them. Anything else is
     refused in one line naming the file and what it would have imported."""
     try:
-        with torch.serialization.safe_globals(_numpy_array_types()):
+        with _numpy_arrays_allowed():
             state = torch.load(path, weights_only=True, map_location="cpu")  # not every rank onto the saver's GPU
     except Exception as e:  # truncated, empty, not a torch file, or a pickle that names code
         if "Weights only load failed" in str(e):
@@ -340,17 +341,22 @@ NUMPY_ARRAYS = (
 )
 
 
-def _numpy_array_types() -> list:
-    """What an older trainer.pt needs for np.random.get_state()'s uint32 array (now saved as a list of ints)."""
+def _numpy_arrays_allowed():
+    """Where torch.load(weights_only=True) also takes np.random.get_state()'s uint32 array, as an older trainer.pt holds
+    it (now a list of ints); torch < 2.5 has no such context: there they are allowed for the process."""
     rebuild = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
-    return [(rebuild, NUMPY_ARRAYS[2]), (rebuild, NUMPY_ARRAYS[3]), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    types = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    if not hasattr(torch.serialization, "safe_globals"):
+        torch.serialization.add_safe_globals([rebuild, *types])
+        return contextlib.nullcontext()
+    return torch.serialization.safe_globals([(rebuild, NUMPY_ARRAYS[2]), (rebuild, NUMPY_ARRAYS[3]), *types])
 
 
 def _unsafe_names(path: Path) -> list[str]:
     """The globals a pickle names beyond weights_only's own and NumPy's arrays (read, not run)."""
     try:
         return [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if not n.startswith(NUMPY_ARRAYS)]
-    except Exception:  # not a zip, truncated: nothing to name
+    except Exception:  # not a zip, truncated, torch < 2.5: nothing to name
         return []
 
 

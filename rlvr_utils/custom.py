@@ -74,7 +74,9 @@ def load_reward_fn(spec: str) -> Callable:
         signature = inspect.signature(fn) if callable(fn) else None
     except BaseException as e:  # a builtin (dict, max) or a partial of one: no signature to check
         _unless_ours(e)
-        raise RewardFnError(f"--reward-fn {spec}: {name} has no signature to read ({type(e).__name__}): {expected}")
+        raise RewardFnError(
+            f"--reward-fn {spec}: {name} has no signature to read ({type(e).__name__}): {expected}"
+        ) from None
     if signature is None:
         raise RewardFnError(f"--reward-fn {spec}: {where} has no function {name}")
     params = signature.parameters.values()

@@ -1,14 +1,15 @@
 """Calling --reward-fn functions as TRL's GRPOTrainer (1.16) calls them, and everything that can go wrong on the way.
 
-Each function gets, as keywords: `prompts`, `completions`, `completion_ids` (the sampled token ids of each completion,
-its stop token included), `trainer_state` (transformers' TrainerState: `global_step` = training steps done, 0 while
-step 1's completions are scored; `max_steps` = --total-steps; `epoch` = training prompts drawn / their number),
-`log_extra(column, values)`, `log_metric(name, value)`, and every other column of the rows (a function without
-**kwargs gets only the ones it names). `async def` functions (or callables whose `__call__` is) are awaited, all of a
-batch's at once on one event loop. A function returns one number or None per completion: None (or NaN, as TRL reads
-it) is "not this function's row", and a completion's reward is the weighted sum of the numbers it got (TRL's nansum);
-one that got only None has no reward: NaN, which the advantages read as TRL does (left out of its group's mean and
-std, advantage 0; common.group_advantages), with a warning.
+Each function gets, as keywords: `prompts`, `completions`, `completion_ids` (the sampled token ids of each
+completion, its stop token included), `trainer_state` (transformers' TrainerState: `global_step` = training steps
+done, 0 while step 1's completions are scored; `max_steps` = --total-steps; `epoch` = training prompts drawn / their
+number), `log_extra(column, values)`, `log_metric(name, value)`, and every other column of the rows (a function
+without **kwargs gets only the ones it names); each call gets its own copies, and what it changes of torch's or the
+process's state is put back after it (reward_isolation.py). `async def` functions (or callables whose `__call__` is)
+are awaited, all of a batch's at once on one event loop. A function returns one number or None per completion: None
+(or NaN, as TRL reads it) is "not this function's row", and a completion's reward is the weighted sum of the numbers
+it got (TRL's nansum); one that got only None has no reward: NaN, which the advantages read as TRL does (left out of
+its group's mean and std, advantage 0; common.group_advantages), with a warning.
 Logged per step, as TRL: `rewards/<name>/mean` and `/std` of each function over the trained completions it scored,
 each `log_metric` name (mean of the step's values; a name the run logs itself goes under `log_metric/<name>`);
 evaluations the same under `eval/`. `log_extra` columns go to
@@ -288,7 +289,7 @@ def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
         except Exception as e:  # a meta tensor, ...
             what = f"a {type(out).__name__} that cannot be read ({type(e).__name__}: {_first_line(e)})"
             _stop(f"--reward-fn {spec} returned {what}")
-    if isinstance(out, (set, frozenset)):  # TRL raises too
+    if isinstance(out, (set, frozenset)):  # its order is not the completions' (nor stable across runs)
         _stop(f"--reward-fn {spec} returned a {type(out).__name__}, which has no order to match the completions by: "
               "return a list with one number (or None) per completion")  # fmt: skip
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):

@@ -85,6 +85,10 @@ def from_rows(b, convert) -> tuple[list[Example], list[Example]]:
     """Train and eval examples of the hub dataset or local files, `convert(rows, wheres, id_offset)` row by row.
     Eval: `eval_data_path`, else the hub's eval split, else the first `num_eval` rows of the one file (at most a
     fifth of a file smaller than 2 * num_eval). b: tasks' TaskBuilder."""
+    same = b.data_path and b.eval_data_path and _exists(b.data_path) and _exists(b.eval_data_path)
+    if same and os.path.samefile(os.path.expanduser(b.data_path), os.path.expanduser(b.eval_data_path)):
+        print(f"warning: --eval-data-path {b.eval_data_path} is the --data-path file: the run is evaluated on the "
+              "rows it trains on, so eval/accuracy says nothing about held-out prompts", file=sys.stderr)  # fmt: skip
     rows, wheres = _load_rows(b.name, b.data_path, "train")
     if b.eval_data_path or (not b.data_path and HUB_DATASETS.get(b.name, (0, 0, 0, None))[3]):
         eval_rows, eval_wheres = _load_rows(b.name, b.eval_data_path, "eval")
@@ -266,10 +270,6 @@ def check(a: dict) -> None:
     check_custom(a)
     check_data(a["task"], a["data_path"], "--data-path")
     check_data(a["task"], a["eval_data_path"], "--eval-data-path")
-    same = a["data_path"] and a["eval_data_path"] and _exists(a["data_path"]) and _exists(a["eval_data_path"])
-    if same and os.path.samefile(os.path.expanduser(a["data_path"]), os.path.expanduser(a["eval_data_path"])):
-        print(f"warning: --eval-data-path {a['eval_data_path']} is the --data-path file: the run is evaluated on the "
-              "rows it trains on, so eval/accuracy says nothing about held-out prompts", file=sys.stderr)  # fmt: skip
     if a["task"] != "arith" and a["data_path"] is not None and a["eval_data_path"] is None:
         check_rows_left(a)
     hub = HUB_DATASETS.get(a["task"], (None,))[0]

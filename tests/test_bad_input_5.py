@@ -416,11 +416,10 @@ def test_an_eval_file_with_no_usable_prompt_is_named_and_the_same_file_twice_war
         tasks.load_task("custom", tokenizer, data_path=str(train), eval_data_path=str(too_long), max_prompt_length=64)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"error: --eval-data-path {too_long}: no usable eval prompts"), err
-    (tmp_path / "r.py").write_text("def f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
-    flags = {"task": "custom", "data_path": str(train), "eval_data_path": str(tmp_path / "." / "train.jsonl")}
-    data_tasks.check(flags | {"reward_fn": (f"{tmp_path / 'r.py'}:f",), "reward_weights": (), "num_eval": 2})
+    task = tasks.load_task("custom", tokenizer, data_path=str(train), eval_data_path=f"{tmp_path}/./train.jsonl")
     err = capsys.readouterr().err
     assert "is the --data-path file: the run is evaluated on the rows it trains on" in err and err.count("\n") == 1
+    assert len(task.eval) == 10  # a warning, not a refusal: the rows it trains on, as asked
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import math
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -487,11 +488,10 @@ class Run:
         task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, log_extra's file
         config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
         self.logger = runtime.Logger(self.dir, config, a.track, a.wandb_project, dist.main, resumed)
-        dist.print(
-            f"run {self.dir.name}: logs in {self.dir}/ (tensorboard --logdir {self.dir.parent}); "
-            f"{len(task.train)} train / {len(task.eval)} eval prompts; skipped {task.skipped}"
-            + (f"; resumed after step {resumed}" if resumed else "")
-        )
+        board = f"tensorboard --logdir {shlex.quote(str(self.dir.parent))}"  # pasted: one word
+        dist.print(f"run {self.dir.name}: logs in {self.dir}/ ({board}); {len(task.train)} train / "
+                   f"{len(task.eval)} eval prompts; skipped {task.skipped}"
+                   + (f"; resumed after step {resumed}" if resumed else ""))  # fmt: skip
         if not resumed:  # a resumed run has its evaluations in its metrics.jsonl already
             self.logger.log(self.evaluate(), 0)
         self.metrics = self.logger.last_eval

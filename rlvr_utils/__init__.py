@@ -24,6 +24,7 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, the program and its tests
   custom           --task custom and --reward-fn: your rows, loading reward functions, RewardModel
   reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None and NaN, failures
+  reward_isolation  what one reward call may change or leave behind: its own copies, torch's state, alarms, forks
   reward_logs      what --reward-fn functions log: rewards/<name>/*, log_metric, log_extra's completions.jsonl
   watchdog         --reward-timeout: a reward call that runs too long is stopped with one line
   engines          --engine vllm: the colocated vLLM rollout engine and its importance-sampling correction

@@ -5,7 +5,8 @@ previous one (only the last is kept, and a crash never leaves a half-written one
   model/       the policy and its tokenizer (save_pretrained, safetensors): loads with from_pretrained
   trainer.pt   the step, the optimizer state, every random-number state (Python, NumPy, torch CPU and CUDA, the
                script's own generators), the number of prompt batches drawn so far, and method state (EP-GRPO's
-               moving anchor); under torchrun one trainer_rank<r>.pt per rank (each rank samples with its own seed)
+               moving anchor); under torchrun one trainer_rank<r>.pt per rank (each rank samples with its own seed);
+               only tensors, numbers, strings and containers of them: --resume loads it with weights_only=True
 Under --fsdp the policy and the optimizer state are written sharded instead, by every rank at once, with
 torch.distributed.checkpoint (DCP; sharded.py): sharded/ replaces model/ and trainer.pt holds no optimizer state
 (docs/scaling.md). `--save-model` writes one Hugging Face folder, with a model card (model_card.py).
@@ -151,6 +152,12 @@ class CountingBatches:
             next(self)
 
 
+def numpy_state() -> tuple:
+    """NumPy's global random state with its key as a list of ints (np.random.set_state takes it back as it is)."""
+    name, key, *rest = np.random.get_state()
+    return (name, key.tolist(), *rest)
+
+
 def _is_rng(obj) -> bool:
     return isinstance(obj, (torch.Generator, random.Random))
 
@@ -191,7 +198,7 @@ class Checkpointer:
             "batches_drawn": batches.drawn,
             "optimizer": None if self.sharded else optimizer.state_dict(),  # FSDP: in the shards (sharded.save)
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": numpy_state(),  # plain numbers: resume.py loads trainer.pt with weights_only=True
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "extra": {k: _state_of(v) for k, v in (extra or {}).items()},

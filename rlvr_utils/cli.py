@@ -225,11 +225,14 @@ def parse(args_type, validate=None):
 
 
 def expand_paths(args):
-    """`~` in the path flags, as a shell would have done for an unquoted `--flag ~/x` (not for `--flag=~/x`)."""
-    names = [k for k in ("output_dir", "data_path", "eval_data_path", "resume") if getattr(args, k, None)]
+    """`~` in the path flags, as a shell would have done for an unquoted `--flag ~/x` (not for `--flag=~/x`), once: a
+    `~name/...` that names no user is refused in one line, unless it is a local path (made absolute)."""
+    names = [k for k in ("output_dir", "data_path", "eval_data_path", "resume", "model") if getattr(args, k, None)]
     paths = {k: os.path.expanduser(getattr(args, k)) for k in names}
-    if args.model.startswith("~"):
-        paths["model"] = os.path.expanduser(args.model)
+    for k, p in paths.items():
+        if str(Path(p)).startswith("~"):  # Path.expanduser would raise for it anywhere later
+            need(os.path.exists(p), f"--{k.replace('_', '-')} {p}: {Path(p).parts[0]} names no user to expand")
+            paths[k] = os.path.abspath(p)
     return dataclasses.replace(args, **paths)
 
 
@@ -296,10 +299,11 @@ def check_common(args) -> None:
     need(a["num_generations"] >= 2, f"--num-generations must be >= 2 ({compared}), got {a['num_generations']}")
     values = f"--arith-max-value ({a['arith_max_value']}) must be >= --arith-max-operand ({a['arith_max_operand']})"
     need(a["arith_max_value"] >= a["arith_max_operand"], values)
-    long = f"--overlong-buffer ({a['overlong_buffer']}) must be smaller than --max-new-tokens ({a['max_new_tokens']})"
-    need(not a["overlong_buffer"] or a["overlong_buffer"] < a["max_new_tokens"], long)
-    mb = f"--num-minibatches {a.get('num_minibatches')} must divide --prompts-per-step {a['prompts_per_step']}"
-    need(a["prompts_per_step"] % a.get("num_minibatches", 1) == 0, f"{mb} (each mini-batch holds whole prompts)")
+    buffer, new = a.get("overlong_buffer", 0), a["max_new_tokens"]
+    need(not buffer or buffer < new, f"--overlong-buffer ({buffer}) must be smaller than --max-new-tokens ({new})")
+    if "num_minibatches" in a:
+        whole = f"--num-minibatches {a['num_minibatches']} must divide --prompts-per-step {a['prompts_per_step']}"
+        need(a["prompts_per_step"] % a["num_minibatches"] == 0, f"{whole} (each mini-batch holds whole prompts)")
     dev = a["device"]
     ok = dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
     need(ok, f"--device {dev}: choose auto, cpu, cuda or cuda:N")
@@ -312,6 +316,8 @@ def check_common(args) -> None:
         extra(module, flag)
     if a["task"] != "arith" or a["reward_fn"] or a["data_path"] or a["eval_data_path"]:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
+    if a["lora_rank"]:  # a rank beyond the adapted layers of --model's config
+        extra("lora", "--lora-rank").check_rank(a)
     if a["task"] == "arith":
         train, evals = arith_problems(
             a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]

@@ -15,6 +15,7 @@ not a function: `RewardModel` wraps one (a sequence-classification model scoring
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rlvr_utils import reward_calls
+from rlvr_utils.reward_isolation import from_signal, text
 
 
 class RewardFnError(ValueError):
@@ -37,43 +39,75 @@ def load_reward_fn(spec: str) -> Callable:
     `prompts` and `completions` as keywords (or **kwargs)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        model = Path(spec).expanduser().is_dir() or (spec.count("/") == 1 and not spec.endswith(".py"))
+        model = Path(os.path.expanduser(spec)).is_dir() or (spec.count("/") == 1 and not spec.endswith(".py"))
         raise RewardFnError(
             f"--reward-fn {spec}: a reward model is not a function: wrap it with rlvr_utils.custom.RewardModel in a "
             "file and name that (README: Reward models)"
             if model
             else f"--reward-fn {spec}: expected PATH.py:NAME or package.module:NAME"
         )
+    cwd = _cwd()
     try:
         if where.endswith(".py"):
-            path = Path(where).expanduser()
+            path = Path(os.path.expanduser(where))
             if not path.is_file():
-                raise RewardFnError(f"--reward-fn {spec}: no such file {path}")
+                odd = f"{path} is not a regular file (a directory, a FIFO or a device)"
+                raise RewardFnError(f"--reward-fn {spec}: {odd if path.exists() else f'no such file {path}'}")
             mod_spec = importlib.util.spec_from_file_location(f"_reward_{path.stem}_{abs(hash(str(path)))}", path)
             module = importlib.util.module_from_spec(mod_spec)
             sys.modules[mod_spec.name] = module  # dataclasses, pickling and relative lookups need it registered
             mod_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except (RewardFnError, reward_calls.StopNow):
-        raise
-    except SystemExit as e:  # sys.exit() at import: the user's module must not end the run
-        raise RewardFnError(f"--reward-fn {spec}: importing {where} called sys.exit({e.code!r})") from None
-    except BaseException as e:  # a syntax error, an import error, pytest.skip, ... in the user's file
-        first = (str(e).strip().splitlines() or [""])[0]
+    except BaseException as e:  # a syntax error, an import error, sys.exit, pytest.skip, ... in the user's file
+        _unless_ours(e)
+        if isinstance(e, SystemExit):  # sys.exit() at import: the user's module must not end the run
+            raise RewardFnError(f"--reward-fn {spec}: importing {where} called sys.exit({text(e.code)})") from None
+        first = (text(e, str).strip().splitlines() or [""])[0]
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__
         raise RewardFnError(f"--reward-fn {spec}: cannot import {where} ({why})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
+    finally:
+        _back_to(cwd, spec)
+    expected = "def NAME(prompts, completions, **columns) -> list[float] (TRL's convention)"
+    try:  # the module's __getattr__, the callable's __signature__: the user's code
+        fn = getattr(module, name, None)
+        signature = inspect.signature(fn) if callable(fn) else None
+    except BaseException as e:  # a builtin (dict, max) or a partial of one: no signature to check
+        _unless_ours(e)
+        raise RewardFnError(
+            f"--reward-fn {spec}: {name} has no signature to read ({type(e).__name__}): {expected}"
+        ) from None
+    if signature is None:
         raise RewardFnError(f"--reward-fn {spec}: {where} has no function {name}")
-    params = inspect.signature(fn).parameters.values()
+    params = signature.parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if not ({"prompts", "completions"} <= named or any(p.kind == p.VAR_KEYWORD for p in params)):
-        raise RewardFnError(
-            f"--reward-fn {spec}: {name}{inspect.signature(fn)} takes none of the expected arguments: "
-            "def NAME(prompts, completions, **columns) -> list[float] (TRL's convention)"
-        )
+        raise RewardFnError(f"--reward-fn {spec}: {name}{text(signature, str)} takes none of the expected arguments: "
+                            f"{expected}")  # fmt: skip
     return fn
+
+
+def _unless_ours(e: BaseException) -> None:
+    """Re-raise the run's own stop (a signal while the user's code ran, or a RewardFnError); anything else is the
+    user's code failing, for one line."""
+    if isinstance(e, RewardFnError) or isinstance(e, reward_calls.StopNow) and from_signal(e):
+        raise e
+
+
+def _cwd() -> str | None:
+    with contextlib.suppress(OSError):  # a working directory removed under the process
+        return os.getcwd()
+    return None
+
+
+def _back_to(cwd: str | None, spec: str) -> None:
+    """The working directory the run started in, if importing the user's module changed it (the run's relative paths,
+    checked after the import, are the user's)."""
+    if cwd is not None and _cwd() != cwd:
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+            print(f"warning: --reward-fn {spec}: importing it changed the working directory; the run goes on in "
+                  f"{cwd}", file=sys.stderr)  # fmt: skip
 
 
 def prompt_problem(row: dict) -> str | None:

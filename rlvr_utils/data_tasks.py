@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 from rlvr_utils import custom, datafiles, rewards
@@ -31,7 +32,7 @@ def build(b, code_timeout: float):
 def _exists(path: str) -> bool:
     """Whether a path flag's file or directory is here, a leading ~ read as the shell would (bash leaves it as written
     after `--data-path=`), as datafiles reads it."""
-    return Path(path).expanduser().exists()
+    return Path(os.path.expanduser(path)).exists()
 
 
 def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[dict], list[str]]:
@@ -84,6 +85,10 @@ def from_rows(b, convert) -> tuple[list[Example], list[Example]]:
     """Train and eval examples of the hub dataset or local files, `convert(rows, wheres, id_offset)` row by row.
     Eval: `eval_data_path`, else the hub's eval split, else the first `num_eval` rows of the one file (at most a
     fifth of a file smaller than 2 * num_eval). b: tasks' TaskBuilder."""
+    same = b.data_path and b.eval_data_path and _exists(b.data_path) and _exists(b.eval_data_path)
+    if same and os.path.samefile(os.path.expanduser(b.data_path), os.path.expanduser(b.eval_data_path)):
+        print(f"warning: --eval-data-path {b.eval_data_path} is the --data-path file: the run is evaluated on the "
+              "rows it trains on, so eval/accuracy says nothing about held-out prompts", file=sys.stderr)  # fmt: skip
     rows, wheres = _load_rows(b.name, b.data_path, "train")
     if b.eval_data_path or (not b.data_path and HUB_DATASETS.get(b.name, (0, 0, 0, None))[3]):
         eval_rows, eval_wheres = _load_rows(b.name, b.eval_data_path, "eval")
@@ -250,7 +255,7 @@ def check_custom(a: dict) -> None:
 
 def dataset_cached(name: str) -> bool:
     """Whether the `datasets` or hub cache holds something of hub dataset `name` (then offline loading may work)."""
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    home = Path(os.path.expanduser(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")))
     roots = [
         Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")),
         Path(os.environ.get("HF_HUB_CACHE", home / "hub")),
@@ -293,7 +298,7 @@ def file_hashes(args) -> dict:
     files = {"--data-path": getattr(args, "data_path", None), "--eval-data-path": getattr(args, "eval_data_path", None)}
     for i, spec in enumerate(getattr(args, "reward_fn", ()) or ()):
         files[f"--reward-fn {i + 1}"] = spec.rsplit(":", 1)[0]
-    return {role: _digest(Path(p).expanduser()) for role, p in files.items() if p and _exists(p)}
+    return {role: _digest(Path(os.path.expanduser(p))) for role, p in files.items() if p and _exists(p)}
 
 
 def _digest(path: Path) -> str:

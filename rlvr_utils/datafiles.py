@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import math
+import os
 import re
 import zlib
 from pathlib import Path
@@ -48,7 +49,7 @@ def is_data_file(path: Path) -> bool:
 
 def data_files(path: str | Path) -> list[Path]:
     """The files a --data-path names: itself, or a directory's data files in name order."""
-    p = Path(path).expanduser()
+    p = Path(os.path.expanduser(path))
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if is_data_file(f))
         if not files:

@@ -23,6 +23,8 @@ def wrap(model, args):
     from rlvr_utils.runtime import need, usage_error
 
     targets = list(args.lora_target_modules) or "all-linear"
+    problem = rank_problem(model, args.lora_rank, args.lora_target_modules)  # a config that could not be read before
+    need(problem is None, problem)
     alpha = args.lora_alpha if args.lora_alpha is not None else args.lora_rank
     config = LoraConfig(
         r=args.lora_rank, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets,
@@ -50,6 +52,40 @@ def _peft_model(model, config):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, config)
+
+
+def rank_problem(model, rank: int, targets=()) -> str | None:
+    """A rank above the smallest dimension of a layer it adapts (the linear layers PEFT's all-linear takes, or those
+    named by --lora-target-modules), or None: an adapter's update B A has rank at most min(in, out), so more is memory
+    for nothing, and a huge rank is an out-of-memory kill (https://arxiv.org/abs/2106.09685, section 4)."""
+    out = model.get_output_embeddings()
+    named = [(n, m) for n, m in model.named_modules() if any(n == t or n.endswith("." + t) for t in targets)]
+    linear = [(n, m) for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D") and m is not out]
+    dims = [
+        (min(m.weight.shape), n) for n, m in (named if targets else linear) if getattr(m, "weight", None) is not None
+    ]
+    if not dims or rank <= min(dims)[0]:
+        return None
+    smallest, name = min(dims)
+    return (f"--lora-rank {rank}: above {smallest}, the smallest dimension of the layers it adapts ({name}); an "
+            f"adapter's update has rank at most that: use --lora-rank {smallest} or less")  # fmt: skip
+
+
+def check_rank(a: dict) -> None:
+    """Before the model loads: `rank_problem` against a skeleton of --model built from its config on the meta device
+    (no weights); a config that cannot be read here (not cached, custom code) is checked after loading (`wrap`)."""
+    from rlvr_utils.runtime import need
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(a["model"], local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception:  # read again when the model loads
+        return
+    problem = rank_problem(skeleton, a["lora_rank"], a["lora_target_modules"])
+    need(problem is None, problem)
 
 
 def is_lora(model) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import html
 import importlib.metadata
 import json
 import re
@@ -124,11 +125,23 @@ def flags(config: dict) -> list[str]:
 
 def shell_word(value) -> str:
     """A value as one bash word: quoted where it holds a space or a quote, as $'...' where it holds a newline or a tab
-    (SRPO's --thought-delimiter "\n\n"), so the card's command can be pasted."""
+    (SRPO's --thought-delimiter "\n\n"), so the card's command can be pasted. In $'...' only what is not printable is
+    escaped (bash's \\n, \\t, \\xHH, \\uHHHH, \\UHHHHHHHH): a printable é or 😀 stays itself, since bash reads \\xe9 as
+    one byte, not the character."""
     text = str(value)
     if text.isprintable():
         return shlex.quote(text)
-    return "$'" + text.encode("unicode_escape").decode().replace("'", "\\'") + "'"
+    return "$'" + "".join(_bash_char(c) for c in text) + "'"
+
+
+def _bash_char(c: str) -> str:
+    if c in "\\'":
+        return "\\" + c
+    if c.isprintable():
+        return c
+    named = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    n = ord(c)
+    return named.get(c) or ("\\x%02x" % n if n < 0x80 else "\\u%04x" % n if n <= 0xFFFF else "\\U%08x" % n)
 
 
 def base_license(base: str) -> str | None:
@@ -185,7 +198,7 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
         datasets=[hub_data or HUB_DATASETS[task][0]] if hub_data or (task in HUB_DATASETS and not data) else None,
     )
     rewarded = [f"`{s}`" for s in portable("reward_fn", config.get("reward_fn") or [])]
-    lines = [f"# {name or 'A model'} trained with {title}", ""]
+    lines = [f"# {html.escape(name or 'A model')} trained with {title}", ""]  # a directory's name may hold HTML
     lines += [
         f"A causal language model trained from {shown} with reinforcement learning from verifiable rewards by "
         f"credit-rlvr's `{script}` on `--task {task}`"
@@ -234,7 +247,11 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
         f'model = {loader}.from_pretrained("path/to/this/folder")',
     ]
     if example is not None:  # a training prompt, as the model saw it (the chat template already applied)
-        lines += [f"prompt = {json.dumps(example)}", 'ids = tokenizer(prompt, return_tensors="pt").input_ids']
+        # ensure_ascii=False: a character outside the BMP as itself (escaped, it is two lone surrogates in Python)
+        lines += [
+            f"prompt = {json.dumps(example, ensure_ascii=False)}",
+            'ids = tokenizer(prompt, return_tensors="pt").input_ids',
+        ]
         lines += ["print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))"]
     lines += ["```", "", "Prompts are written as in training (the example above): the task's prompt, or the chat "]
     lines[-1] += "template's rendering when the tokenizer has one."

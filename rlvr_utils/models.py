@@ -38,7 +38,9 @@ def check_model(model: str) -> None:
                 "--model Qwen/Qwen2.5-0.5B-Instruct, or copy assets/tiny-arith beside the script",
             )
         need(d.is_dir(), f"--model {model}: no such directory")
-        need((d / "config.json").is_file(), f"--model {model}: the directory holds no model (no config.json)")
+        cfg = d / "config.json"  # a FIFO, a device or a directory of that name: not "no config.json"
+        what = "config.json is not a regular file" if cfg.exists() else "the directory holds no model (no config.json)"
+        need(cfg.is_file(), f"--model {model}: {what}")
         weights = [*d.glob("*.safetensors"), *d.glob("*.bin"), *d.glob("*.safetensors.index.json")]
         need(bool(weights), f"--model {model}: the directory holds no weights (no *.safetensors or *.bin)")
         try:

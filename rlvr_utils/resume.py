@@ -7,6 +7,7 @@ the sharded checkpoints and world-size changes). A damaged file ends the run wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -71,7 +72,9 @@ def resume_args(args, args_type):
     keeps the run's). The run must be this script's and hold a complete checkpoint before --total-steps. Returns the
     merged args."""
     run_dir, script = Path(args.resume), Path(sys.argv[0]).name
-    need((run_dir / "config.json").is_file(), f"--resume {args.resume}: not a run directory (no config.json)")
+    cfg = run_dir / "config.json"  # a FIFO, a device or a directory of that name: not "no config.json"
+    what = f"{cfg} is not a regular file" if cfg.exists() else "not a run directory (no config.json)"
+    need(cfg.is_file(), f"--resume {args.resume}: {what}")
     try:
         saved = json.loads((run_dir / "config.json").read_text())
         assert isinstance(saved, dict)
@@ -137,6 +140,12 @@ def resume_args(args, args_type):
         f"(--total-steps {merged['total_steps']}): give a larger --total-steps to extend it",
     )
     out = dataclasses.replace(args, **merged)
+    planted = [] if args.reward_fn else [s for s in out.reward_fn if _in_run(run_dir, s)]  # given again: asked for
+    need(
+        not planted,
+        f"--resume {args.resume}: its config.json names --reward-fn {', '.join(planted)}, inside the run directory: a "
+        "resumed run imports no code from its run directory unless this command line names it (give --reward-fn again)",
+    )
     then = saved.get("file_hashes", {})
     data_given = "file_hashes" in saved and (out.data_path or out.eval_data_path)  # config.json of an older run: none
     now = {}
@@ -165,10 +174,17 @@ def given_flags(args_type, argv: list[str] | None = None) -> set[str]:
     return out
 
 
+def _in_run(run_dir: Path, spec: str) -> bool:
+    """Whether a --reward-fn PATH.py:NAME names a file inside the run directory."""
+    where = spec.rpartition(":")[0]
+    path = Path(os.path.expanduser(where)).resolve()
+    return where.endswith(".py") and path.is_relative_to(run_dir.resolve())
+
+
 def _digest(directory: str, name: str) -> str:
     from rlvr_utils.datafiles import sha256_file  # a LoRA resume under another --model path only
 
-    return sha256_file(Path(directory).expanduser() / name).hexdigest()
+    return sha256_file(Path(os.path.expanduser(directory)) / name).hexdigest()
 
 
 def _same_base(run_dir: Path, old: str, new: str) -> None:
@@ -176,7 +192,7 @@ def _same_base(run_dir: Path, old: str, new: str) -> None:
     base weights: config.json and every weight file byte for byte (a copy in another clone); else one line."""
 
     def files(path: str) -> dict | None:  # name -> size: files of another size differ without being read
-        p = Path(path).expanduser()
+        p = Path(os.path.expanduser(path))
         if not p.is_dir():
             return None
         names = ["config.json", *(f.name for f in p.glob("*.safetensors")), *(f.name for f in p.glob("*.bin"))]
@@ -307,11 +323,52 @@ def damaged(copy: Path) -> str | None:
 
 
 def _load(path: Path, run: Path) -> dict:
+    """trainer.pt with torch.load(weights_only=True): tensors, numbers, strings and containers of them, never code (a
+    run directory may come from someone else: https://pytorch.org/docs/stable/notes/serialization.html). Older
+    checkpoints hold NumPy's random key as an array: NumPy's array types alone are allowed for them. Anything else is
+    refused in one line naming the file and what it would have imported."""
     try:
-        return torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto the saver's GPU
-    except Exception as e:  # truncated, empty or not a torch file
+        with _numpy_arrays_allowed():
+            state = torch.load(path, weights_only=True, map_location="cpu")  # not every rank onto the saver's GPU
+    except Exception as e:  # truncated, empty, not a torch file, or a pickle that names code
+        if "Weights only load failed" in str(e):
+            names = _unsafe_names(path)
+            usage_error(
+                f"--resume {run}: {path} is refused: it holds more than tensors, numbers and lists"
+                + (f" (loading it would import {', '.join(names[:3])})" if names else "")
+                + ", and unpickling a file made or changed elsewhere can run code"
+            )
         reason = str(e).splitlines()[0][:200] if str(e) else "empty or truncated"
         usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
+    need(isinstance(state, dict), f"--resume {run}: {path} is not a checkpoint (a dict of its state)")
+    return state
+
+
+NUMPY_ARRAYS = (
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+)
+
+
+def _numpy_arrays_allowed():
+    """Where torch.load(weights_only=True) also takes np.random.get_state()'s uint32 array, as an older trainer.pt holds
+    it (now a list of ints); torch < 2.5 has no such context: there they are allowed for the process."""
+    rebuild = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
+    types = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    if not hasattr(torch.serialization, "safe_globals"):
+        torch.serialization.add_safe_globals([rebuild, *types])
+        return contextlib.nullcontext()
+    return torch.serialization.safe_globals([(rebuild, NUMPY_ARRAYS[2]), (rebuild, NUMPY_ARRAYS[3]), *types])
+
+
+def _unsafe_names(path: Path) -> list[str]:
+    """The globals a pickle names beyond weights_only's own and NumPy's arrays (read, not run)."""
+    try:
+        return [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if not n.startswith(NUMPY_ARRAYS)]
+    except Exception:  # not a zip, truncated, torch < 2.5: nothing to name
+        return []
 
 
 def _tied(model) -> set:

@@ -1,14 +1,15 @@
 """Calling --reward-fn functions as TRL's GRPOTrainer (1.16) calls them, and everything that can go wrong on the way.
 
-Each function gets, as keywords: `prompts`, `completions`, `completion_ids` (the sampled token ids of each completion,
-its stop token included), `trainer_state` (transformers' TrainerState: `global_step` = training steps done, 0 while
-step 1's completions are scored; `max_steps` = --total-steps; `epoch` = training prompts drawn / their number),
-`log_extra(column, values)`, `log_metric(name, value)`, and every other column of the rows (a function without
-**kwargs gets only the ones it names). `async def` functions (or callables whose `__call__` is) are awaited, all of a
-batch's at once on one event loop. A function returns one number or None per completion: None (or NaN, as TRL reads
-it) is "not this function's row", and a completion's reward is the weighted sum of the numbers it got (TRL's nansum);
-one that got only None has no reward: NaN, which the advantages read as TRL does (left out of its group's mean and
-std, advantage 0; common.group_advantages), with a warning.
+Each function gets, as keywords: `prompts`, `completions`, `completion_ids` (the sampled token ids of each
+completion, its stop token included), `trainer_state` (transformers' TrainerState: `global_step` = training steps
+done, 0 while step 1's completions are scored; `max_steps` = --total-steps; `epoch` = training prompts drawn / their
+number), `log_extra(column, values)`, `log_metric(name, value)`, and every other column of the rows (a function
+without **kwargs gets only the ones it names); each call gets its own copies, and what it changes of torch's or the
+process's state is put back after it (reward_isolation.py). `async def` functions (or callables whose `__call__` is)
+are awaited, all of a batch's at once on one event loop. A function returns one number or None per completion: None
+(or NaN, as TRL reads it) is "not this function's row", and a completion's reward is the weighted sum of the numbers
+it got (TRL's nansum); one that got only None has no reward: NaN, which the advantages read as TRL does (left out of
+its group's mean and std, advantage 0; common.group_advantages), with a warning.
 Logged per step, as TRL: `rewards/<name>/mean` and `/std` of each function over the trained completions it scored,
 each `log_metric` name (mean of the step's values; a name the run logs itself goes under `log_metric/<name>`);
 evaluations the same under `eval/`. `log_extra` columns go to
@@ -31,7 +32,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlvr_utils import reward_logs, runtime, watchdog
+from rlvr_utils import reward_isolation, reward_logs, runtime, watchdog
+from rlvr_utils.reward_isolation import from_signal
+from rlvr_utils.reward_isolation import text as _text
 from rlvr_utils.reward_logs import where as _where
 from rlvr_utils.runtime import StopNow
 
@@ -91,6 +94,7 @@ class RewardFunctions:
         self.state, self.pending = trainer_state(), {"train": reward_logs.Pending(), "eval": reward_logs.Pending()}
         self.run_dir, self.rank, self.first_eval, self.warnings, self.loop = None, 0, True, 0, None
         self.prompts_per_step, self.num_train = 0, 0
+        self.guard = reward_isolation.CallGuard()  # what a call may change or leave behind (reward_isolation.py)
 
     def begin(self, run_dir, rank: int, steps_done: int, total_steps: int, prompts_per_step: int, num_train: int,
               completions: int = 0):  # fmt: skip
@@ -140,7 +144,7 @@ class RewardFunctions:
         }
         outs, waits, n = {}, [], len(texts)  # by the function's position (a function may be named twice)
         for k, (spec, fn) in enumerate(self.fns):
-            call = functools.partial(fn, **_accepted(fn, kwargs))
+            call = functools.partial(fn, **reward_isolation.own_copies(_accepted(fn, kwargs)))  # TRL: each batch anew
             if is_async(fn):
                 waits.append((k, spec, call))
                 continue
@@ -174,7 +178,8 @@ class RewardFunctions:
     def _guard(self, spec: str, examples, call, margin: float = 0.0):
         """`call()` under --reward-timeout (plus `margin`), every way out of it one line naming the function."""
         try:
-            with watchdog.Watchdog(self.timeout and self.timeout + margin, f"--reward-fn {spec}"):
+            seconds = self.timeout and self.timeout + margin
+            with self.guard.call(spec), watchdog.Watchdog(seconds, f"--reward-fn {spec}"):
                 return call()
         except BaseException as e:
             _reward_failed(spec, e, self.timeout, examples)
@@ -277,11 +282,16 @@ def _accepted(fn, kwargs: dict) -> dict:
 
 def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
     """A function's return as one float or None per completion, or one line naming the function (and the row)."""
-    if hasattr(out, "detach") or type(out).__module__ == "numpy":  # a torch tensor (any device), a numpy array
+    array = str(type(out).__module__).startswith("numpy")  # a numpy array; numpy.ma's: None where masked
+    if hasattr(out, "detach") or array:  # a torch tensor (any device)
         try:
             out = out.detach().cpu().tolist() if hasattr(out, "detach") else out.tolist()
         except Exception as e:  # a meta tensor, ...
-            _stop(f"--reward-fn {spec} returned a {type(out).__name__} that cannot be read ({type(e).__name__}: {e})")
+            what = f"a {type(out).__name__} that cannot be read ({type(e).__name__}: {_first_line(e)})"
+            _stop(f"--reward-fn {spec} returned {what}")
+    if isinstance(out, (set, frozenset)):  # its order is not the completions' (nor stable across runs)
+        _stop(f"--reward-fn {spec} returned a {type(out).__name__}, which has no order to match the completions by: "
+              "return a list with one number (or None) per completion")  # fmt: skip
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
         _stop(
             f"--reward-fn {spec} returned {_show(out)} for {n} completions: "
@@ -298,12 +308,13 @@ def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
     values = []
     for i, v in enumerate(out):
         at = f"for completion {i} of the batch ({_where(examples[i])})"
+        v = None if type(v).__name__ == "MaskedConstant" else v  # numpy.ma.masked: None, as its tolist() (not 0.0)
         try:
             if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 and not isinstance(v, numbers.Real):
                 v = v.item()  # a 0-d tensor or array
             x = float(v) if isinstance(v, numbers.Real) else v
         except OverflowError:
-            _stop(f"--reward-fn {spec} returned an int too large for a float ({str(v)[:20]}...) {at}")
+            _stop(f"--reward-fn {spec} returned an int too large for a float ({_text(v, str)[:20]}...) {at}")
         except BaseException as e:  # the value's own code (a Real of its own): the function's failure
             _reward_failed(spec, e, 0, examples)
         if v is None or isinstance(x, float) and math.isnan(x):  # TRL's "this function does not apply to this row"
@@ -312,15 +323,15 @@ def _as_rewards(out, n: int, spec: str, examples) -> list[float | None]:
         if not isinstance(v, numbers.Real):
             _stop(f"--reward-fn {spec} returned {_show(v)} {at}: a reward must be a number (or None: not its row)")
         if not abs(x) <= LARGEST:
-            _stop(f"--reward-fn {spec} returned {v!r} {at}: a reward must be a finite number of at most {LARGEST:g} in "
-                  "magnitude (rewards are trained in float32), or None: not its row")  # fmt: skip
+            _stop(f"--reward-fn {spec} returned {_text(v)} {at}: a reward must be a finite number of at most "
+                  f"{LARGEST:g} in magnitude (rewards are trained in float32), or None: not its row")  # fmt: skip
         values.append(x)
     return values
 
 
 def _reward_failed(spec: str, e: BaseException, timeout: float, examples):
     """One line for what a reward call raised (or how it left), and the exit that goes with it."""
-    if isinstance(e, StopNow):  # the second Ctrl-C arrived while a reward ran: the run's own stop
+    if isinstance(e, StopNow) and from_signal(e):  # the second Ctrl-C arrived while a reward ran: the run's own stop
         raise e
     rows = f"scoring {len(examples)} completions, the first of {_where(examples[0])}"
     if isinstance(e, watchdog.RewardTimeout):
@@ -328,18 +339,21 @@ def _reward_failed(spec: str, e: BaseException, timeout: float, examples):
     if isinstance(e, KeyboardInterrupt):  # as a second Ctrl-C: exit code 130
         why = "stopping now, without a checkpoint of this step (the last checkpoint is kept)"
         _stop(f"--reward-fn {spec} raised KeyboardInterrupt {rows}: {why}", code=130)
+    returns = "a reward returns its list, it does not"
+    if isinstance(e, StopNow):  # raised by the reward itself: only the run's signal handlers stop the run
+        _stop(f"--reward-fn {spec} raised the run's own StopNow {rows}: {returns} stop the run")
     if isinstance(e, SystemExit):
-        _stop(f"--reward-fn {spec} called sys.exit({e.code!r}) {rows}: a reward returns its list, it does not exit")
+        _stop(f"--reward-fn {spec} called sys.exit({_text(e.code)}) {rows}: {returns} exit")
     _stop(f"--reward-fn {spec} raised {type(e).__name__}: {_first_line(e)} ({rows})")
 
 
 def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
+    lines = _text(e, str).strip().splitlines()
     return (lines[0] + (" ..." if len(lines) > 1 else "")) if lines else ""
 
 
 def _show(v) -> str:
-    return f"{repr(v)[:60]} ({type(v).__name__})"
+    return f"{_text(v)[:60]} ({type(v).__name__})"
 
 
 def _columns(e) -> dict:

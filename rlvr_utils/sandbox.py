@@ -3,10 +3,11 @@
 NOT A SECURITY BOUNDARY. Each program runs in its own `python -I` subprocess and process group, in a
 fresh temporary directory, stdin closed, under rlimits (CPU, address space, file size, processes),
 without network (a new network namespace where the kernel allows it), as user `nobody` when started
-as root and the standard library is world-readable, with a Python audit hook that refuses fork/exec/subprocess,
-sockets, ctypes, writes outside its directory, /proc, and frame/gc introspection (the harness that does all this
-is sandbox_harness.py); the whole group is killed at the end. Native code or a Python-level exploit can still get
-out: run untrusted model output inside a container or VM (docs/code_task.md).
+as root and the standard library is world-readable, with a Python audit hook that allows a list of events and refuses
+every other (fork/exec/subprocess, sockets, ctypes, sqlite3, writes outside its directory, /proc, frame/gc
+introspection, ...; the harness that does all this is sandbox_harness.py); the whole group is killed at the end.
+Native code or a Python-level exploit can still get out: run untrusted model output inside a container or VM
+(docs/code_task.md).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ See docs/scaling.md ("Checkpoints across world sizes").
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import pickle
 from pathlib import Path
 
 import torch
@@ -50,16 +53,73 @@ def restore(path: Path, model, optimizer, run: Path) -> None:
     """Load a sharded checkpoint's policy and optimizer state into this run's layout (FSDP on any number of ranks,
     DDP, or one process): DCP reads each rank's part from whichever shards hold it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: a rank's failures
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, optimizer)  # this run's layout (DCP sets up AdamW's state with one 0-lr step)
     state = {"model": msd, "optimizer": osd}
+    _check_metadata(path / ".metadata", run)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # a missing or damaged shard, or another model's checkpoint
+        dcp.load(state, checkpoint_id=str(path), planner=_weights_only_planner())
+    except (Exception, CheckpointException) as e:  # a missing or damaged shard, another model's checkpoint
+        e = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        if isinstance(e, _Refused):
+            usage_error(f"--resume {run}: {path} is refused: its value {e} holds more than tensors, numbers and lists "
+                        "(unpickling a file made or changed elsewhere can run code)")  # fmt: skip
         reason = str(e).splitlines()[0][:200] if str(e) else "empty"
         usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class _MetadataCheck(pickle.Unpickler):
+    """DCP reads .metadata with pickle.load: read it first with only what DCP writes there (its dataclasses and enums,
+    torch.Size, dtypes, layouts, the checkpoint's path), so a planted one is refused before DCP runs it."""
+
+    def find_class(self, module: str, name: str):
+        obj = super().find_class(module, name) if module.split(".")[0] in ("torch", "pathlib") else None
+        dcp_type = module.startswith("torch.distributed.checkpoint") and getattr(obj, "__module__", "") == module
+        ok = dcp_type and (dataclasses.is_dataclass(obj) or isinstance(obj, enum.EnumMeta))
+        ok = ok or isinstance(obj, torch.dtype) or f"{module}.{name}" in METADATA_GLOBALS
+        if not ok:
+            raise _Refused(f"{module}.{name}")
+        return obj
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+METADATA_GLOBALS = ("torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath", "pathlib.PurePosixPath")
+
+
+def _check_metadata(path: Path, run: Path) -> None:
+    try:
+        with path.open("rb") as f:
+            _MetadataCheck(f).load()
+    except _Refused as e:
+        usage_error(f"--resume {run}: {path} is refused: loading it would import {e}, not a sharded checkpoint's index "
+                    "(unpickling a file made or changed elsewhere can run code)")  # fmt: skip
+    except Exception as e:  # truncated, empty, not a pickle
+        usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__})")
+
+
+def _weights_only_planner():
+    """DCP's load planner, with each non-tensor value (AdamW's hyperparameters) read by torch.load(weights_only=True)
+    before DCP's own torch.load(weights_only=False) reads the same bytes: a value that names code is refused."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                if "Weights only load failed" not in str(e):
+                    raise
+                raise _Refused(".".join(map(str, read_item.dest_index.fqn.split(".")[:4]))) from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return WeightsOnly()
 
 
 def restore_full(model, optimizer, weights: dict, optim: dict, run: Path) -> None:

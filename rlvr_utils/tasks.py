@@ -392,6 +392,8 @@ def load_task(
     train, evals = [e for e in train if e is not None], [e for e in evals if e is not None]
     if not train:
         raise ValueError(f"task {name!r} has no usable training prompts (skipped: {b.skipped})")
+    if not evals and eval_data_path:  # its own file's name (common.load_task names the training data's)
+        runtime.usage_error(f"--eval-data-path {eval_data_path}: no usable eval prompts in it (skipped: {b.skipped})")
     if not evals:
         raise ValueError(f"task {name!r} has no usable eval prompts (skipped: {b.skipped})")
     return Task(name, train, evals, reward, b.skipped, batch_fn, user)

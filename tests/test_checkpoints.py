@@ -89,7 +89,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(tmp_path):
     assert "Traceback" not in stderr
     assert [ln for ln in stdout.splitlines() if ln.startswith("stopped after step")], stdout[-2000:]
     d = run_dir(tmp_path)
-    step = torch.load(d / "checkpoint" / "trainer.pt", weights_only=False)["step"]
+    step = torch.load(d / "checkpoint" / "trainer.pt", weights_only=True)["step"]
     rows = [json.loads(line) for line in (d / "metrics.jsonl").open()]
     assert rows[-1]["step"] == step >= 1  # the logs were closed after the saved step
     out = run_script("grpo.py", "--resume", str(d), "--total-steps", str(step + 1))
@@ -124,4 +124,4 @@ def test_checkpoint_is_atomic_and_keeps_only_the_last(tmp_path, tiny):
     ck.save(1, model, tok, opt, stream)
     ck.save(2, model, tok, opt, stream)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # no temporary or old copies left
-    assert torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=False)["step"] == 2
+    assert torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 2

@@ -221,11 +221,34 @@ def test_an_output_that_cannot_be_written(tmp_path, monkeypatch, capsys):
     f.write_text(GOOD)
     out = tmp_path / "no" / "p.html"
     _one_line(capsys, _viewer(monkeypatch, f, "-o", out), f"error: -o {out}: cannot write it (No such file")
-    _one_line(capsys, _viewer(monkeypatch, f, "-o", tmp_path), f"error: -o {tmp_path}: cannot write it (Is a dir")
+    (folder := tmp_path / "d.html").mkdir()  # a name of the right kind (another is refused before: issue #62)
+    _one_line(capsys, _viewer(monkeypatch, f, "-o", folder), f"error: -o {folder}: cannot write it (Is a dir")
     args = _results(tmp_path, gzip.compress(GOOD.encode()), FINISHED)
     (tmp_path / "res" / "long" / "credit_accuracy.md").mkdir()  # the table's own output is a directory
     call = _measure(monkeypatch, "table", *args)
     _one_line(capsys, call, "credit_accuracy.md: cannot write the table (Is a directory)")
+
+
+def test_the_viewer_never_writes_over_its_input_or_a_runs_files(tmp_path, monkeypatch, capsys):
+    """Issue #62: `-o RUN/credit.jsonl` or `-o RUN/metrics.jsonl` wrote the page over the file, `--png pic.txt` was
+    matplotlib's traceback after the page was written. Refused before anything is read or written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "credit.jsonl").write_text(GOOD)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "page.html").write_text(GOOD)  # a credit file someone named .html
+    (tmp_path / "link.html").symlink_to(run / "metrics.jsonl")
+    before = {p: p.read_bytes() for p in (run / "credit.jsonl", run / "metrics.jsonl", tmp_path / "page.html")}
+    cases = [
+        ([run, "-o", run / "credit.jsonl"], "the page is written to a .html or .htm file"),
+        ([run, "-o", run / "metrics.jsonl"], "the page is written to a .html or .htm file"),
+        ([run, "-o", tmp_path / "p.html", "--png", tmp_path / "pic.txt"], "--png"),
+        ([run, "-o", tmp_path / "link.html"], f"a link to {run / 'metrics.jsonl'}, which it would write over"),
+        ([tmp_path / "page.html", "-o", tmp_path / "page.html"], "it is this command's input"),
+    ]
+    for args, words in cases:
+        _one_line(capsys, _viewer(monkeypatch, *args), words)
+    assert {p: p.read_bytes() for p in before} == before and not (tmp_path / "p.html").exists()
 
 
 def test_the_viewer_refuses_a_step_or_prompt_with_no_rollout(tmp_path, monkeypatch, capsys):

@@ -16,10 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FOLDERS = ("", "rlvr_utils", "tools", "benchmarks", "tests")
 # modules this repository had and removed (from its git history): a page naming one names something gone
-REMOVED = {"arith", "checks", "errors", "masked_stats", "model_files", "reward_guard", "run_lock", "stopping", "tracking"}
+REMOVED = {
+    "arith", "checks", "errors", "masked_stats", "model_files", "reward_guard", "run_lock", "stopping", "tracking",
+}  # fmt: skip
 
 
-FILE_SUFFIXES = {"py", "md", "json", "jsonl", "JSONL", "txt", "toml", "gz", "csv", "tsv", "parquet", "png", "html", "cfg"}
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "JSONL", "txt", "toml", "gz", "csv", "tsv", "parquet", "png", "html"}
 
 
 def modules() -> dict[str, Path]:

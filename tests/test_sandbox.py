@@ -134,6 +134,14 @@ HOSTILE = {
     "huge allocation": "x = bytearray(8 << 30)\n",
     "huge file": "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * (1 << 20))\n",
     "write outside": f"open({OUTSIDE!r}, 'w').write('x')\n",
+    # writes outside under an audit event the old block-list did not name (issue #62): a working add, so only the
+    # refusal scores 0; the allow-list refuses every event it does not name
+    "sqlite3 outside": f"import sqlite3\nsqlite3.connect({OUTSIDE!r}).execute('create table t (x)')\n"
+    "def add(a, b):\n    return a + b\n",
+    "sqlite3 attach": "import sqlite3\nc = sqlite3.connect(':memory:')\n"
+    f"c.execute(\"attach database {OUTSIDE!r} as e\")\nc.execute('create table e.t (x)')\n"
+    "def add(a, b):\n    return a + b\n",
+    "an event nobody listed": "import sys\nsys.audit('made.up.event')\ndef add(a, b):\n    return a + b\n",
     "sleep with buffered output": "import time\nprint('x' * 100)\ntime.sleep(60)\n",
     # fake-pass tricks: none of them defines a working add
     "exit(0)": "exit(0)\n",
@@ -175,6 +183,21 @@ def test_hostile_programs_score_zero_end_in_time_and_leave_nothing(name):
     assert time.time() - t0 < timeout + 2.0
     assert _group_alive(r.pid) == []
     assert not os.path.exists(OUTSIDE)
+
+
+def test_the_allowed_events_let_ordinary_programs_pass():
+    """The allow-list's other side: imports, namedtuples, enums, dataclasses, threads, warnings, the environment and
+    temporary files in the working directory (TMPDIR) are allowed."""
+    program = (
+        "import collections, dataclasses, enum, os, shutil, tempfile, threading, warnings\n"
+        "P = collections.namedtuple('P', 'a b')\nclass C(enum.Enum):\n    A = 1\n"
+        "@dataclasses.dataclass\nclass D:\n    x: int = 1\n"
+        "t = threading.Thread(target=lambda: None)\nt.start()\nt.join()\nwarnings.warn('x')\nos.environ['A'] = '1'\n"
+        "fd, p = tempfile.mkstemp()\nos.write(fd, b'x')\nos.close(fd)\nos.remove(p)\n"
+        "shutil.rmtree(tempfile.mkdtemp())\n"
+        "def add(a, b):\n    return P(a, b).a + b + D().x - 1\n"
+    )
+    assert sandbox.run_code_tests(program, ADD_TEST, "add").reward == 1.0
 
 
 # --- the task ----------------------------------------------------------------------------------

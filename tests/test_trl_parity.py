@@ -194,7 +194,7 @@ def test_the_model_card_is_portable_and_names_the_license_the_paper_and_a_prompt
     assert "--total-steps 3" in merged and "--total-steps 9" in model_card.model_card(run, None, {"total_steps": 9})
 
 
-@pytest.mark.parametrize("value", ["\n\n", "my data.jsonl", "it's", "plain", "a\tb\\c'", "ü ß"])
+@pytest.mark.parametrize("value", ["\n\n", "my data.jsonl", "it's", "plain", "a\tb\\c'", "ü ß", "é\n", "😀\n\x85"])
 def test_the_model_cards_command_gives_each_value_as_one_bash_word(value):
     """SRPO's --thought-delimiter "\\n\\n" and a path with a space: the card's command pastes into bash as written."""
     line = model_card.flags({"thought_delimiter": value})[0]

@@ -31,7 +31,7 @@ srpo.py            SRPO / RRPO / oracle resets
 common.py          what every script uses, in the order a step uses it, and `Run`: the plumbing around the loop
 rlvr_utils/        the support package (its __init__.py lists the modules, below); it imports neither common.py nor
                    a script, and has no import cycle (tests/test_layout.py)"""
-BOTTOM = """assets/            tiny-arith/ (the default --model), tiny-arith-long/ (the long setting); tools/train_tiny_model.py
+BOTTOM = """assets/            tiny-arith/ (the default --model), tiny-arith-long/ (the long setting)
 benchmarks/        learning curves, speed, memory, verifiers, the positive control; raw results in benchmarks/results/
 docs/              one page per method, and running.md, tasks.md, lora.md, conventions.md, trl.md, benchmarks.md, ...
 tools/             credit_view.py (see the credit), doc_links.py, places_to_open.py, copy_tiers.py (this block)

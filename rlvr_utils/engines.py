@@ -73,6 +73,22 @@ class VLLMEngine:
             raise RuntimeError(f"--engine vllm could not load {model_path}: {type(e).__name__}: {e}") from e
         self.asleep, self.released_gb, self.syncs = False, 0.0, 0
 
+    def rollouts(self, tokenizer, prompts, group_ids, n, max_new_tokens, temperature, top_p, top_k, do_sample, stops,
+                 device):  # fmt: skip
+        """rollouts.generate_rollouts' batch from this engine: `generate`'s completions with `engine_logp` [N, T], the
+        engine's log-probs of its sampled tokens; then the engine sleeps (GPU: its weights and KV cache released while
+        the trainer works, woken by the next call or sync)."""
+        from rlvr_utils.rollouts import make_rollouts
+
+        comps, logps = self.generate(prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, stops)
+        owners = [(list(p), g) for p, g in zip(prompts, group_ids) for _ in range(n)]
+        ro = make_rollouts(tokenizer, [p for p, _ in owners], comps, [g for _, g in owners], stops, device)
+        T = ro.completion_ids.shape[1]
+        ro.engine_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], dtype=torch.float32, device=device)
+        self.sleep()
+        ro.engine_released_gb = self.released_gb
+        return ro
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

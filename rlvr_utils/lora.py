@@ -71,11 +71,18 @@ def rank_problem(model, rank: int, targets=()) -> str | None:
             f"adapter's update has rank at most that: use --lora-rank {smallest} or less")  # fmt: skip
 
 
-def check_rank(a: dict) -> None:
-    """Before the model loads: `rank_problem` against a skeleton of --model built from its config on the meta device
-    (no weights); a config that cannot be read here (not cached, custom code) is checked after loading (`wrap`)."""
+def check(a: dict) -> None:
+    """--lora-rank's checks before the model loads: peft installed, no --fsdp under torchrun, and `rank_problem` against
+    a skeleton of --model built from its config on the meta device (no weights; a config that cannot be read here, not
+    cached or custom code, is checked after loading, in `wrap`)."""
+    import importlib.util
+    import os
+
     from rlvr_utils.runtime import need
 
+    torchrun = os.environ.get("WORLD_SIZE", "1") != "1"
+    need(not (a["fsdp"] and torchrun), "--lora-rank with --fsdp is not supported: the adapters are small, use DDP")
+    need(importlib.util.find_spec("peft") is not None, "--lora-rank needs peft, not installed here: pip install peft")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 

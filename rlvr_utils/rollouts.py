@@ -4,7 +4,7 @@ Rollouts           the batch: prompts left-padded, completions right-padded, mas
 generate_rollouts  G completions per prompt: the static decoder (the default), HF `model.generate` (--engine hf) or
                    the vLLM engine when one is attached (--engine vllm)
 StaticDecoder      sampling without `generate`: a preallocated KV cache, the model's own weights, CUDA graphs on a GPU
-make_rollouts      a batch from token-id lists (SRPO's prefix + suffix continuations, DAPO's re-padded groups)
+make_rollouts      a batch from token-id lists (SRPO's prefix + suffix continuations); regroup: DAPO's kept groups
 pad_left, completion_mask_from_ids, stop_token_ids   padding, the completion mask, the ids that end a completion
 """
 
@@ -106,6 +106,23 @@ def make_rollouts(
     texts = tokenizer.batch_decode([list(c) for c in completions], skip_special_tokens=True)
     completion = (c_ids.to(device), c_mask.to(device), truncated.to(device))
     return Rollouts(p_ids, p_mask, *completion, torch.tensor(list(group_ids), device=device), texts)
+
+
+def regroup(groups: list, tokenizer, stops: list[int]) -> Rollouts:
+    """One Rollouts batch of `groups`, (Rollouts, its rows) pairs from several generate calls."""
+    ids = [(r, int(i)) for r, rows in groups for i in rows]
+    prompts = [r.prompt_ids[i][r.prompt_mask[i].bool()].tolist() for r, i in ids]
+    completions = [r.completion_ids[i][r.completion_mask[i].bool()].tolist() for r, i in ids]
+    group_ids = [int(r.group_ids[i]) for r, i in ids]
+    device = groups[0][0].completion_ids.device
+    ro = make_rollouts(tokenizer, prompts, completions, group_ids, stops, device)
+    ro.truncated = torch.stack([r.truncated[i] for r, i in ids])
+    ro.scores = torch.stack([r.scores[i] for r, i in ids])
+    if groups[0][0].engine_logp is not None:  # --engine vllm: its log-probs, to the new width T
+        T = ro.completion_ids.shape[1]
+        pad = [(r.engine_logp[i, :T], T - min(T, r.engine_logp.shape[1])) for r, i in ids]
+        ro.engine_logp = torch.stack([F.pad(lp, (0, n)) for lp, n in pad])
+    return ro
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,16 +347,9 @@ def generate_rollouts(
     stops = stop_token_ids(model, tokenizer)
     flat = [(list(p), g) for p, g in zip(prompts, group_ids) for _ in range(num_generations)]
     engine = getattr(model, "_rlvr_engine", None)
-    if engine is not None:  # vLLM: same sampling settings, token ids in and out, plus its log-probs
-        comps, logps = engine.generate(
-            prompts, num_generations, max_new_tokens, temperature, top_p, top_k, do_sample, stops
-        )
-        ro = make_rollouts(tokenizer, [p for p, _ in flat], comps, [g for _, g in flat], stops, device)
-        T = ro.completion_ids.shape[1]
-        ro.engine_logp = torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], dtype=torch.float32, device=device)
-        engine.sleep()  # GPU: weights and KV cache released while the trainer works (woken by the next call or sync)
-        ro.engine_released_gb = engine.released_gb
-        return ro
+    if engine is not None:  # vLLM (rlvr_utils/engines.py): the same sampling settings, plus its log-probs
+        sampling = (num_generations, max_new_tokens, temperature, top_p, top_k, do_sample, stops)
+        return engine.rollouts(tokenizer, prompts, group_ids, *sampling, device)
     was_training = model.training
     model.eval()
     outs, logps = [], []

@@ -390,14 +390,14 @@ def test_the_cards_title_escapes_html_and_its_example_runs_outside_the_bmp(tmp_p
 
 @pytest.mark.parametrize("what", ["fifo", "directory"])
 def test_a_config_json_that_is_not_a_file_is_not_called_missing(tmp_path, monkeypatch, capsys, what):
-    from rlvr_utils import models
+    from rlvr_utils import model_checks
 
     model = tmp_path / "model"
     shutil.copytree(TINY_MODEL, model)
     (model / "config.json").unlink()
     os.mkfifo(model / "config.json") if what == "fifo" else (model / "config.json").mkdir()
     with pytest.raises(SystemExit) as e:
-        models.check_model(str(model))
+        model_checks.check_model(str(model))
     assert e.value.code == 2 and "config.json is not a regular file" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(model)])
     with pytest.raises(SystemExit) as e:

@@ -40,3 +40,12 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   ep_ablations     EP-GRPO's ablation flags: the alternative forms (docs/ep_grpo.md)
   sc_ablations     SC-GRPO's --divergence sampled-logratio: the sampled token's log-ratio in place of the KL
 """
+
+# The files an extra needs besides its own (and the core): what it imports, at the top or where its flag is handled.
+# runtime.extra names every one a copy lacks in its one line (tests/test_copy.py follows the line to a trained step).
+REQUIRES = {
+    "data_tasks": ("model_checks",),  # a hub dataset is looked up as a --model would be
+    "custom": ("reward_calls", "reward_isolation", "reward_logs", "watchdog"),  # --reward-fn: TRL's reward calls
+    "reward_calls": ("reward_isolation", "reward_logs", "watchdog"),
+    "sandbox": ("sandbox_harness",),  # --task code: the program the sandbox starts
+}

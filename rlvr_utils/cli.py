@@ -310,8 +310,9 @@ def check_common(args) -> None:
         import torch
 
         need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
-    for module, flag in needed_extras(a):  # a copy of the minimal core without one: one line naming the file
-        extra(module, flag)
+    needed = needed_extras(a)  # a copy of the minimal core without some: one line naming every file they need
+    for module, flag in needed:
+        extra(module, flag, *needed)
     if a["model"] == DEFAULT_MODEL:
         check_default(a["model"])
     else:  # a --model you give: a local directory or a hub id, checked before it loads
@@ -340,13 +341,12 @@ def check_common(args) -> None:
 
 def needed_extras(a: dict) -> list[tuple[str, str]]:
     """(module, flag) of each extra module the flags ask for (README: Copy one method): what a default run never
-    loads. The scripts ask for their own (ablations) in their `validate`."""
+    loads (--task gsm8k, math, code: not the reward-call layer, which --reward-fn and --task custom need)."""
     out = [("model_checks", "--model")] if a["model"] != DEFAULT_MODEL else []  # its directory or hub id, checked
-    out += [("data_tasks", f"--task {a['task']}")] if a["task"] != "arith" else []
-    out += [("rewards", f"--task {a['task']}")] if a["task"] in ("gsm8k", "math") else []
-    out += [("sandbox", "--task code")] if a["task"] == "code" else []
-    out += [("data_tasks", "--data-path")] if a["data_path"] or a["eval_data_path"] else []
-    out += [("custom", "--reward-fn")] if a["reward_fn"] or a["task"] == "custom" else []
+    own = dict(gsm8k=["rewards"], math=["rewards"], code=["sandbox"], custom=["datafiles", "custom"])  # the tasks'
+    out += [(m, f"--task {a['task']}") for m in ["data_tasks", *own[a["task"]]]] if a["task"] != "arith" else []
+    out += [(m, "--data-path") for m in ("data_tasks", "datafiles")] if a["data_path"] or a["eval_data_path"] else []
+    out += [(m, "--reward-fn") for m in ("data_tasks", "datafiles", "custom")] if a["reward_fn"] else []
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []

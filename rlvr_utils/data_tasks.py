@@ -14,10 +14,9 @@ import re
 import sys
 from pathlib import Path
 
-from rlvr_utils import custom, datafiles, rewards
 from rlvr_utils.model_checks import need_hub
 from rlvr_utils.models import looks_like_path
-from rlvr_utils.runtime import need, usage_error
+from rlvr_utils.runtime import extra, need, usage_error  # extra: each task's own modules, where they are used
 from rlvr_utils.tasks import HUB_DATASETS, MATH_INSTRUCTION, Example, TaskBuilder, encode_prompt
 
 
@@ -42,7 +41,7 @@ def _load_rows(task: str, data_path: str | None, split_kind: str) -> tuple[list[
     if data_path and task == "custom" and not _exists(data_path):  # a hub dataset id
         name, config, split = data_path, None, "train" if split_kind == "train" else "test"
     elif data_path:
-        return datafiles.read_rows(data_path)
+        return extra("datafiles", "--data-path").read_rows(data_path)
     else:
         name, config, train_split, eval_split = HUB_DATASETS[task]
         split = train_split if split_kind == "train" else eval_split
@@ -100,6 +99,7 @@ def from_rows(b, convert) -> tuple[list[Example], list[Example]]:
 
 def _text_task(b: TaskBuilder):
     """gsm8k (question, answer with `#### N`) or math (problem, answer or solution with \\boxed{})."""
+    rewards = extra("rewards", f"--task {b.name}")
 
     def convert(rows, wheres, offset):
         out = []
@@ -130,7 +130,7 @@ def _code_task(b: TaskBuilder, timeout: float):
     """HumanEval's format (prompt, test, entry_point) or an MBPP-like one (text or prompt, test_list, optional
     test_setup_code); reward = fraction of tests passed in the sandbox."""
     b.skipped["no_tests_or_entry_point"] = 0
-    from rlvr_utils import sandbox
+    sandbox = extra("sandbox", "--task code")
 
     def convert(rows, wheres, offset):
         out = []
@@ -183,6 +183,7 @@ def _code_task(b: TaskBuilder, timeout: float):
 
 def _custom_task(b: TaskBuilder):
     """The user's rows (custom.py): `prompt` a string or chat messages, every other column for the reward."""
+    custom = extra("custom", "--task custom")
 
     def convert(rows, wheres, offset):
         out = []
@@ -215,6 +216,7 @@ def read_rows(path: str, flag: str) -> list[dict]:
 def read_rows_where(path: str, flag: str) -> tuple[list[dict], list[str]]:
     """`read_rows` and where each row came from (`file:line`)."""
     need(_exists(path), f"{flag} {path}: no such file")
+    datafiles = extra("datafiles", flag)
     try:
         return datafiles.read_rows(path)
     except (datafiles.DataFileError, FileNotFoundError) as e:
@@ -232,9 +234,10 @@ def check_data(task: str, path: str | None, flag: str) -> None:
         if not dataset_cached(path):
             need_hub(f"{flag} {path} is not a local file, so it names a hub dataset", "a local .jsonl file")
         return
+    custom = extra("custom", "--task custom") if task == "custom" else None
     for i, (row, where) in enumerate(zip(*read_rows_where(path, flag)), 1):
-        problem = custom.prompt_problem(row) if task == "custom" else row_problem(task, row)
-        need(problem is None, f"{datafiles.row_name(where, i)}: {problem}")
+        problem = custom.prompt_problem(row) if custom else row_problem(task, row)
+        need(problem is None, f"{extra('datafiles', flag).row_name(where, i)}: {problem}")
 
 
 def check_custom(a: dict) -> None:
@@ -247,7 +250,8 @@ def check_custom(a: dict) -> None:
         not a["reward_weights"] or len(a["reward_weights"]) == len(a["reward_fn"]),
         f"--reward-weights gives {len(a['reward_weights'])} weights for {len(a['reward_fn'])} --reward-fn",
     )
-    for spec in a["reward_fn"]:
+    for spec in a["reward_fn"]:  # the reward-call layer: only with --reward-fn
+        custom = extra("custom", "--reward-fn")
         try:
             custom.load_reward_fn(spec)
         except custom.RewardFnError as e:
@@ -304,6 +308,7 @@ def file_hashes(args) -> dict:
 
 def _digest(path: Path) -> str:
     """sha256 of a file's bytes; of a data directory: of each data file's name and bytes, in name order."""
+    datafiles = extra("datafiles", "--data-path or --reward-fn")
     if path.is_file():
         return datafiles.sha256_file(path).hexdigest()
     h = hashlib.sha256()

@@ -182,9 +182,8 @@ def _in_run(run_dir: Path, spec: str) -> bool:
 
 
 def _digest(directory: str, name: str) -> str:
-    from rlvr_utils.datafiles import sha256_file  # a LoRA resume under another --model path only
-
-    return sha256_file(Path(os.path.expanduser(directory)) / name).hexdigest()
+    datafiles = runtime.extra("datafiles", "--resume of a LoRA run under another --model path")
+    return datafiles.sha256_file(Path(os.path.expanduser(directory)) / name).hexdigest()
 
 
 def _same_base(run_dir: Path, old: str, new: str) -> None:

@@ -20,6 +20,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rlvr_utils.runtime import extra
+
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """Every token id that ends a completion (generation config's EOS ids and the tokenizer's)."""
@@ -273,7 +275,7 @@ class StaticDecoder:
         w = self.weights()
         logits, prompt_kv = self.prefill(ids, mask)
         if self.use_graphs or self.whole_cache:  # the whole cache under a mask; a CUDA graph on a GPU
-            from rlvr_utils import cuda_graphs
+            cuda_graphs = extra("cuda_graphs", "decoding on a GPU (--engine static)")
 
             length = -(-(P + max_new_tokens) // 64) * 64  # one graph per 64 slots of cache
             step, kv, bias = cuda_graphs.decode_step(self, w, B, length, logits.dtype, capture=self.use_graphs)

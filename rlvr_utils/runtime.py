@@ -35,20 +35,19 @@ def need(ok: bool, message: str) -> None:
         usage_error(message)
 
 
-def extra(module: str, flag: str):
-    """rlvr_utils.<module>, an extra that `flag` needs, imported where the flag is handled (README: Copy one method). In
-    a copy of the minimal core that lacks it, or a module it imports: one line naming the file to copy, exit code 2
-    (cli.parse asks for every extra the flags need before anything loads)."""
-    try:
-        return importlib.import_module(f"rlvr_utils.{module}")
-    except ModuleNotFoundError as e:
-        if not (e.name or "").startswith("rlvr_utils."):
-            raise  # a third-party package: the caller says what to install
-        missing = "rlvr_utils/" + e.name.split(".", 1)[1].replace(".", "/") + ".py"
-        usage_error(
-            f"{flag} needs {missing}, which this copy does not have: copy it from the repository into rlvr_utils/ "
-            "(README: Copy one method)"
-        )
+def extra(module: str, flag: str, *more: tuple[str, str]):
+    """rlvr_utils.<module>, an extra that `flag` needs, imported where the flag is handled (README: Copy one method). A
+    copy that lacks its file, one it needs (rlvr_utils.REQUIRES) or one of the (module, flag) pairs `more` (cli.parse
+    checks every extra the flags ask for, before anything loads): one line naming every such file, exit code 2."""
+    from rlvr_utils import REQUIRES
+
+    here, asked = Path(__file__).parent, ((module, flag), *more)
+    pairs = [(f, n) for m, f in asked for n in (m, *REQUIRES.get(m, ())) if not (here / f"{n}.py").exists()]
+    files = ", ".join(dict.fromkeys(f"rlvr_utils/{n}.py" for _, n in pairs))
+    flags = ", ".join(dict.fromkeys(f for f, _ in pairs))
+    need(not files, f"{flags} needs {files}, which this copy does not have: copy {'them' if ',' in files else 'it'} "
+         "from the repository into rlvr_utils/ (README: Copy one method)")  # fmt: skip
+    return importlib.import_module(f"rlvr_utils.{module}")
 
 
 # ----------------------------------------------------------------------------------------------

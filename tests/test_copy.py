@@ -3,6 +3,7 @@ rlvr_utils/ (and assets/tiny-arith for the default --model) in a folder outside 
 repository off sys.path. It trains there; without the bundled model it stops with one line saying what to do; and from
 inside a package it works the way the README says (and fails the way it says without the package's two lines)."""
 
+import importlib.util
 import json
 import os
 import re
@@ -185,26 +186,84 @@ def test_the_minimal_copy_trains(script, tmp_path):
     assert len(metrics_rows(here / "runs")) == 3
 
 
-MISSING = [  # (script, flags, the extra module it needs)
-    ("grpo.py", ["--engine", "vllm"], "engines.py"),
-    ("grpo.py", ["--log-credit", "2"], "credit.py"),
-    ("grpo.py", ["--save-model"], "model_card.py"),
-    ("grpo.py", ["--eval-num-generations", "4"], "trl_eval.py"),
-    ("grpo.py", ["--resume", "runs/x"], "resume.py"),
-    ("grpo.py", ["--task", "gsm8k", "--data-path", "rows.jsonl"], "data_tasks.py"),
-    ("grpo.py", ["--reward-fn", "r.py:f"], "custom.py"),
-    ("sc_grpo.py", ["--divergence", "sampled-logratio"], "sc_ablations.py"),
-    ("ep_grpo.py", ["--gate", "hard"], "ep_ablations.py"),
-]
+# Each flag that needs an extra, run in the minimal copy, and the files its one line names (every file it lacks)
+DATA = {  # a small data file of each task's format (8 training rows, 2 held out)
+    "gsm.jsonl": [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(10)],
+    "math.jsonl": [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)],
+    "code.jsonl": [
+        {
+            "prompt": f'def f(x):\n    """x + {i}"""\n',
+            "test": f"def check(c):\n    assert c(1) == {i + 1}\n",
+            "entry_point": "f",
+        }
+        for i in range(10)
+    ],  # fmt: skip
+    "rows.jsonl": [{"prompt": f"{i} + 1 = ", "answer": str(i + 1)} for i in range(10)],
+}
+REWARD = "def f(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
+FOLLOW = [  # (script, flags, the files the line names)
+    ("grpo.py", ["--task", "gsm8k", "--data-path", "gsm.jsonl"], ["data_tasks", "model_checks", "rewards", "datafiles"]),
+    ("grpo.py", ["--task", "math", "--data-path", "math.jsonl"], ["data_tasks", "model_checks", "rewards", "datafiles"]),
+    ("grpo.py", ["--task", "code", "--data-path", "code.jsonl"],
+     ["data_tasks", "model_checks", "sandbox", "sandbox_harness", "datafiles"]),
+    ("grpo.py", ["--task", "custom", "--data-path", "rows.jsonl", "--reward-fn", "r.py:f"],
+     ["data_tasks", "model_checks", "datafiles", "custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]),
+    ("grpo.py", ["--reward-fn", "r.py:f"],
+     ["data_tasks", "model_checks", "datafiles", "custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]),
+    ("grpo.py", ["--log-credit", "2"], ["credit"]),
+    ("grpo.py", ["--save-model"], ["model_card"]),
+    ("grpo.py", ["--eval-num-generations", "2"], ["trl_eval"]),
+    ("grpo.py", ["--lora-rank", "2"], ["lora"]),
+    ("grpo.py", ["--resume", "RUN"], ["resume"]),
+    ("grpo.py", ["--engine", "vllm"], ["engines"]),
+    ("sc_grpo.py", ["--divergence", "sampled-logratio"], ["sc_ablations"]),
+    ("ep_grpo.py", ["--gate", "hard"], ["ep_ablations"]),
+]  # fmt: skip
+NAMED = re.compile(r"needs ((?:rlvr_utils/\w+\.py(?:, )?)+), which this copy does not have")
 
 
-@pytest.mark.parametrize("script, flags, module", MISSING, ids=[f"{s}{' '.join(f)}" for s, f, _ in MISSING])
-def test_a_flag_whose_extra_is_missing_stops_in_one_line(script, flags, module, tmp_path):
-    """In the minimal copy a flag that needs an extra stops before anything loads: one line naming the file, exit 2."""
-    here = copy_minimal(script, tmp_path / "myproj")
-    (here / "rows.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-    (here / "r.py").write_text("def f(completions, **kw):\n    return [1.0] * len(completions)\n")
-    out = run([script, *flags], cwd=here)
+def in_copy(script: str, flags: list[str], here: Path) -> subprocess.CompletedProcess:
+    """`script` QUICK `flags` in the copy `here`, beside the data files and the reward function the flags name;
+    --resume RUN: a checkpointed run of the copy's core first, then its resume to step 3."""
+    for name, rows in DATA.items():
+        (here / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (here / "r.py").write_text(REWARD)
+    if flags == ["--resume", "RUN"]:
+        if not (here / "runs").exists():
+            assert run([script, *QUICK, "--save-every", "1"], cwd=here).returncode == 0
+        return run([script, "--resume", str(next((here / "runs").iterdir())), "--total-steps", "3"], cwd=here)
+    return run([script, *QUICK, *flags], cwd=here)
+
+
+def one_line(out: subprocess.CompletedProcess) -> str:
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
-    assert f"needs rlvr_utils/{module}, which this copy does not have" in lines[0], lines[0]
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    return lines[0]
+
+
+@pytest.mark.parametrize("script, flags, files", FOLLOW, ids=[f"{s} {' '.join(f)}" for s, f, _ in FOLLOW])
+def test_a_flag_whose_extra_is_missing_names_every_file_it_needs_in_one_line(script, flags, files, tmp_path):
+    """In the minimal copy a flag that needs an extra stops before anything loads: one line naming every file the flag
+    needs and the copy lacks (rlvr_utils.REQUIRES: what each extra imports), exit 2."""
+    here = copy_minimal(script, tmp_path / "myproj")
+    line = one_line(in_copy(script, flags, here))
+    named = NAMED.search(line)
+    assert named and named.group(1).split(", ") == [f"rlvr_utils/{f}.py" for f in files], line
+    assert "RUN" in flags or not (here / "runs").exists()  # stopped before anything was made
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, flags, files", FOLLOW, ids=[f"{s} {' '.join(f)}" for s, f, _ in FOLLOW])
+def test_copying_what_the_line_names_makes_the_flag_train(script, flags, files, tmp_path):
+    """The line is enough: copy the files it names, run again, and the flag trains a step (one round for every
+    flag). --engine vllm: the next line is about vLLM itself where it is not installed (no file is missing)."""
+    here = copy_minimal(script, tmp_path / "myproj")
+    for name in NAMED.search(one_line(in_copy(script, flags, here))).group(1).split(", "):
+        shutil.copy(ROOT / name, here / name)
+    out = in_copy(script, flags, here)
+    if "vllm" in flags and importlib.util.find_spec("vllm") is None:
+        assert "which this copy does not have" not in one_line(out) and "vLLM is not installed" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(r) for r in metrics_rows(here / "runs")]
+    assert rows[-1]["step"] == (3 if "RUN" in flags else 2) and "policy_loss" in rows[-1], rows[-1]

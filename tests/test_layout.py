@@ -181,3 +181,25 @@ def test_the_line_and_helper_checks_find_what_they_look_for(tmp_path):
     assert [p.name for p in paths] == ["a.py"], paths
     assert [s.split(":")[:2] for s in long_lines(paths, tmp_path)] == [["a.py", "14"]]
     assert [s.split(": ")[1] for s in usage_error_copies(paths, tmp_path)] == ["def _fail", "def stop"]
+
+
+CORE = {"cli", "runtime", "models", "tasks", "rollouts", "logprob_kernels", "checkpoints"}  # what every run loads
+
+
+def test_each_extra_declares_every_file_it_imports():
+    """rlvr_utils.REQUIRES, what runtime.extra names when a copy lacks it, is each extra's import closure (at the top
+    and in its functions, transitively) besides the core: so copying what the one line names is enough. The sandbox
+    also reads sandbox_harness.py as text. The other extras it imports go through runtime.extra (one line each)."""
+    import rlvr_utils
+
+    graph = import_graph(module_level=False)
+    for module in sorted(set(MODULES) - CORE):
+        seen, todo = set(), [module]
+        while todo:
+            for n in graph.get(todo.pop(), ()):
+                if n not in seen and n != module and n not in CORE:  # the core is there (torchrun: one line)
+                    seen.add(n)
+                    todo.append(n)
+        want = sorted(seen) + (["sandbox_harness"] if module == "sandbox" else [])
+        assert sorted(rlvr_utils.REQUIRES.get(module, ())) == sorted(want), module
+    assert sorted(set(rlvr_utils.REQUIRES) - set(MODULES)) == []

@@ -152,7 +152,7 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
 def token_logprobs(
     model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
     chunk_size: int | None = None, with_entropy: bool = False, entropy_chunk: int = 128,
-    fused: bool | None = None,
+    fused: bool | None = None, keep: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Per-token log-probs of the last `num_completion_tokens` tokens of each row.
 
@@ -164,7 +164,8 @@ def token_logprobs(
     FusedLinearLogProb applies the lm_head to the final hidden states a few positions at a time, so
     not even the [b, T, V] logits exist; else (logits that are not lm_head(h)) rlvr_utils/unfused.py
     takes z[y] - logsumexp(z) from the model's own logits in fp32 a few positions at a time. Both
-    compute the same function (logits over the sampling temperature)."""
+    compute the same function (logits over the sampling temperature). `keep`: a list that gets each
+    row chunk's final hidden states (unfused: its logits), with their gradient (SC-GRPO's D)."""
     T = num_completion_tokens
     fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
     chunk_size = chunk_size or logprob_kernels.rows_per_forward(input_ids.shape, fused)
@@ -177,6 +178,8 @@ def token_logprobs(
         target = ids[:, -T:]
         if fused:
             h = logprob_kernels.completion_hidden(model, ids, mask, T)  # [b, T, H]
+            if keep is not None:  # the student's side of SC-GRPO's D
+                keep.append(h)
             flat = (h.reshape(-1, h.shape[-1]), lm.weight, lm.bias, target.reshape(-1))
             lp, ent = logprob_kernels.FusedLinearLogProb.apply(
                 *flat, temperature, positions, with_entropy
@@ -185,7 +188,9 @@ def token_logprobs(
             ents += [ent.view(ids.shape[0], T)] if with_entropy else []
         else:  # logits that are not lm_head(h): the model's own (rlvr_utils/unfused.py)
             unfused = runtime.extra("unfused", "a model whose logits are not lm_head(h)")
-            out = unfused.logprobs(model, ids, mask, T, temperature, with_entropy, entropy_chunk)
+            out = unfused.logprobs(
+                model, ids, mask, T, temperature, with_entropy, entropy_chunk, keep
+            )
             logps.append(out[0])
             ents += [out[1]] if with_entropy else []
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)

@@ -20,9 +20,7 @@ With --gate-alpha 0 --process-coef 0 --outcome-std unbiased it is grpo.py --beta
 --loss-agg token-mean.
 """
 
-import copy
 import dataclasses
-import os
 from typing import Literal
 
 import torch
@@ -30,21 +28,16 @@ import torch
 import common
 from rlvr_utils import cli, ep_diagnostics
 
-Gate = Literal["soft", "hard", "gtpo", "zsig", "none"]  # the flags with choices, by name
-PivotScope = Literal["batch", "group", "response"]
-GateNorm = Literal["response", "none"]
-Granularity = Literal["window", "token", "cumulative"]
+GateNorm = Literal["response", "none"]  # the flags with choices, by name
 Polarity = Literal["outcome", "none"]
-AnchorForm = Literal["additive", "multiplicative"]
 Progress = Literal["entropy", "position"]
-AdvantageForm = Literal["A", "B"]
 OutcomeStd = Literal["population", "unbiased"]
 
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
     """EP-GRPO (arXiv 2605.04960), reconstructed; each flag: (a) the authors' formula, (b) the
-    abstract's, (c) ours. ep_advantages reads its flags from this record, by name."""
+    abstract's, (c) ours. Its ablation flags (the other forms, moving anchors): docs/ep_grpo.md."""
 
     beta: float = 1e-3
     """(c) k3 KL coefficient to the frozen initial policy (loaded for delta anyway): small, as
@@ -56,14 +49,9 @@ class Args(cli.BaseArgs):
     """(c) std of the outcome advantage: population + 1e-6 (ours; verl: unbiased + 1e-6) or
     unbiased + 1e-4 (grpo.py, TRL)"""
     # ALGO LOGIC: EP-GRPO's own flags, at the defaults the method runs with
-    gate: Gate = "soft"
-    """(c) soft 1 + alpha*sigmoid((H - pivot)/gate-temp); hard 1[H > pivot]; gtpo H; none 1;
-    (a) zsig sigmoid(g*z(H))"""
     pivot_quantile: float = 0.8
-    """(b) pivots, (c) 0.8: the pivot threshold is this quantile (in [0, 1]) of the token
+    """(b) pivots, (c) 0.8: the pivot threshold is this quantile (in [0, 1]) of the batch's token
     entropies"""
-    pivot_scope: PivotScope = "batch"
-    """(c) batch, (a) group: over which tokens the pivot threshold (or zsig's z-score) is taken"""
     gate_alpha: float = 1.0
     """(c) alpha >= 0: extra weight of a pivot under the soft gate (0 turns the gate off)"""
     gate_temp: float = 0.1
@@ -71,9 +59,6 @@ class Args(cli.BaseArgs):
     gate_norm: GateNorm = "response"
     """(c) response: the gate over its mean per response (each keeps its advantage mass);
     (a) none"""
-    process_granularity: Granularity = "token"
-    """(a) token: delta z-scored over the group's tokens in its window; (c) window: window sums;
-    (c) cumulative: prefix sums"""
     process_polarity: Polarity = "outcome"
     """(a) outcome: P times d = sign(A_out); in all-equal groups +1 if r >= --success-threshold,
     else -1; none: 1"""
@@ -90,40 +75,46 @@ class Args(cli.BaseArgs):
     (C_t - H_t/2) / C_T (the recovered form is S_t / S_T) (entropy), or (c) token share (position)"""
     num_buckets: int = 10
     """(a) the number of progress windows (>= 1; the authors' K)"""
-    process_anchor: Literal["ref", "ema", "lagged"] = "ref"
-    """delta = log pi_old - log pi_anchor against (a) ref, the frozen initial policy, or (c) ema,
-    lagged (ablations)"""
-    # Ablations (docs/ep_grpo.md, Ablations): the other forms, in rlvr_utils/ep_ablations.py
-    gate_gamma: float = 1.0
-    """(c) gamma of --gate zsig, > 0 (the authors' value is not known)"""
-    anchor_form: AnchorForm = "additive"
-    """(a) additive gate*(A_out + lambda*d*P); (c) multiplicative
-    gate*A_out*(1 + lambda*tanh(sign(A_out)*P))"""
-    advantage_form: AdvantageForm = "A"
-    """(a) A: gate * (A_out + lambda * d * P); (c) B: gate * z-score of r + implicit-beta *
-    cumsum(delta) per cell"""
-    implicit_beta: float = 0.05
-    """(c) beta of the implicit reward in --advantage-form B (no effect in form A)"""
-    anchor_ema_decay: float = 0.99
-    """(c) --process-anchor ema: anchor <- decay * anchor + (1 - decay) * policy after every step
-    (in [0, 1])"""
-    anchor_lag: int = 10
-    """(c) --process-anchor lagged: the anchor is reset to the policy every this many steps (>= 1)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """The flags ep_advantages reads, by name: the method's own (Args: their defaults and --help)
+    and two shared ones. Flags.of(args) takes a run's."""
+
+    outcome_std: str
+    scale_rewards: str
+    success_threshold: float
+    pivot_quantile: float
+    gate_alpha: float
+    gate_temp: float
+    gate_norm: str
+    process_polarity: str
+    process_coef: float
+    process_coef_zero_var: float | None
+    process_clip: float
+    process_std_min: float
+    progress: str
+    num_buckets: int
+
+    @classmethod
+    def of(cls, args) -> "Flags":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 # ALGO LOGIC: EP-GRPO's credit assignment (the authors' Eq. 18-25 as reported second-hand,
 # docs/ep_grpo.md, each equation), pure tensor functions: the token advantage first, its parts below
 def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None,
-                  flags: Args | None = None, scores=None, return_parts=False):  # fmt: skip
+                  flags: Flags | None = None, scores=None, return_parts=False):  # fmt: skip
     """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * d * P), 0 at pads.
 
     entropy: [B, T] rollout entropy (nats); logp_old, logp_ref: [B, T] log-probs of the sampled
-    tokens under pi_old and the anchor; mask: [B, T]; rewards: [B]; groups: rows sharing
-    group_ids (default: blocks of group_size). flags: the method's flags by name, the script's Args
-    (default: its defaults; also scale_rewards and success_threshold), checked when parsed.
-    scores: d's verifier scores [B] (the rewards before any overlong shaping; default: rewards).
-    return_parts: also the pieces (outcome, gate, process, windows, ...)."""
-    f = flags if flags is not None else Args()
+    tokens under pi_old and the reference; mask: [B, T]; rewards: [B]; groups: rows sharing
+    group_ids (default: blocks of group_size). flags: what it reads (Flags; default: Args' values),
+    checked when parsed. scores: d's verifier scores [B] (the rewards before any overlong shaping;
+    default: rewards). return_parts: also the pieces (outcome, gate, process, windows, ...). Its
+    ablations' other forms wrap it (rlvr_utils/ep_ablations.py)."""
+    f = flags if flags is not None else Flags.of(Args())
     B, dev, valid, m, H = mask.shape[0], entropy.device, mask.bool(), mask.float(), entropy.float()
     gid = torch.arange(B) // group_size if group_ids is None else group_ids.cpu()
     _, inv = torch.unique(gid, return_inverse=True)
@@ -142,13 +133,7 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
     polarity = polarity if f.process_polarity == "outcome" else torch.ones_like(r)
     # the entropy gate around the pivot threshold, the rho-quantile of the token entropies [B, 1]
     pivot = row_quantile(H.reshape(1, -1), valid.reshape(1, -1), f.pivot_quantile).repeat(B, 1)
-    temp = f.gate_temp
-    if f.pivot_scope != "batch" or f.gate == "zsig":  # ablations: a pool per group or response
-        from rlvr_utils import ep_ablations  # extra: --pivot-scope, --gate zsig
-
-        scope = (f.pivot_scope, f.pivot_quantile, f.gate, temp, f.gate_gamma)
-        pivot, temp = ep_ablations.pooled_threshold(H, mask, inv, *scope, quantile=row_quantile)
-    g_hat = entropy_gate(H, mask, pivot, f.gate, f.gate_alpha, temp, f.gate_norm)
+    g_hat = entropy_gate(H, mask, pivot, f.gate_alpha, f.gate_temp, f.gate_norm)
     # process signal P: delta, the implicit-PRM log-ratio per token, z-scored over the group's
     # tokens in each window; an unscored rollout (reward NaN, TRL's None) is not in its group
     b, zero_entropy = progress_windows(H, mask, n_win, f.progress)
@@ -157,42 +142,35 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
     cells = inv[:, None] * n_win + b  # a cell: (group, window)
     cut = (f.process_clip, f.process_std_min)
     P, n_cell, ok = cell_zscore(delta, scored.bool(), cells, n_groups * n_win, *cut)
-    if f.process_granularity != "token":  # ablations: window sums or prefix sums, per cell
-        from rlvr_utils import ep_ablations  # extra: --process-granularity
-
-        how = (n_win, f.process_granularity, *cut)
-        P, n_cell, ok = ep_ablations.window_process(delta, b, inv, scored, *how, zscore=cell_zscore)
     lam0 = f.process_coef if f.process_coef_zero_var is None else f.process_coef_zero_var
     lam = torch.where(zero_var, lam0, f.process_coef)[:, None]
     A = g_hat * (a_out[:, None] + lam * polarity[:, None] * P) * m
-    if f.anchor_form != "additive" or f.advantage_form != "A":  # ablations: multiplicative, form B
-        from rlvr_utils import ep_ablations  # extra: --anchor-form, --advantage-form
-
-        form = (f.advantage_form, n_win, f.implicit_beta, *cut)
-        r0 = r.nan_to_num()  # an unscored row: out of the cells, its A set to 0 below
-        A, P, n_cell, ok = ep_ablations.other_forms(
-            g_hat, a_out, lam, P, n_cell, ok, r0, delta, b, inv, scored, *form, zscore=cell_zscore
-        )
     if r.isnan().any():  # a completion no reward function scored (TRL's None): advantage 0
         A = A.masked_fill(r.isnan()[:, None], 0.0)
     if not return_parts:
         return A
     parts = dict(outcome=a_out, gate=g_hat, process=P, windows=b, pivot=pivot, zero_var=zero_var)
-    parts |= dict(group_index=inv, zero_entropy=zero_entropy, cell_members=n_cell, cell_ok=ok)
-    return A, parts | dict(polarity=polarity, delta=delta, above_threshold=solved)
+    cell_members, cell_ok = (
+        n_cell.view(n_groups, n_win),
+        ok.view(n_groups, n_win),
+    )  # per cell, not row
+    parts |= dict(
+        group_index=inv, zero_entropy=zero_entropy, cell_members=cell_members, cell_ok=cell_ok
+    )
+    return A, parts | dict(polarity=polarity, delta=delta, above_threshold=solved, coef=lam)
 
 
-def entropy_gate(entropy, mask, pivot, gate="soft", alpha=1.0, temp=0.1, norm="response", eps=1e-6):
+def entropy_gate(entropy, mask, pivot, alpha=1.0, temp=0.1, norm="response"):
     """Token weights g_hat [B, T] = g / (g's mean over the response),
     g = 1 + alpha * sigmoid((H - pivot) / temp): each response keeps its mean weight 1 (all ~0: 1),
     pads get 0. entropy: [B, T], pivot (a scalar or [B, 1]): nats. The other gates: ablations."""
-    m, H = mask.float(), entropy.float()
-    if gate == "soft":
-        g = 1 + alpha * torch.sigmoid((H - pivot) / temp)
-    else:
-        from rlvr_utils import ep_ablations  # extra: --gate
+    return mean_one(1 + alpha * torch.sigmoid((entropy.float() - pivot) / temp), mask, norm)
 
-        g = ep_ablations.gate_weights(H, pivot, temp, gate)
+
+def mean_one(g, mask, norm="response", eps=1e-6):
+    """Token weights g [B, T] over their mean per response (norm response; none: as they are),
+    0 at pads; a response whose weights are all ~0 gets 1 on its tokens."""
+    m = mask.float()
     g = g * m
     mean = g.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
     return g if norm == "none" else torch.where(mean > eps, g / mean.clamp(min=eps), m)
@@ -243,43 +221,29 @@ def row_quantile(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor
     return torch.where(n > 0, val.squeeze(1), torch.zeros_like(pos))
 
 
-ABLATION_FLAGS = dict(gate="soft", pivot_scope="batch", process_granularity="token")  # extras
-ABLATION_FLAGS |= dict(anchor_form="additive", advantage_form="A", process_anchor="ref")
-
-
 def validate(a: Args) -> Args:
     """EP-GRPO's own checks (cli.parse runs the shared ones, tyro the choices): one line naming the
-    flag and what is allowed, exit 2; an ablation flag's extra module, if one is asked for."""
-    ranges = dict(anchor_lag=">= 1", num_buckets=">= 1", anchor_ema_decay="[0, 1]")
-    ranges |= dict(gate_gamma="> 0", gate_temp="> 0", pivot_quantile="[0, 1]")
+    flag and what is allowed, exit 2."""
+    ranges = dict(num_buckets=">= 1", gate_temp="> 0", pivot_quantile="[0, 1]")
     ranges |= dict(process_clip="> 0", process_std_min=">= 0", gate_alpha=">= 0")
-    ranges |= dict(process_coef=">= 0", process_coef_zero_var=">= 0", implicit_beta="> 0")
-    cli.need_ranges(a, **ranges)
-    sharded = a.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    no_fsdp = "--process-anchor ema/lagged do not support --fsdp: use ref"
-    cli.need(not sharded or a.process_anchor == "ref", no_fsdp)
-    no_lora = "--process-anchor ema/lagged copy the whole model: not with --lora-rank (use ref)"
-    cli.need(not a.lora_rank or a.process_anchor == "ref", no_lora)
-    for name, default in ABLATION_FLAGS.items():
-        if getattr(a, name) != default:
-            cli.extra("ep_ablations", "--" + name.replace("_", "-"))
+    cli.need_ranges(a, **ranges, process_coef=">= 0", process_coef_zero_var=">= 0")
     return a
 
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads
+    args = cli.parse(Args, validate, "ep_ablations")  # tyro.cli(Args), every check before loading
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
-    need_ref = args.process_anchor == "ref" or args.beta > 0  # ALGO LOGIC: delta needs it
+    ablation = cli.ablation(args)  # its flags given: rlvr_utils/ep_ablations.py (docs/ep_grpo.md)
+    anchor = ablation.moving_anchor(args, model) if ablation else None  # ablation: a moving anchor
+    need_ref = anchor is None or args.beta > 0  # ALGO LOGIC: delta needs it
     ref_model = common.reference(model, args) if need_ref else None  # LoRA: adapters off
     train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
-    anchor = ref_model  # ALGO LOGIC: --process-anchor ema / lagged: a copy that follows the policy
-    if args.process_anchor != "ref":
-        anchor = copy.deepcopy(model).eval().requires_grad_(False)
+    anchor = ref_model if anchor is None else anchor  # ALGO LOGIC: delta = log pi_old - log pi_ref
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
@@ -288,6 +252,8 @@ if __name__ == "__main__":
     )
     dist = run.dist
     G = args.num_generations
+    flags = Flags.of(args)  # ALGO LOGIC: what ep_advantages reads; ablations: their forms wrap it
+    credit = ep_advantages if ablation is None else ablation.wrap(args, globals())  # by name
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, one reward per completion (the verifier sees the
@@ -304,7 +270,7 @@ if __name__ == "__main__":
         # 4. ALGO LOGIC, before step 3, which needs them (even on-policy): log pi_old, the entropy
         #    old_H, log pi_anchor
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad():
+        with torch.no_grad(), dist.gathered_if_uneven(model, ref_model):  # FSDP, uneven rows
             batch = (input_ids, attn, T, args.temperature)
             old_logp, old_H = common.token_logprobs(model, *batch, with_entropy=True)
             ref_logp = None
@@ -320,9 +286,18 @@ if __name__ == "__main__":
         #    torchrun: over the global batch (the pivot is the batch's entropy quantile)
         gid, scores = ro.group_ids, ro.scores
         token_adv, parts = dist.over_global_batch(
-            ep_advantages, old_H, old_logp, anchor_logp, mask, rewards, G, gid, args, scores,
-            return_parts=True, keep_whole=("cell_members", "cell_ok"),  # per cell: for the metrics
-        )  # fmt: skip
+            credit,
+            old_H,
+            old_logp,
+            anchor_logp,
+            mask,
+            rewards,
+            G,
+            gid,
+            flags,
+            scores,
+            return_parts=True,
+        )
         parts["group_index"] = torch.unique(gid.cpu(), return_inverse=True)[1].to(token_adv.device)
         ep_stats = ep_diagnostics.ep_metrics(
             token_adv, parts, old_H, mask
@@ -369,8 +344,8 @@ if __name__ == "__main__":
                 optimizer.step()
                 stats.step(grad_norm)
         run.lap("update")
-        if anchor is not ref_model:  # ALGO LOGIC: a moving anchor follows the policy (ablation)
-            cli.extra("ep_ablations", "--process-anchor").follow_policy(anchor, model, step, args)
+        if anchor is not ref_model:  # ablation: a moving anchor follows the policy
+            ablation.follow_policy(anchor, model, step, args)
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
         run.end_step(step, ro, rewards, stats, sampling | ep_stats)

@@ -67,7 +67,7 @@ if __name__ == "__main__":
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
         #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad():
+        with torch.no_grad(), dist.gathered_if_uneven(model, ref_model):  # FSDP, uneven rows
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None
             if not on_policy:

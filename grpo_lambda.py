@@ -12,7 +12,7 @@ log-ratio clamp, token-mean) the defaults are this project's, marked "(project d
 
 Differences from grpo.py:
   1. step 3 clamps negative advantages (--adv-clamp −0.1); step 5's clipped ratio is the traced
-     one (ϵ-trace), or GRPO's loss is weighted by the eligibility (--trace-apply weight).
+     one (ϵ-trace; the ϵ-weight variant, an ablation: rlvr_utils/lambda_ablations.py).
   2. the trace/* metrics (rlvr_utils/trace_diagnostics.py: one extra autograd.grad of the loss
      with respect to the log-probs, not of the model; and c_k's closed form, trace_multipliers).
   3. default --loss-agg token-mean (grpo.py: seq-mean-token-mean).
@@ -49,9 +49,6 @@ class Args(cli.BaseArgs):
     trace_style: Literal["recent", "both"] = "both"
     """recent: w(t,k) = (γλ)^(t−k); both: max((γλ)^(t−k), (γλ)^k), first tokens keep weight ~1
     (reviewers: best)"""
-    trace_apply: Literal["trace", "weight"] = "trace"
-    """trace: ϵ-trace, the traced log-ratio inside the clipped ratio (main); weight: ϵ-weight
-    (g: project default)"""
     adv_clamp: str = "-0.1"
     """floor on negative advantages (paper: -0.1); `none` disables the clamp"""
     max_log_ratio: float = 20.0
@@ -87,29 +84,19 @@ def trace_log_ratio(log_ratio, mask, lam: float, gamma=1.0, style="both", chunk=
 
 
 def grpo_lambda_token_loss(
-    logp, old_logp, adv, mask, lam: float, gamma=1.0, style="both", apply="trace",
-    epsilon=0.2, epsilon_high=0.2, max_log_ratio=20.0,
+    logp, old_logp, adv, mask, lam: float, gamma=1.0, style="both", epsilon=0.2, epsilon_high=0.2,
+    max_log_ratio=20.0,
 ):  # fmt: skip
     """GRPO-λ's per-token policy loss [B, T] before aggregation and KL (paper §3.2, Eq. 2;
-    docs/grpo_lambda.md). logp, old_logp: [B, T] log-probs of the completion tokens (nats);
-    adv: [B, T] clamped advantage (the critic-free TD error).
-    "trace" (ϵ-trace): ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
-      loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A).
-    "weight" (ϵ-weight): GRPO's clipped loss of the plain ratio times E_t = Σ_{k≤t} w(t,k)·g(logp_k),
-      g(x) = 1 + sigmoid(x − 1), not detached (the co-author's code; the paper's g is unknown).
-    Returns (loss [B, T], the ratio the clip acts on [B, T], the traced log-ratio z [B, T]; no
-    gradient for "weight")."""
-    if apply not in ("trace", "weight"):
-        raise ValueError(f"unknown trace application {apply!r}: choose trace or weight")
-    x = logp - old_logp
-    z = trace_log_ratio(x if apply == "trace" else x.detach(), mask, lam, gamma, style)  # Eq. 2
-    exponent = z if apply == "trace" else x  # ρ̃_t, or GRPO's ratio
-    ratio = torch.exp(exponent.clamp(-max_log_ratio, max_log_ratio))
+    docs/grpo_lambda.md), ϵ-trace: the traced ratio inside GRPO's clipped surrogate.
+    logp, old_logp: [B, T] log-probs of the completion tokens (nats); adv: [B, T] clamped advantage
+    (the critic-free TD error). ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
+    loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A). Returns (loss [B, T], the ratio the clip acts
+    on [B, T], the traced log-ratio z [B, T]). The ϵ-weight variant: rlvr_utils/lambda_ablations.py."""
+    z = trace_log_ratio(logp - old_logp, mask, lam, gamma, style)  # Eq. 2
+    ratio = torch.exp(z.clamp(-max_log_ratio, max_log_ratio))  # ρ̃_t
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    loss = -torch.min(ratio * adv, clipped * adv)
-    if apply == "weight":
-        loss = loss * trace_log_ratio(1 + torch.sigmoid(logp - 1), mask, lam, gamma, style)
-    return loss, ratio, z
+    return -torch.min(ratio * adv, clipped * adv), ratio, z
 
 
 def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.Tensor:
@@ -174,7 +161,7 @@ def _is_float(text: str) -> bool:
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads
+    args = cli.parse(Args, validate, "lambda_ablations")  # tyro.cli(Args), every check first
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
@@ -189,9 +176,16 @@ if __name__ == "__main__":
     dist = run.dist
     G = args.num_generations
     adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
-    trace = dict(lam=args.lam, gamma=args.gamma, style=args.trace_style, apply=args.trace_apply)
-    trace |= dict(epsilon=args.epsilon, epsilon_high=args.epsilon_high)  # ALGO LOGIC: Eq. 2's flags
-    trace |= dict(max_log_ratio=args.max_log_ratio)
+    trace = dict(
+        lam=args.lam, gamma=args.gamma, style=args.trace_style
+    )  # ALGO LOGIC: Eq. 2's flags
+    trace |= dict(
+        epsilon=args.epsilon, epsilon_high=args.epsilon_high, max_log_ratio=args.max_log_ratio
+    )
+    token_loss = grpo_lambda_token_loss  # ALGO LOGIC: ϵ-trace
+    ablation = cli.ablation(args)  # its flag given: rlvr_utils/lambda_ablations.py (--trace-apply)
+    if ablation is not None:
+        token_loss = ablation.token_loss(args, grpo_lambda_token_loss, trace_log_ratio)
 
     for step in run.steps():
         # 1-2. rollouts: G completions per prompt, one reward per completion (the verifier sees the
@@ -220,7 +214,7 @@ if __name__ == "__main__":
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
         #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad():
+        with torch.no_grad(), dist.gathered_if_uneven(model, ref_model):  # FSDP, uneven rows
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None
             if not on_policy:
@@ -248,7 +242,7 @@ if __name__ == "__main__":
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the traced ratio exp(z_t) (Eq. 2)
                     A = token_adv[mb]
-                    per_token_loss, ratio, z = grpo_lambda_token_loss(logp, old, A, m, **trace)
+                    per_token_loss, ratio, z = token_loss(logp, old, A, m, **trace)
                     trace_log.add(per_token_loss, logp, A, m, z, it == 0)  # LOGS: trace/*
                     # vLLM rollouts: importance weights toward the engine's sampling (HF: 1)
                     engine_w = common.engine_correction(ro, mb, old, m, args, stats, it)

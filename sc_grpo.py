@@ -12,11 +12,11 @@ Docs: docs/sc_grpo.md. The teacher's memory-bounded forward: rlvr_utils/teacher.
 
 Differences from grpo.py:
 1. step 3 routes the groups and builds each routed row's teacher prompt (teacher_prompt)
-2. D, then f and the solve-none bonus: per micro-batch in step 5 (the paper's), or in step 4 over
-   the whole batch with --kl-threshold-scope batch (the table above the loop says when D is made)
-3. step 5: micro-batches of whole groups (--micro-batch-size enters the algorithm); the clipped
-   surrogate times f
-4. the advantage's std: population + 1e-6 (--outcome-std; grpo.py's: unbiased + 1e-4)
+2. step 5: micro-batches of whole groups (--micro-batch-size enters the algorithm); the update's
+   forward also gives the student's side of D (teacher_kl adds the teacher's), then f and the
+   solve-none bonus per micro-batch; the clipped surrogate times f
+3. the advantage's std: population + 1e-6 (--outcome-std; grpo.py's: unbiased + 1e-4)
+Ablations of ours (other D, other groups, c over the batch): rlvr_utils/sc_ablations.py.
 
     python sc_grpo.py                                            # tiny model, built-in task, CPU
     python sc_grpo.py --weight-mode none --outcome-std unbiased  # exactly grpo.py
@@ -38,20 +38,14 @@ from rlvr_utils import cli, tasks, teacher
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
     """SC-GRPO: the shared flags (rlvr_utils/cli.py) and the method's own, at the paper's values
-    (docs/sc_grpo.md)."""
+    (docs/sc_grpo.md). Its ablation flags (ours): docs/sc_grpo.md, Ablations."""
 
     weight_mode: Literal["multiply", "none"] = "multiply"
     """multiply: the clipped surrogate times f(D); none: f = 1, no teacher (with --outcome-std
     unbiased: grpo.py)"""
-    weighted_groups: tuple[Literal["partial", "none", "single", "all"], ...] = ("partial", "none")
-    """groups with a teacher, by n_c correct of G: partial (2 <= n_c < G), none (0), single (1),
-    all (G)"""
     percentile: float = 75.0
-    """c = max(this percentile of D over the micro-batch's weighted tokens, --c-min)"""
-    kl_threshold_scope: Literal["micro-batch", "batch"] = "micro-batch"
-    """c's percentile is over the weighted tokens of: micro-batch (the paper's: --micro-batch-size //
-    G groups, so that size changes f) or batch (the step's, all ranks' under torchrun: f
-    independent of the micro-batch size, for one extra no-grad pass of students and teachers)"""
+    """c = max(this percentile of D over the micro-batch's weighted tokens, --c-min); the micro-batch:
+    --micro-batch-size // G whole groups"""
     c_min: float = 1e-4
     """floor of the scale c in f = D / (D + c)"""
     alpha: float = 0.1
@@ -66,10 +60,6 @@ class Args(cli.BaseArgs):
     max_reference_tokens: int = 8192
     """a reference longer than this (or than the context window allows) is resampled, else its
     middle is cut"""
-    divergence: Literal["kl", "sampled-logratio"] = "kl"
-    """D per token: kl (the paper's: KL(teacher || student) over the vocabulary) or
-    sampled-logratio (an ablation of ours: the sampled token's teacher-minus-student log-prob,
-    signed by the row's advantage; rlvr_utils/sc_ablations.py)"""
 
 
 # ALGO LOGIC: the paper's equations (§5.1), pure tensor functions (docs/sc_grpo.md, each equation)
@@ -146,6 +136,18 @@ def weighted_tokens(mask: torch.Tensor, role: torch.Tensor, wlen: torch.Tensor) 
     return mask * (span & routed).float()
 
 
+def micro_batches_of_groups(rows, group_ids, group_size: int, micro_batch_size: int, whole=True):
+    """Micro-batches of a mini-batch's rows [n] (in order): whole groups, micro_batch_size // G of
+    them per micro-batch (c is a micro-batch's percentile, paper §5.1, and a solve-none group is
+    z-scored together); `whole` False: grpo.py's. Returns a list of row tensors."""
+    if not whole:
+        return list(rows.split(micro_batch_size))
+    ids = group_ids[rows.cpu()].tolist()
+    units = [rows[[i for i, g in enumerate(ids) if g == u]] for u in dict.fromkeys(ids)]
+    per = max(1, micro_batch_size // group_size)
+    return [torch.cat(units[u : u + per]) for u in range(0, len(units), per)]
+
+
 # ALGO LOGIC: who gets a teacher, and what the teacher sees (paper §5.1 and App. E.1)
 def route_groups(correct, group_size: int, generator, group_ids=None, weighted=("partial", "none"),
                  scores=None):  # fmt: skip
@@ -219,13 +221,34 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
     return tasks.encode_prompt(tokenizer, text)
 
 
+def fit_reference(tokenizer, make_prompt, taus: list[str], limit: int, max_ref_tokens: int):
+    """(teacher prompt ids or None, what happened) for the first reference in `taus` whose prompt,
+    make_prompt(tau), has at most `limit` tokens and which itself has at most `max_ref_tokens`:
+    "drawn" (the first one), "tau_resampled" (another); else the first one with its middle cut to
+    fit ("tau_truncated", 8 tokens spare for the "..." marker), or None ("no_reference") when even
+    that does not fit (ours: the paper is silent on references that do not fit)."""
+    n_tok = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    for k, tau in enumerate(taus):
+        ids = make_prompt(tau)
+        if len(ids) <= limit and n_tok(tau) <= max_ref_tokens:
+            return ids, "tau_resampled" if k else "drawn"
+    tau = tokenizer(taus[0], add_special_tokens=False).input_ids  # none fits: the first's ends
+    keep = min(max_ref_tokens, len(tau) - max(len(make_prompt(taus[0])) - limit, 0)) - 8
+    head, tail = tau[: keep // 2], tau[len(tau) - (keep - keep // 2) :]
+    cut = tokenizer.decode(head) + "\n...\n" + tokenizer.decode(tail)
+    ids = make_prompt(cut) if keep > 0 else None
+    return (
+        (ids, "tau_truncated") if ids is not None and len(ids) <= limit else (None, "no_reference")
+    )
+
+
 def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int,
                    generator):  # fmt: skip
     """Each row's teacher prompt ids (None: no teacher), Role, weighted length wlen [N] and the
     bad-input counts (paper §5.1). examples: each group's Example by group id; tau_row [N]: each
     row's tau / o_r (route_groups). A tau whose prompt exceeds `limit` tokens (the context minus
     the completions) or `max_ref_tokens` is replaced by another correct sibling (never the row
-    itself), drawn uniformly, else its middle is cut, else the row is PLAIN (teacher.fit_reference).
+    itself), drawn uniformly, else its middle is cut, else the row is PLAIN (fit_reference).
     wlen: |o_i|, or min(|o_i|, |o_r|) in solve-none groups. role, wlen on the rows' device."""
     lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
     counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
@@ -241,7 +264,7 @@ def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, 
         order = torch.randperm(len(sibs), generator=generator).tolist()
         taus = [ro.texts[k] for k in [j] + [sibs[p] for p in order]]
         make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
-        prompts[i], how = teacher.fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
+        prompts[i], how = fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
         if how != "drawn":  # resampled, truncated or none fits
             counts[f"sc/{how}"] += 1
         if prompts[i] is not None and correct[j]:  # weighted over all its tokens (wlen = |o_i|)
@@ -254,21 +277,15 @@ def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, 
 
 
 def validate(args: Args) -> Args:
-    """SC-GRPO's own checks (cli.parse has run the shared ones); the ablation's extra, if asked."""
+    """SC-GRPO's own checks (cli.parse has run the shared ones): one line naming the flag, exit 2."""
     ranges = dict(percentile="[0, 100]", c_min="> 0", alpha=">= 0", kl_loss_coef=">= 0")
     cli.need_ranges(args, **ranges, max_reference_tokens=">= 1")
-    groups = "--weighted-groups needs at least one of partial, none, single, all"
-    cli.need(len(args.weighted_groups) > 0, groups)
-    no_grad = "--kl-loss-coef needs --divergence kl (the sampled log-ratio has no gradient)"
-    cli.need(args.divergence == "kl" or args.kl_loss_coef == 0, no_grad)
-    if args.divergence != "kl":
-        cli.extra("sc_ablations", "--divergence sampled-logratio")
     return args
 
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads
+    args = cli.parse(Args, validate, "sc_ablations")  # tyro.cli(Args), every check before loading
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
@@ -283,28 +300,29 @@ if __name__ == "__main__":
     run.start(model, tokenizer, optimizer, task, state={"routing": routing})
     dist = run.dist
     G = args.num_generations
-    # ALGO LOGIC: the set-up of the method. When the teacher runs and where D comes from:
+    # ALGO LOGIC: the set-up of the method. When the teacher runs:
     #   default                     step 5, first pass: D of each micro-batch, then its f and bonus
-    #   --kl-threshold-scope batch  step 4: D of every row, then f with c over the whole batch
     #   --kl-loss-coef > 0          step 5, every pass as well: D with its gradient (additive term)
     #   --weight-mode none          never (f = 1), unless --kl-loss-coef
-    f_per_micro_batch = args.weight_mode == "multiply" and args.kl_threshold_scope == "micro-batch"
-    f_per_batch = args.weight_mode == "multiply" and args.kl_threshold_scope == "batch"
+    f_per_micro_batch = args.weight_mode == "multiply"
     kl_grad = args.kl_loss_coef > 0
     unbiased = args.outcome_std == "unbiased"
     eps = 1e-4 if unbiased else 1e-6  # the std of A and of the solve-none z-score (--outcome-std)
     flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
     f_and_bonus = functools.partial(weights_and_advantages, **flags)  # f and the solve-none bonus
-    teach = dict(pad_id=tokenizer.pad_token_id, kl_grad=kl_grad, dist=dist, kl_fn=token_kl)
-    if args.divergence != "kl":  # ablation (ours): D from the sampled token, signed by A
-        ablation = cli.extra("sc_ablations", "--divergence sampled-logratio")
-        f_and_bonus = ablation.signed_first(f_and_bonus)
-        teach["divergence"] = ablation.sampled_logratio
-    with_teacher = functools.partial(teacher.logprobs_and_kl, **teach)  # log-probs and D
+    teach = dict(temperature=args.temperature, pad_id=tokenizer.pad_token_id, kl_grad=kl_grad)
+    teacher_kl = functools.partial(teacher.teacher_kl, **teach, dist=dist)  # D, fused (§5.1)
+    weighted, f_per_batch = ("partial", "none"), False  # the groups with a teacher (§5.1)
+    ablation = cli.ablation(args)  # its flags given: rlvr_utils/sc_ablations.py (docs/sc_grpo.md)
+    if ablation is not None:
+        f_and_bonus, teacher_kl, weighted, f_per_batch = ablation.set_up(
+            args, f_and_bonus, teacher_kl
+        )
+        f_per_micro_batch = f_per_micro_batch and not f_per_batch
     context = getattr(model.config, "max_position_embeddings", None) or 10**9  # the teacher's room
     examples = {e.id: e for e in task.train}  # each row's example, by its group id
     keep = None  # DAPO's dynamic sampling keeps the solve-none groups (they get the bonus)
-    if "none" in args.weighted_groups:
+    if "none" in weighted:
         keep = lambda s: bool((s < args.success_threshold).all())  # noqa: E731
 
     for step in run.steps():
@@ -321,14 +339,14 @@ if __name__ == "__main__":
 
         # 3. ALGO LOGIC: credit assignment. The GRPO advantage; the groups routed by n_c; each routed
         #    row's teacher prompt (§5.1). f and the bonus need D: made in step 5 per micro-batch
-        #    (c: the micro-batch's percentile, §5.1) or in step 4 over the batch (the table above).
+        #    (c: the micro-batch's percentile, §5.1) from the update's own forward.
         gid = ro.group_ids.cpu()
         advantages = dist.over_global_batch(
             common.group_advantages, rewards, G, args.scale_rewards, eps, gid, unbiased
         )  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T).clone()  # [N, T] + the bonus
         correct = ro.scores >= args.success_threshold  # a verified success (not the shaped reward)
-        modes, tau_row = route_groups(correct, G, routing, gid, args.weighted_groups, ro.scores)
+        modes, tau_row = route_groups(correct, G, routing, gid, weighted, ro.scores)
         limit = context - T  # the teacher prompt's room beside the completion
         max_ref = args.max_reference_tokens
         teachers, role, wlen, bad = build_teachers(
@@ -341,7 +359,7 @@ if __name__ == "__main__":
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
         #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: teacher passes vary by rank
+        with torch.no_grad(), dist.gathered_if_uneven(model, ref_model):  # FSDP, uneven rows
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None
             if not on_policy:
@@ -349,19 +367,10 @@ if __name__ == "__main__":
             ref_logp = None
             if ref_model is not None:
                 ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
-            if f_per_batch:  # ALGO LOGIC: D of every row, then f with c over the whole batch
-                D = torch.zeros(len(ro), T, device=mask.device)  # [N, T]
-                every_row = torch.arange(len(ro), device=mask.device)
-                for mb in teacher.micro_batches_of_groups(every_row, gid, G, args.micro_batch_size):
-                    prompts = [teachers[i] for i in mb.tolist()]
-                    _, _, D[mb], cost = with_teacher(
-                        model, input_ids[mb], attn[mb], T, args.temperature, prompts
-                    )
-                    sc_log.add(cost=cost)  # LOGS: the teacher's time
-                weights, token_adv, f = dist.over_global_batch(
-                    f_and_bonus, D, active, role, gid, token_adv
-                )  # [N, T] each
-                sc_log.add(D, f, active)  # LOGS
+            if f_per_batch:  # ablation: D of every row, then f with c over the whole batch
+                step3 = (ro, T, teachers, active, role, token_adv)
+                fns = (common.token_logprobs, teacher_kl, f_and_bonus, micro_batches_of_groups)
+                weights, token_adv = ablation.f_over_batch(args, model, *step3, *fns, dist, sc_log)
         run.lap("logprobs")
 
         # 5. update: mu passes; each splits the batch into mini-batches of whole prompts, one
@@ -374,26 +383,25 @@ if __name__ == "__main__":
                 agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
                 # ALGO LOGIC: micro-batches of whole groups (c: a micro-batch's percentile, §5.1)
                 size = args.micro_batch_size
-                micro = teacher.micro_batches_of_groups(
-                    rows, gid, G, size, args.weight_mode == "multiply"
-                )
+                micro = micro_batches_of_groups(rows, gid, G, size, args.weight_mode == "multiply")
                 for mb in dist.micro_batches(train_model, micro):  # all-reduce in the last
                     m = mask[mb].float()
                     batch = (input_ids[mb], attn[mb], T, args.temperature)
-                    # ALGO LOGIC: the same forward gives each routed row's D: fused through the
-                    # lm_head, never [b, T, V]; it equals token_kl (see token_kl's test)
-                    f_here = it == 0 and f_per_micro_batch  # f from pass 1 (the current policy)
-                    need_teacher = f_here or kl_grad
-                    prompts = [teachers[i] for i in mb.tolist()] if need_teacher else None
-                    logp, entropy, D, cost = with_teacher(
-                        train_model, *batch, prompts, with_entropy=it == 0
+                    student = []  # ALGO LOGIC: this forward's final hidden states, D's student side
+                    logp, entropy = common.token_logprobs(
+                        train_model, *batch, with_entropy=it == 0, keep=student
                     )
+                    f_here = it == 0 and f_per_micro_batch  # f from pass 1 (the current policy)
+                    D = cost = None
+                    if f_here or kl_grad:  # ALGO LOGIC: D = KL(teacher || student) per token (§5.1)
+                        prompts = [teachers[i] for i in mb.tolist()]
+                        D, cost = teacher_kl(train_model, student, *batch[:3], prompts)
                     if f_here:  # f with c from this micro-batch's weighted tokens; the bonus
                         A0 = token_adv[mb]
                         weights[mb], token_adv[mb], f = f_and_bonus(
                             D, active[mb], role[mb], gid[mb.cpu()], A0
                         )
-                    logged = it == 0 and need_teacher and not f_per_batch  # LOGS: D once per row
+                    logged = it == 0 and (f_here or kl_grad) and not f_per_batch  # LOGS: D once
                     sc_log.add(
                         D if logged else None, f if f_here else None, active[mb], cost
                     )  # LOGS

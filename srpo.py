@@ -12,11 +12,13 @@ Differences from grpo.py:
      continuations, in at most four generate calls per step (collect_rollouts); parents never train.
   2. Advantages: each normalization group (base, each reset group, or the fallback group) z-scored
      with its population std and no epsilon; continuations are trained on their suffix only.
-  3. Loss: REINFORCE (no ratio, no clip) unless --clip (PPO with verl's dual-clip 3).
-  4. No dynamic sampling, overlong shaping or --scale-rewards; --num-generations is the budget
-     --split divides.
+  3. Loss: REINFORCE (no ratio, no clip).
+  4. No dynamic sampling, overlong shaping or --scale-rewards; --num-generations is the budget,
+     half fresh chains and half one parent's continuations.
   5. Defaults: the shared ones but --learning-rate 3e-5 (grpo.py: 1e-4), where the tiny long-chain
      model does not collapse (docs/srpo.md, "Defaults: paper versus this project").
+
+Ablations (--split, --no-mask, --clip): rlvr_utils/srpo_ablations.py (docs/srpo.md, Ablations).
 
     python srpo.py                  # SRPO on the bundled tiny model and the built-in task
     python srpo.py --reset random   # RRPO
@@ -38,9 +40,9 @@ from rlvr_utils import chains, cli, tasks
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
     """SRPO / RRPO: the shared flags (rlvr_utils/cli.py) and the resets'. --num-generations is the
-    paper's budget of 8 trained trajectories per prompt, divided as --split says; --max-new-tokens
-    caps a continuation's response, its kept prefix included; --epsilon and --epsilon-high act only
-    with --clip."""
+    paper's budget of 8 trained trajectories per prompt, half fresh chains and half one parent's
+    continuations; --max-new-tokens caps a continuation's response, its kept prefix included;
+    --epsilon and --epsilon-high act only with the ablation --clip (docs/srpo.md, Ablations)."""
 
     learning_rate: float = 3e-5
     """AdamW learning rate (constant): 3e-5 here, grpo.py's 1e-4 / 3.3. On the bundled long-chain
@@ -52,8 +54,6 @@ class Args(cli.BaseArgs):
     reset: Literal["self", "random", "oracle"] = "self"
     """where to reset a failed parent: self (SRPO, the policy localizes), random (RRPO), oracle (the
     task's first error)"""
-    split: Literal["1x4", "2x4", "1x8"] = "1x4"
-    """1x4: 4 fresh + 4 suffixes of one parent; 2x4: 2 parents x 4 suffixes; 1x8: 1 parent x 8"""
     max_fresh_attempts: int = 12
     """fresh chains sampled per prompt while looking for failed parents; none found: plain GRPO on
     fresh chains"""
@@ -69,12 +69,6 @@ class Args(cli.BaseArgs):
     localization_max_new_tokens: int | None = None
     """token cap (>= 1) of the localization reply (default: 4096; arith: max(192, 20 x (operations +
     2)))"""
-    clip: bool = False
-    """ablation: PPO-clipped surrogate with dual-clip 3 instead of plain REINFORCE; the official
-    ablation also used --loss-agg token-mean --num-minibatches 4 (several optimizer steps per batch,
-    so the ratio leaves 1)"""
-    no_mask: bool = False
-    """ablation: train continuations on prefix tokens too (unmasked)"""
 
 
 # ALGO LOGIC: the resets' rules (docs/srpo.md): where a parent is reset, which tokens train, and
@@ -236,7 +230,10 @@ def parse_reply(text: str, num_thoughts: int) -> tuple[int, str]:
 
 # The search and the step's rollouts: the records passed from stage to stage, by name
 Chain = collections.namedtuple("Chain", "ids text reward")  # a response: kept ids, not re-tokenized
-Reset = collections.namedtuple("Reset", "example parent prefix k n oracle")  # a parent cut before k
+Reset = collections.namedtuple("Reset", "example parent prefix k n oracle reply early overflow")
+# ^ a parent cut before thought k of n; for the logs (chains.reset_metrics): the task's k (arith), the
+# localization reply's kind, whether the chain stopped before the oracle's k, whether the prefix
+# would have filled the context (then k = 1)
 Row = collections.namedtuple("Row", "example ids suffix_start kind parent reward")  # a trained row
 # a Row's kind: reset (a parent's continuation), base (a fresh chain), fresh (the fallback group)
 
@@ -253,10 +250,12 @@ class Search:
 
 
 def split_sizes(args) -> tuple[int, int, int]:
-    """(parents, K continuations per parent, base chains) per prompt: --split of the budget."""
-    n_parents = 2 if args.split == "2x4" else 1
-    K = args.num_generations if args.split == "1x8" else args.num_generations // 2
-    return n_parents, K, args.num_generations - n_parents * K
+    """(parents, K continuations per parent, base chains) per prompt: the budget G split 1x4, one
+    parent's G/2 continuations and G/2 base chains (--split: an ablation's other splits)."""
+    if cli.ablation(args) is not None:
+        return cli.ablation(args).split_sizes(args)
+    K = args.num_generations // 2
+    return 1, K, args.num_generations - K
 
 
 def assign(st: Search, found: list[Chain], args) -> None:
@@ -286,7 +285,7 @@ def more_search(sampler, search: dict[int, Search], examples, args, riders) -> l
     spare chains their fallback groups may need, and `riders` (continuations' prompts and budgets,
     sampled in the same call and returned)."""
     n_parents, _, n_base = split_sizes(args)
-    spare = args.num_generations - (n_base if args.split == "1x4" else 0)  # a fallback's need
+    spare = args.num_generations - n_base  # a fallback's need
     left = {e.id: args.max_fresh_attempts - search[e.id].tried for e in examples}  # attempts left
     pending = [e for e in examples if len(search[e.id].parents) < n_parents and left[e.id] > 0]
     counts = {e.id: (left[e.id], spare) for e in pending}
@@ -306,7 +305,6 @@ def sample_chains(sampler, search, examples, counts: dict, args, riders=([], [])
         assign(search[e.id], found[:n_search], args)
         search[e.id].spare = found[n_search : n_search + n_spare]
         found = found[n_search + n_spare :]
-    sampler.info["fresh_chains"] = sum(st.tried for st in search.values())
     return out[: len(prompts)]
 
 
@@ -317,8 +315,8 @@ def reset_points(
     its reset thought k: SRPO asks the policy which thought was first wrong (one generate call for
     all of them), RRPO draws it uniformly, the oracle takes the task's first wrong step. A parent
     keeps thoughts 1..k-1 as its first tokens (the sampled ids, never re-tokenized); a prefix that
-    would fill the context window resets to the start (k = 1). Reset.oracle: the task's k (arith)."""
-    info, tok, delimiter = sampler.info, sampler.tokenizer, args.thought_delimiter
+    would fill the context window resets to the start (k = 1)."""
+    tok, delimiter = sampler.tokenizer, args.thought_delimiter
     n_parents = split_sizes(args)[0]
     settled = [e for e in examples if len(search[e.id].parents) == n_parents]
     todo = [(e, j, parent) for e in settled for j, parent in enumerate(search[e.id].parents)]
@@ -335,21 +333,18 @@ def reset_points(
     cuts = []
     for (e, j, parent), th, reply in zip(todo, thoughts, replies):
         oracle = tasks.arith_first_error(e.question, parent.text) if task.name == "arith" else None
-        kind = parse_reply(reply, len(th))[1] if reply is not None else "ok"
-        if kind != "ok":  # LOGS: the localization's failures, as reset/loc_<kind>
-            info["loc_" + kind] += 1
         k = reset_index(args.reset, len(th), rng, reply, oracle)
-        info["oracle_early_stop"] += oracle is not None and oracle > len(th)  # LOGS: stopped early
-        known = min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None
         starts = thought_starts(parent.text, delimiter)  # the prefix keeps thoughts 1..k-1
         n_prefix = 0
         if 2 <= k <= len(starts):
             n_prefix = chains.tokens_before(tok, parent.ids, starts[k - 1])
-        if len(e.prompt_ids) + n_prefix >= max_pos - 1:
-            info["prefix_overflow"] += 1
+        overflow = len(e.prompt_ids) + n_prefix >= max_pos - 1
+        if overflow:
             k, n_prefix = 1, 0
-        info["parent_one_thought"] += len(th) == 1
-        cuts.append(Reset(e, j, parent.ids[:n_prefix], k, len(th), known))
+        known = min(max(oracle or len(th), 1), len(th)) if task.name == "arith" else None
+        kind = parse_reply(reply, len(th))[1] if reply is not None else "ok"  # for the logs
+        early = oracle is not None and oracle > len(th)  # the chain stopped before its first error
+        cuts.append(Reset(e, j, parent.ids[:n_prefix], k, len(th), known, kind, early, overflow))
     return cuts
 
 
@@ -367,7 +362,8 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
     budget, trained from suffix_start on), then per prompt its base chains, or, with no parents
     found, the official fallback group (1x4: the base chains, 2x4: the failures found, 1x8: the
     chains sampled so far; topped up with spare fresh chains). One group id per normalization
-    group; each prompt's rows together. Adds the reset metrics to sampler.info."""
+    group; each prompt's rows together. Returns the Rollouts, rewards, suffix_start, prompt_of_row
+    and the Rows."""
     tok, max_new = sampler.tokenizer, args.max_new_tokens
     n_parents, K, n_base = split_sizes(args)
     new = []  # the continuations: kept prefix + suffix, in their parent's reset group
@@ -383,10 +379,9 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
         if len(st.parents) == n_parents:
             rows += [Row(e, c.ids, 0, "base", None, c.reward) for c in st.base]
             continue
-        if args.split == "1x8":
-            kept = st.seen[: args.num_generations]
-        else:
-            kept = st.base[:n_base] if args.split == "1x4" else st.parents
+        kept = st.base[:n_base]  # the base chains (--split: an ablation's other fallbacks)
+        if cli.ablation(args) is not None:
+            kept = cli.ablation(args).fallback(st, args)
         kept = kept + st.spare[: args.num_generations - len(kept)]
         rows += [Row(e, c.ids, 0, "fresh", None, c.reward) for c in kept]
     order = [e.id for e in examples]
@@ -397,20 +392,27 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
     stops = common.stop_token_ids(model, tok)
     ro = common.make_rollouts(tok, [r.example.prompt_ids for r in rows], [r.ids for r in rows],
                               group_ids, stops, device)  # fmt: skip
-    metrics = chains.reset_metrics(cuts, rows, examples, args.success_threshold)  # LOGS
-    sampler.info.update(metrics)  # LOGS: reset/* (docs/srpo.md, Logs)
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r.suffix_start for r in rows], device=device)
-    return ro, rewards, suffix_start, torch.tensor([r.example.id for r in rows], device=device)
+    return (
+        ro,
+        rewards,
+        suffix_start,
+        torch.tensor([r.example.id for r in rows], device=device),
+        rows,
+    )
 
 
-def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random):
-    """One step's trajectories in at most four generate calls, each batched over the step's prompts
-    (docs/srpo.md, "Batched stages"): (1) the first fresh chains; (2) the remaining search with
-    (random, oracle: reset points need no model call) the continuations of the parents found so
-    far; (3) SRPO's localization; (4) the other continuations. Returns common.Rollouts of the
-    trained rows (group_ids: normalization groups; never a parent), rewards [N], suffix_start [N]
-    (response tokens), prompt_of_row [N] (example ids) and the reset metrics (a dict)."""
+def collect_rollouts(model, tokenizer, task, batches, dist, args, rng: random.Random):
+    """Steps 1-2 of srpo.py: the next prompt batch (this rank's share) and its trajectories in at
+    most four generate calls, each batched over the step's prompts (docs/srpo.md, "Batched
+    stages"): (1) the first fresh chains; (2) the remaining search with (random, oracle: reset
+    points need no model call) the continuations of the parents found so far; (3) SRPO's
+    localization; (4) the other continuations. Returns common.Rollouts of the trained rows
+    (group_ids: normalization groups; never a parent), rewards [N], suffix_start [N] (response
+    tokens), prompt_of_row [N] (example ids) and the reset/* metrics (a dict). FSDP: on the full
+    weights, so ranks may make different numbers of generate calls."""
+    examples = dist.shard(next(batches))
     delim, max_new = args.thought_delimiter, args.max_new_tokens
     reserve = (
         min(THOUGHT_TOKENS, max_new // 20) if args.thought_reserve is None else args.thought_reserve
@@ -425,19 +427,20 @@ def collect_rollouts(model, tokenizer, task, examples, args, rng: random.Random)
     max_pos = getattr(model.config, "max_position_embeddings", None) or 10**9
     search = {e.id: Search() for e in examples}
     n_parents, K, n_base = split_sizes(args)
-    first = {
-        e.id: (n_parents + n_base, 0) for e in examples
-    }  # (1) the first parents and base chains
-    sample_chains(sampler, search, examples, first, args)
-    early = []  # random, oracle: reset points need no model call
-    if args.reset != "self":
-        early = reset_points(sampler, task, search, examples, args, rng, max_pos)
-    sfx = more_search(sampler, search, examples, args, suffixes(sampler, early, K, args))  # (2)
-    rest = [e for e in examples if all(e is not c.example for c in early)]
-    later = reset_points(sampler, task, search, rest, args, rng, max_pos)  # (3) --reset self
-    sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
-    out = settle(model, sampler, task, examples, search, early + later, sfx, args)
-    return (*out, sampler.info)
+    first = {e.id: (n_parents + n_base, 0) for e in examples}  # (1) the first parents and bases
+    with dist.gathered(model):  # FSDP: full weights, so ranks may sample different rounds
+        sample_chains(sampler, search, examples, first, args)
+        early = []  # random, oracle: reset points need no model call
+        if args.reset != "self":
+            early = reset_points(sampler, task, search, examples, args, rng, max_pos)
+        sfx = more_search(sampler, search, examples, args, suffixes(sampler, early, K, args))  # (2)
+        rest = [e for e in examples if all(e is not c.example for c in early)]
+        later = reset_points(sampler, task, search, rest, args, rng, max_pos)  # (3) --reset self
+        sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
+        *out, rows = settle(model, sampler, task, examples, search, early + later, sfx, args)
+    tried = sum(st.tried for st in search.values())  # LOGS: reset/* (docs/srpo.md, Logs)
+    logs = chains.reset_metrics(early + later, rows, examples, tried, args.success_threshold)
+    return (*out, sampler.info | logs)
 
 
 def validate(args: Args) -> Args:
@@ -455,10 +458,10 @@ def validate(args: Args) -> Args:
             getattr(args, name) == getattr(cli.BaseArgs, name),
             f"{flag} does not apply to srpo.py: {why}",
         )
-    need_g = {"1x4": 2, "2x4": 4, "1x8": 2}[args.split]  # ALGO LOGIC: each group holds >= 2
-    g = args.num_generations
-    bad_g = f"--num-generations must be a multiple of {need_g} (at least {need_g}) for --split {args.split}"
-    cli.need(g >= need_g and g % need_g == 0, f"{bad_g}, got {g}")
+    g = args.num_generations  # ALGO LOGIC: half fresh chains, half continuations, each >= 1
+    cli.need(
+        g >= 2 and g % 2 == 0, f"--num-generations must be a multiple of 2 (at least 2), got {g}"
+    )
     ranges = dict(max_fresh_attempts=">= 1", localization_temperature=">= 0")
     cli.need_ranges(args, **ranges, localization_max_new_tokens=">= 1", thought_reserve=">= 0")
     cli.need(args.thought_delimiter != "", "--thought-delimiter must not be empty")
@@ -468,11 +471,9 @@ def validate(args: Args) -> Args:
     return dataclasses.replace(args, thought_delimiter=args.thought_delimiter or default)
 
 
-DUAL_CLIP = 3.0  # --clip: verl's dual-clip constant in the official srpo_clip loss (loss <= -3A)
-
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: flags, torchrun, seeding; the task, the model, its reference, the optimizer
-    args = cli.parse(Args, validate)  # tyro.cli(Args), every check before anything loads
+    args = cli.parse(Args, validate, "srpo_ablations")  # tyro.cli(Args), every check before loading
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
@@ -486,15 +487,15 @@ if __name__ == "__main__":
     rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws (checkpointed as "resets")
     run.start(model, tokenizer, optimizer, task, state={"resets": rng})
     dist = run.dist
+    dist.uneven = True  # torchrun: a rank's rows are its prompts' resets (FSDP evens the passes)
+    ablation = cli.ablation(args)  # its flags given: rlvr_utils/srpo_ablations.py (docs/srpo.md)
 
     for step in run.steps():
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization,
         #      suffixes) and their rewards
-        examples = dist.shard(next(run.batches))
-        with dist.gathered(model):  # FSDP: full weights, so ranks may sample different rounds
-            ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(
-                model, tokenizer, task, examples, args, rng
-            )
+        ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(
+            model, tokenizer, task, run.batches, dist, args, rng
+        )
         mask = ro.completion_mask  # [N, T]
         if args.mask_truncated_completions:  # DAPO's overlong filtering
             mask = mask * ~ro.truncated[:, None]
@@ -505,15 +506,14 @@ if __name__ == "__main__":
         #    std); the kept prefixes masked (only the resampled suffix trains).
         advantages = srpo_advantages(rewards, ro.group_ids.cpu())  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
-        if not args.no_mask:
-            mask = suffix_mask(mask, suffix_start)  # [N, T]
+        suffix = suffix_mask(mask, suffix_start)  # [N, T]
+        mask = suffix if ablation is None else ablation.trained(args, mask, suffix)  # --no-mask
         run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # LOGS: --log-credit
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
         #    old log-probs are the current ones, detached; otherwise this pass makes them.
         input_ids, attn = ro.input_ids, ro.attention_mask
-        one_row = functools.partial(common.token_logprobs, train_model, input_ids[:1], attn[:1], T)
-        with torch.no_grad(), dist.gathered(model, ref_model):  # FSDP: rows per rank differ
+        with torch.no_grad(), dist.gathered_if_uneven(model, ref_model):  # FSDP, uneven rows
             on_policy = args.num_iterations == 1 and args.num_minibatches == 1
             old_logp = None
             if not on_policy:
@@ -532,25 +532,19 @@ if __name__ == "__main__":
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
                 agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
                 micro = rows.split(args.micro_batch_size)
-                if args.fsdp:  # one forward per micro-batch: ranks hold different numbers of rows
-                    micro = rows.split(min(args.micro_batch_size, common.ROWS_PER_FORWARD))
-                for mb in dist.micro_batches(train_model, micro, one_row):  # all-reduce in the last
+                for mb in dist.micro_batches(train_model, micro):  # all-reduce in the last
                     m = mask[mb].float()
                     batch = (input_ids[mb], attn[mb], T, args.temperature)
                     logp, entropy = common.token_logprobs(train_model, *batch, with_entropy=it == 0)
                     run.watch_credit(logp, mb, m, num_tokens, num_seqs)  # LOGS: --log-credit
                     old = old_logp[mb] if old_logp is not None else logp.detach()
-                    # ALGO LOGIC: REINFORCE on the suffix (no ratio, no clip); --clip: the ablation
+                    # ALGO LOGIC: REINFORCE on the suffix (no ratio, no clip)
                     log_ratio = (logp - old).clamp(-common.MAX_LOG_RATIO, common.MAX_LOG_RATIO)
                     ratio = torch.exp(log_ratio)  # 1 on-policy (the clip fractions read it)
                     A = token_adv[mb]
                     surrogate = logp * A
-                    if args.clip:  # PPO's clipped surrogate with verl's dual clip (loss <= -3A)
-                        clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
-                        surrogate = torch.min(ratio * A, clipped * A)
-                        surrogate = torch.where(
-                            A < 0, torch.max(surrogate, DUAL_CLIP * A), surrogate
-                        )
+                    if ablation is not None:  # --clip: PPO's clipped surrogate, verl's dual clip
+                        surrogate = ablation.surrogate(args, surrogate, ratio, A)
                     per_token_loss = -surrogate
                     # vLLM rollouts: importance weights toward the engine's sampling (HF: 1)
                     engine_w = common.engine_correction(ro, mb, old, m, args, stats, it)

@@ -1,7 +1,8 @@
 """The generate calls of srpo.py under its chain protocol (SRPO / RRPO, arXiv 2605.25507; docs/srpo.md, "The chain
 protocol"): each response is generated in one call and srpo.py's stopping rules (protocol_cut) are applied after the
 fact, cutting the sampled token ids, never re-tokenizing them. `Sampler` makes a step's generate calls and counts what
-SRPO logs; `tokens_before` aligns a character offset with the sampled tokens.
+SRPO logs; `tokens_before` aligns a character offset with the sampled tokens; `reset_metrics` counts a step's reset/*
+metrics from srpo.py's records.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from typing import Callable
 
 from rlvr_utils import rollouts
 
-COUNTS = (
-    "loc_empty loc_no_error loc_out_of_range loc_unparsable loc_truncated parent_one_thought prefix_overflow "
-    "generated_tokens fresh_chains long_thoughts oracle_early_stop generate_calls"
-).split()  # a step's counters (srpo.py logs them as reset/<name>)
+COUNTS = "loc_truncated generated_tokens long_thoughts generate_calls".split()  # the Sampler's (srpo: reset/<name>)
+REPLIES = ("empty", "no_error", "out_of_range", "unparsable")  # a localization reply's failures (srpo.parse_reply)
 
 
 def tokens_before(tokenizer, ids: list[int], cut: int) -> int:
@@ -30,9 +29,10 @@ def tokens_before(tokenizer, ids: list[int], cut: int) -> int:
     return lo
 
 
-def reset_metrics(cuts, rows, examples, solved: float) -> dict:
-    """The reset/* metrics of a step (docs/srpo.md, Logs) from srpo.py's records: cuts (Reset: k, n, oracle), rows (Row:
-    example, kind, parent, reward), the step's examples and the success threshold."""
+def reset_metrics(cuts, rows, examples, tried: int, solved: float) -> dict:
+    """The reset/* metrics of a step (docs/srpo.md, Logs) from srpo.py's records, counted here and nowhere else: cuts
+    (Reset: k, n, oracle, reply, early, overflow), rows (Row: example, kind, parent, reward), the step's examples, the
+    fresh chains drawn (`tried`) and the success threshold."""
     ks, oracle_ks = [(c.k, c.n) for c in cuts], [c.oracle for c in cuts if c.oracle is not None]
     reset_rows = [r for r in rows if r.kind == "reset" and r.reward == r.reward]  # NaN: no reward (None)
     groups = {(r.example.id, r.parent) for r in reset_rows}  # each parent's continuations
@@ -44,7 +44,12 @@ def reset_metrics(cuts, rows, examples, solved: float) -> dict:
         suffix_pass_at_k=sum(b >= solved for b in best.values()) / max(1, len(cuts)),
         fallback_share=sum(e.id in fallback for e in examples) / len(examples),
         num_parents=len(cuts),
+        fresh_chains=tried,
+        parent_one_thought=sum(c.n == 1 for c in cuts),
+        prefix_overflow=sum(c.overflow for c in cuts),  # reset to the start: the prefix would fill the context
+        oracle_early_stop=sum(c.early for c in cuts),  # the chain stopped before the task's first error
     )
+    out |= {f"loc_{kind}": sum(c.reply == kind for c in cuts) for kind in REPLIES}  # the localization's failures
     if oracle_ks:
         out["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
         out["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)

@@ -209,19 +209,38 @@ class BaseArgs:
     """seconds a collective waits for the other ranks before the run stops with an error"""
 
 
-def parse(args_type, validate=None):
+def parse(args_type, validate=None, ablations: str | None = None):
     """The command line, checked before anything loads: `tyro.cli(args_type)` (its parse errors, a framed panel, turned
     into the same one line as ours), --resume's flags, the shared checks, then the script's own `validate(args)`
     (one-line errors; it returns the args, with any field it derives). --epsilon-high defaults to --epsilon and
-    --exp-name to the script's name."""
+    --exp-name to the script's name. `ablations`: rlvr_utils/<method>_ablations.py, whose flags join only when given
+    (or --resume's run had them): --help and a default run are the method's alone (docs/design.md)."""
+    if ablations and (flag := unknown_flag(args_type)):  # an ablation's flag, or a mistake tyro names
+        args_type = with_ablations(args_type, extra(ablations, f"{flag} (not the method's flag: an ablation's?)"))
     args = expand_paths(_tyro(args_type))
     if args.resume:  # the run's own flags (its config.json), checked against these
-        args = extra("resume", "--resume").resume_args(args, args_type)
+        args = extra("resume", "--resume").resume_args(args, args_type, ablations)
     args = dataclasses.replace(args, save_model=args.save_model or args.save_adapter)  # --save-adapter: the save too
     check_common(args)
     args = validate(args) if validate is not None else args
+    args = ablation(args).validate(args) if ablation(args) else args  # the ablation flags' own checks
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     return dataclasses.replace(args, epsilon_high=eps_high, exp_name=args.exp_name or Path(sys.argv[0]).stem)
+
+
+def unknown_flag(args_type) -> str | None:  # the first --flag (--no-flag, --flag_name) args_type does not declare
+    names = {f.name for f in dataclasses.fields(args_type)} | {"help"}
+    words = [w[2:].split("=", 1)[0].replace("-", "_") for w in sys.argv[1:] if w.startswith("--")]
+    return next((f"--{w.replace('_', '-')}" for w in words if {w, w.removeprefix("no_")}.isdisjoint(names)), None)
+
+
+def with_ablations(args_type, module):  # args_type with module.Ablations' flags after its own; ablation(args): module
+    more = {"__doc__": args_type.__doc__, "ablation_module": module}
+    return dataclasses.make_dataclass(args_type.__name__, [], bases=(module.Ablations, args_type), namespace=more)
+
+
+def ablation(args):  # the method's ablation module when args holds its flags (one was given), else None
+    return getattr(args, "ablation_module", None)
 
 
 def expand_paths(args):

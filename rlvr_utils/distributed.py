@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD
 from rlvr_utils.runtime import Dist, pick_device, usage_error
 
 
@@ -31,14 +32,14 @@ class TorchrunDist(Dist):
         torch.distributed.all_reduce(t)
         return t.tolist()
 
-    def over_global_batch(self, fn, *args, keep_whole: tuple[str, ...] = (), **kwargs):
+    def over_global_batch(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) over the global batch, for what a method defines over "the batch" (a quantile, a std):
         every tensor argument with this rank's row count n as its first dimension is gathered from every rank (rank
         order; 2-D ones right-padded with 0 to the widest), fn runs on the whole batch on every rank, and each tensor
         of its result (also inside a tuple or dict) with the global row count as its first dimension comes back as
         this rank's rows (2-D ones trimmed to this rank's width). Row order does not matter to per-group statistics,
-        so the rows get what one process with the whole batch gives them. `keep_whole`: keys of a dict result that
-        are not per row (left whole, whatever their length)."""
+        so the rows get what one process with the whole batch gives them. A result that is not per row must not have
+        the global row count as its first dimension (EP-GRPO's per-cell counts are [groups, windows])."""
         n = next(a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)).shape[0]
         rowwise = lambda a: isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n  # noqa: E731
         widths = [a.shape[1] for a in [*args, *kwargs.values()] if rowwise(a) and a.dim() == 2]
@@ -67,7 +68,7 @@ class TorchrunDist(Dist):
             if isinstance(x, tuple):
                 return tuple(own(v) for v in x)
             if isinstance(x, dict):
-                return {k: v if k in keep_whole else own(v) for k, v in x.items()}
+                return {k: own(v) for k, v in x.items()}
             return x
 
         return own(fn(*args, **kwargs))
@@ -130,24 +131,35 @@ class TorchrunDist(Dist):
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
 
-    def any(self, flag: bool) -> bool:
-        """FSDP: whether `flag` holds on any rank (a collective); otherwise `flag`. For optional forwards (SC-GRPO's
-        teacher): when any rank runs one, every rank does."""
-        if not self.fsdp:
-            return flag
-        return self.sum([float(flag)])[0] > 0
+    def idle_forward(self, busy: bool, forward) -> None:
+        """FSDP: an optional forward (SC-GRPO's teacher) runs on every rank when it runs on any: where this rank has
+        none (`busy` False) and another has one, `forward()` here, under no_grad, its output discarded."""
+        if self.fsdp and self.sum([float(busy)])[0] > 0 and not busy:  # the collective on every rank
+            with torch.no_grad():
+                forward()
 
-    def micro_batches(self, train_model, micro: list, one_row=None):
+    def micro_batches(self, train_model, micro: list):
         """Each micro-batch in turn; only the last one's backward all-reduces, so ranks with different numbers of
-        micro-batches still meet once per optimizer step. FSDP: as many on every rank as on the rank with most, the
-        missing ones idle passes (`one_row()`: a forward on one row; its loss times 0 changes nothing)."""
+        micro-batches still meet once per optimizer step. FSDP with `uneven` rows (SRPO's): micro-batches of at most
+        ROWS_PER_FORWARD rows (one forward each), as many on every rank as on the rank with most, the missing ones
+        idle passes."""
+        if self.fsdp and self.uneven and any(len(m) > ROWS_PER_FORWARD for m in micro):
+            micro = list(torch.cat(micro).split(ROWS_PER_FORWARD))
         n = self.same_count(len(micro))
         for k in range(n):
             self.sync_grads(train_model, k == n - 1)  # all-reduce once per optimizer step
             if k < len(micro):
                 yield micro[k]
             else:  # FSDP: an idle pass keeps the collectives matched
-                self.idle_pass(one_row)
+                self.idle_pass(train_model)
+
+    def idle_pass(self, train_model) -> None:
+        """A forward and backward that changes nothing (its loss times 0), on a dummy row of two tokens through the
+        whole model (every parameter, the lm_head's too, gets a zero gradient): keeps this rank's FSDP collectives
+        matched with a rank that has one more micro-batch."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        logits = train_model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        (logits.float().sum() * 0.0).backward()
 
     def sync_grads(self, train_model, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients: only the last micro-batch of a pass does, so

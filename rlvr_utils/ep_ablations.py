@@ -1,11 +1,110 @@
-"""EP-GRPO's alternative forms, for the ablations on docs/ep_grpo.md. ep_grpo.py writes the method out at its defaults
-(soft gate around the batch's entropy quantile, per-token z-score of delta, additive form A, the reference as anchor)
-and calls these for the other values of its flags: --pivot-scope group / response and --gate zsig (the threshold),
---gate hard / gtpo / none / zsig (the weights), --process-granularity window / cumulative, --advantage-form B,
---anchor-form multiplicative, --process-anchor ema / lagged. Each docstring names its source as docs/ep_grpo.md does:
-(a) the authors' formula as reported second-hand, (c) this project's choice."""
+"""EP-GRPO's ablations: the other forms of its credit and a moving anchor (docs/ep_grpo.md, Ablations), an extra. Their
+flags join ep_grpo.py's when one is given (cli.parse; `--help` with one of them lists them all); ep_grpo.py writes the
+method out at its defaults (soft gate around the batch's entropy quantile, per-token z-score of delta, additive form A,
+the reference as anchor) and, with one of these flags, calls `wrap`'s advantages in place of ep_advantages and
+`moving_anchor` / `follow_policy` for --process-anchor ema / lagged. Each docstring names its source as docs/ep_grpo.md
+does: (a) the authors' formula as reported second-hand, (c) this project's choice."""
+
+import copy
+import dataclasses
+import os
+from typing import Literal
 
 import torch
+
+from rlvr_utils import cli
+
+
+@dataclasses.dataclass
+class Ablations:
+    """EP-GRPO's ablation flags (docs/ep_grpo.md, Ablations)."""
+
+    gate: Literal["soft", "hard", "gtpo", "zsig", "none"] = "soft"
+    """(c) soft 1 + alpha*sigmoid((H - pivot)/gate-temp) (the method's); hard 1[H > pivot]; gtpo H;
+    none 1; (a) zsig sigmoid(g*z(H))"""
+    gate_gamma: float = 1.0
+    """(c) gamma of --gate zsig, > 0 (the authors' value is not known)"""
+    pivot_scope: Literal["batch", "group", "response"] = "batch"
+    """(c) batch (the method's), (a) group, response: over which tokens the pivot threshold (or zsig's
+    z-score) is taken"""
+    process_granularity: Literal["window", "token", "cumulative"] = "token"
+    """(a) token (the method's): delta z-scored over the group's tokens in its window; (c) window:
+    window sums; (c) cumulative: prefix sums"""
+    anchor_form: Literal["additive", "multiplicative"] = "additive"
+    """(a) additive gate*(A_out + lambda*d*P) (the method's); (c) multiplicative
+    gate*A_out*(1 + lambda*tanh(sign(A_out)*P))"""
+    advantage_form: Literal["A", "B"] = "A"
+    """(a) A: gate * (A_out + lambda * d * P) (the method's); (c) B: gate * z-score of r +
+    implicit-beta * cumsum(delta) per cell"""
+    implicit_beta: float = 0.05
+    """(c) beta of the implicit reward in --advantage-form B (no effect in form A)"""
+    process_anchor: Literal["ref", "ema", "lagged"] = "ref"
+    """delta = log pi_old - log pi_anchor against (a) ref, the frozen initial policy (the method's),
+    or (c) ema, lagged"""
+    anchor_ema_decay: float = 0.99
+    """(c) --process-anchor ema: anchor <- decay * anchor + (1 - decay) * policy after every step
+    (in [0, 1])"""
+    anchor_lag: int = 10
+    """(c) --process-anchor lagged: the anchor is reset to the policy every this many steps (>= 1)"""
+
+
+def validate(a):
+    """The ablation flags' checks (cli.parse, after ep_grpo.validate): one line naming the flag, exit code 2."""
+    cli.need_ranges(a, anchor_lag=">= 1", anchor_ema_decay="[0, 1]", gate_gamma="> 0", implicit_beta="> 0")
+    sharded = a.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cli.need(not sharded or a.process_anchor == "ref", "--process-anchor ema/lagged do not support --fsdp: use ref")
+    no_lora = "--process-anchor ema/lagged copy the whole model: not with --lora-rank (use ref)"
+    cli.need(not a.lora_rank or a.process_anchor == "ref", no_lora)
+    return a
+
+
+def wrap(args, method: dict):
+    """ep_grpo.ep_advantages (same arguments) under the ablation flags `args` holds: the method's advantages and
+    parts, then each flag's other form in place of the method's: the threshold (--pivot-scope, --gate zsig), the
+    gate's weights (--gate), the process signal (--process-granularity), the combination (--anchor-form,
+    --advantage-form). method: ep_grpo.py's functions by name (ep_advantages, entropy_gate, mean_one, row_quantile,
+    cell_zscore; the package does not import a script)."""
+    quantile, zscore = method["row_quantile"], method["cell_zscore"]
+
+    def advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, flags=None, scores=None,
+                   return_parts=False):  # fmt: skip
+        A, p = method["ep_advantages"](entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids, flags,
+                                       scores, return_parts=True)  # fmt: skip
+        f, H, m, inv, r = flags, entropy.float(), mask.float(), p["group_index"], rewards.float().to(mask.device)
+        cut, scored, n_win = (f.process_clip, f.process_std_min), mask * ~r.isnan()[:, None], f.num_buckets
+        pivot, temp = p["pivot"], f.gate_temp
+        if args.pivot_scope != "batch" or args.gate == "zsig":  # a pool per group or response; zsig's mean and std
+            scope = (args.pivot_scope, f.pivot_quantile, args.gate, temp, args.gate_gamma)
+            pivot, temp = pooled_threshold(H, mask, inv, *scope, quantile=quantile)
+        if args.gate == "soft":
+            g_hat = method["entropy_gate"](H, mask, pivot, f.gate_alpha, temp, f.gate_norm)
+        else:  # the other gates' weights, over their mean per response as the soft gate's
+            g_hat = method["mean_one"](gate_weights(H, pivot, temp, args.gate), mask, f.gate_norm)
+        P, n_cell, ok = p["process"], p["cell_members"].flatten(), p["cell_ok"].flatten()
+        if args.process_granularity != "token":  # window sums or prefix sums, per cell
+            how = (n_win, args.process_granularity, *cut)
+            P, n_cell, ok = window_process(p["delta"], p["windows"], inv, scored, *how, zscore=zscore)
+        lam, d, a_out = p["coef"], p["polarity"][:, None], p["outcome"]
+        A = g_hat * (a_out[:, None] + lam * d * P) * m  # the method's form A with these pieces
+        if args.anchor_form != "additive" or args.advantage_form != "A":  # multiplicative, form B
+            form = (args.advantage_form, n_win, args.implicit_beta, *cut)
+            A, P, n_cell, ok = other_forms(
+                g_hat, a_out, lam, P, n_cell, ok, r.nan_to_num(), p["delta"], p["windows"], inv, scored, *form,
+                zscore=zscore,
+            )  # fmt: skip
+        A = A.masked_fill(r.isnan()[:, None], 0.0)  # a completion no reward function scored: advantage 0
+        if not return_parts:
+            return A
+        cells = dict(cell_members=n_cell.view(p["cell_members"].shape), cell_ok=ok.view(p["cell_ok"].shape))
+        return A, p | dict(gate=g_hat, process=P, pivot=pivot) | cells
+
+    return advantages
+
+
+def moving_anchor(args, model):
+    """--process-anchor ema / lagged (c): a copy of the policy that follows it (follow_policy), delta's anchor in place
+    of the reference; ref: None (the method's)."""
+    return None if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def pooled_threshold(

@@ -65,12 +65,12 @@ def _fits(kind, value) -> bool:
     return isinstance(value, kind) if kind is str else True  # anything else is not checked here
 
 
-def resume_args(args, args_type):
+def resume_args(args, args_type, ablations: str | None = None):
     """`--resume RUN_DIR` continues a run with the flags it was started with (its config.json). A flag given on this
     command line that differs from the run's is an error, except the runtime flags above, which may be given anew
     (e.g. --total-steps to extend a run; --threads changes the floating-point order, so a bit-for-bit continuation
     keeps the run's). The run must be this script's and hold a complete checkpoint before --total-steps. Returns the
-    merged args."""
+    merged args (with the `ablations` module's flags when the run was started with one of them: cli.parse)."""
     run_dir, script = Path(args.resume), Path(sys.argv[0]).name
     cfg = run_dir / "config.json"  # a FIFO, a device or a directory of that name: not "no config.json"
     what = f"{cfg} is not a regular file" if cfg.exists() else "not a run directory (no config.json)"
@@ -80,6 +80,13 @@ def resume_args(args, args_type):
         assert isinstance(saved, dict)
     except (ValueError, AssertionError, OSError, RecursionError) as e:
         usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
+    more = sorted(set(saved) - {f.name for f in dataclasses.fields(args_type)} - {"script", "file_hashes"})
+    if ablations and more and not hasattr(args_type, "ablation_module"):  # a run started with an ablation flag
+        from rlvr_utils import cli
+
+        module = runtime.extra(ablations, f"--resume of a run with --{more[0].replace('_', '-')}")
+        args_type = cli.with_ablations(args_type, module)
+        args = args_type(**vars(args))  # its flags at their defaults, then the run's
     made_by = saved.get("script")
     need(
         made_by in (None, script),

@@ -63,6 +63,7 @@ class Dist:
     world: int = 1
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # for collectives
     fsdp: bool = False
+    uneven: bool = False  # ranks hold different numbers of rows (SRPO's): FSDP evens their passes (distributed.py)
 
     @property
     def main(self) -> bool:
@@ -76,7 +77,7 @@ class Dist:
         """This rank's prompts of a global batch (every world-th one)."""
         return list(examples[self.rank :: self.world])
 
-    def over_global_batch(self, fn, *args, keep_whole: tuple[str, ...] = (), **kwargs):
+    def over_global_batch(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) over the global batch (for a method's batch statistics): here, this process's."""
         return fn(*args, **kwargs)
 
@@ -85,18 +86,14 @@ class Dist:
         tokens, seqs = self.sum([mask.sum().item(), len(mask) if num_seqs is None else num_seqs])
         return tokens / self.world, seqs / self.world
 
-    def micro_batches(self, train_model, micro: list, one_row=None):
+    def micro_batches(self, train_model, micro: list):
         """Each micro-batch of a mini-batch in turn, the gradients all-reduced in the last one's backward only. Under
-        FSDP every rank runs as many as the rank with most (ranks may hold different numbers of rows, as SRPO's):
-        the missing ones are idle passes of `one_row` (`idle_pass`). Here: `micro` itself."""
+        FSDP with `uneven` rows every rank runs as many as the rank with most, one forward each, the missing ones idle
+        passes. Here: `micro` itself."""
         yield from micro
 
-    @staticmethod
-    def idle_pass(one_row) -> None:
-        """A forward and backward that changes nothing (its loss times 0): keeps this rank's FSDP collectives matched
-        with a rank that has one more micro-batch. `one_row()`: the log-probs of one row, the same forward as a real
-        micro-batch's (common.token_logprobs)."""
-        (one_row()[0].sum() * 0.0).backward()
+    def gathered_if_uneven(self, *models):  # FSDP with `uneven` rows: the no-grad passes on the full weights
+        return self.gathered(*models) if self.uneven else contextlib.nullcontext()
 
     # what torchrun's ranks do together, and one process does alone: the model itself, no collective, nothing to wait
     def wrap(self, model, ref_model=None):  # the module the loss forward runs through (DDP, FSDP2)
@@ -106,11 +103,8 @@ class Dist:
     def gathered(self, *models):  # FSDP: the full weights for the block
         yield
 
-    def same_count(self, n: int) -> int:  # FSDP: the largest n over ranks
-        return n
-
-    def any(self, flag: bool) -> bool:  # FSDP: whether flag holds on any rank
-        return flag
+    def idle_forward(self, busy: bool, forward) -> None:  # FSDP: forward() where another rank is busy, this not
+        pass
 
     def sync_grads(self, train_model, enabled: bool) -> None:  # whether the next backward all-reduces gradients
         pass

@@ -1,12 +1,10 @@
-"""The plumbing of SC-GRPO's self-conditioned teacher (sc_grpo.py holds its prompt, its roles and the per-token KL;
-docs/sc_grpo.md; arXiv 2606.18810).
+"""SC-GRPO's teacher and its plumbing (sc_grpo.py holds its prompt, its roles and the per-token KL; docs/sc_grpo.md;
+arXiv 2606.18810).
 
-fit_reference           the first reference whose teacher prompt fits the context, else one with its middle cut
-logprobs_and_kl         the student's log-probs with D = KL(teacher || student) per token from one extra no-grad forward
-                        (memory-bounded: fused through the lm_head, or sc_grpo.token_kl a few positions at a time)
-micro_batches_of_groups whole groups per micro-batch (c is a micro-batch's percentile, paper §5.1)
+teacher_kl              D = KL(teacher || student) per token: the student's side from the loss's own forward
+                        (common.token_logprobs' `keep`), the teacher's from one no-grad forward, through the lm_head
+FusedLinearKL           that KL from both sides' final hidden states, a few positions at a time: no [b, T, V] tensor
 TeacherLog              the step's D, f, teacher time and memory, as the sc/* metrics
-FusedLinearKL           KL(teacher || student) per position from both sides' final hidden states: no [b, T, V]
 """
 
 from __future__ import annotations
@@ -19,6 +17,51 @@ import torch
 
 from rlvr_utils import logprob_kernels, runtime
 from rlvr_utils.rollouts import pad_left
+
+
+def teacher_kl(model, student: list, input_ids, attention_mask, T: int, teacher_prompts: list, temperature: float = 1.0,
+               pad_id: int = 0, kl_grad: bool = False, dist=None, divergence: Callable | None = None):  # fmt: skip
+    """D [B, T] = KL(teacher || student) at each completion position of the rows with a `teacher_prompts[i]` (ids;
+    None: no teacher, D = 0), and the teacher pass's {"seconds", "peak_bytes": the step's CUDA peak so far}.
+    student: common.token_logprobs' `keep` for these rows, each row chunk's final hidden states [b, T, H], with their
+    gradient (`kl_grad`: D's gradient reaches the student only). The teacher is the same model under no_grad fed
+    teacher_prompts[i] + the row's completion; both sides go through the lm_head a few positions at a time
+    (FusedLinearKL). A model whose logits are not lm_head(h): its logits (unfused.logits_kl). `divergence(zs, zt,
+    targets, lm, temperature)`: an ablation's D instead (sc_ablations.sampled_logratio). `dist` (FSDP): a rank with
+    no teacher row where another has one runs an idle teacher forward (distributed.py)."""
+    fused = logprob_kernels.fused_logprobs_ok(model)
+    unfused = None if fused else runtime.extra("unfused", "a model whose logits are not lm_head(h)")
+    lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
+    forward = logprob_kernels.completion_hidden if fused else unfused.completion_logits  # [r, T, H] or [r, T, V]
+    divergence = divergence or (fused_kl if fused else unfused.logits_kl)
+    out, cost, start = [], {"seconds": 0.0, "peak_bytes": 0}, 0
+    for zs in student:  # common.token_logprobs' row chunks
+        ids, mask = input_ids[start : start + len(zs)], attention_mask[start : start + len(zs)]
+        prompts = teacher_prompts[start : start + len(zs)]
+        rows, start = [r for r, p in enumerate(prompts) if p is not None], start + len(zs)
+        out.append(torch.zeros(len(zs), T, device=ids.device))  # [b, T], 0 on a row with no teacher
+        if dist is not None:
+            dist.idle_forward(bool(rows), lambda: forward(model, ids[:1], mask[:1], T))
+        if not rows:
+            continue
+        t0 = time.time()
+        tp, tm = pad_left([prompts[r] for r in rows], pad_id, ids.device)
+        with torch.no_grad():  # the teacher: stop-gradient
+            zt = forward(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
+        with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
+            zr = zs[rows] if kl_grad else zs.detach()[rows]
+            idx = torch.tensor(rows, device=ids.device)
+            out[-1] = out[-1].index_put((idx,), divergence(zr, zt, ids[rows, -T:], lm, temperature))
+        cost["seconds"] += time.time() - t0
+        cost["peak_bytes"] = max(cost["peak_bytes"], torch.cuda.max_memory_allocated() if ids.is_cuda else 0)
+    return torch.cat(out), cost
+
+
+def fused_kl(zs, zt, targets, lm, temperature: float) -> torch.Tensor:
+    """D [r, T] from the student's and the teacher's final hidden states [r, T, H] through the lm_head `lm`:
+    FusedLinearKL, [positions, V] fp32 temporaries of about 64 MB."""
+    both, positions = (zs.flatten(0, 1), zt.flatten(0, 1)), max(1, 2**24 // lm.out_features)
+    return FusedLinearKL.apply(*both, lm.weight, lm.bias, temperature, positions).view(targets.shape)
 
 
 class FusedLinearKL(torch.autograd.Function):
@@ -67,112 +110,6 @@ class FusedLinearKL(torch.autograd.Function):
         return grad_h, None, grad_w, grad_b, None, None
 
 
-def fit_reference(tokenizer, make_prompt: Callable, taus: list[str], limit: int, max_ref_tokens: int):
-    """(teacher prompt ids or None, what happened) for the first reference in `taus` whose prompt, make_prompt(tau),
-    has at most `limit` tokens and which itself has at most `max_ref_tokens`: "drawn" (the first one), "tau_resampled"
-    (another); else the first one with its middle cut to fit ("tau_truncated", 8 tokens spare for the "..." marker),
-    or None ("no_reference") when even that does not fit."""
-    n_tok = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-    for k, tau in enumerate(taus):
-        ids = make_prompt(tau)
-        if len(ids) <= limit and n_tok(tau) <= max_ref_tokens:
-            return ids, "tau_resampled" if k else "drawn"
-    tau = tokenizer(taus[0], add_special_tokens=False).input_ids  # nothing fits: keep the head and tail of the first
-    keep = min(max_ref_tokens, len(tau) - max(len(make_prompt(taus[0])) - limit, 0)) - 8
-    cut = tokenizer.decode(tau[: keep // 2]) + "\n...\n" + tokenizer.decode(tau[len(tau) - (keep - keep // 2) :])
-    ids = make_prompt(cut) if keep > 0 else None
-    return (ids, "tau_truncated") if ids is not None and len(ids) <= limit else (None, "no_reference")
-
-
-def micro_batches_of_groups(
-    rows: torch.Tensor, group_ids: torch.Tensor, group_size: int, micro_batch_size: int, whole_groups: bool = True
-) -> list[torch.Tensor]:
-    """Micro-batches of a mini-batch's rows (in order): whole groups, micro_batch_size // G of them per micro-batch
-    (c is a micro-batch's percentile and a solve-none group is z-scored together); whole_groups False: grpo.py's."""
-    if not whole_groups:
-        return list(rows.split(micro_batch_size))
-    ids = group_ids[rows.cpu()].tolist()
-    units = [rows[[i for i, g in enumerate(ids) if g == u]] for u in dict.fromkeys(ids)]
-    per = max(1, micro_batch_size // group_size)
-    return [torch.cat(units[u : u + per]) for u in range(0, len(units), per)]
-
-
-def logprobs_and_kl(
-    model, input_ids, attention_mask, T: int, temperature: float = 1.0, teacher_prompts=None, pad_id: int = 0,
-    with_entropy: bool = False, kl_grad: bool = False, chunk_size: int | None = None,
-    time_chunk: int = 128, fused: bool | None = None, dist=None, divergence: Callable | None = None,
-    kl_fn: Callable | None = None,
-):  # fmt: skip
-    """common.token_logprobs (the same operations on the same row chunks, so the same numbers) that also returns
-    D [B, T], KL(teacher || student) at each completion position, for the rows with a `teacher_prompts[i]` (ids;
-    elsewhere 0). The teacher is the same model under no_grad fed teacher_prompts[i] + the row's completion; the
-    student side is this forward's own output (detached unless `kl_grad`): the only extra work is the teacher forward.
-    fused (default: logprob_kernels.fused_logprobs_ok(model)): no [b, T, V] tensor exists. The student's final hidden
-    states feed FusedLinearLogProb, and the same states and the teacher's go through the lm_head a few positions at
-    a time in FusedLinearKL (extra memory O(positions x V); with `kl_grad` its backward recomputes them the same way).
-    fused=False: the fp32 logits [b, T, V] of each row chunk, with gradient, and the teacher's, through `kl_fn`
-    (sc_grpo.token_kl: D from logits) `time_chunk` positions at a time (models whose logits are not lm_head(h)).
-    `dist` (FSDP): a chunk where any rank has a teacher row runs a teacher forward on every rank (an idle one,
-    discarded, where it has none). Returns logp, entropy (or None), D, and the teacher pass's {"seconds",
-    "peak_bytes": the step's peak GPU memory so far when the last teacher pass ended (CUDA; 0 on CPU)}. `divergence`
-    (an ablation's, sc_ablations.sampled_logratio): D = divergence(teacher's output, targets, student's log-probs,
-    lm_head or None, temperature, positions), under no_grad, instead of the KL.
-    """
-    fused = logprob_kernels.fused_logprobs_ok(model) if fused is None else fused
-    unfused = None if fused else runtime.extra("unfused", "a model whose logits are not lm_head(h)")
-    chunk_size = chunk_size or logprob_kernels.rows_per_forward(input_ids.shape, fused)
-    lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
-    positions = max(1, 2**25 // lm.out_features) if fused else 0  # as common.token_logprobs: [positions, V] fp32
-    logps, ents, kls, cost = [], [], [], {"seconds": 0.0, "peak_bytes": 0}
-    for s in range(0, input_ids.shape[0], chunk_size):
-        ids, mask = input_ids[s : s + chunk_size], attention_mask[s : s + chunk_size]
-        if fused:
-            out = logprob_kernels.completion_hidden(model, ids, mask, T)  # [b, T, H], with gradient
-            lp, ent = logprob_kernels.FusedLinearLogProb.apply(
-                out.flatten(0, 1), lm.weight, lm.bias, ids[:, -T:].flatten(), temperature, positions, with_entropy
-            )
-            logps.append(lp.view(ids.shape[0], T))
-            ents.extend([ent.view(ids.shape[0], T)] if with_entropy else [])
-        else:
-            out = unfused.completion_logits(model, ids, mask, T).float() / temperature  # [b, T, V] fp32, grad
-            logps.append(out.gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(out, dim=-1))
-            ents.extend([unfused.entropy_from_logits(out)] if with_entropy else [])
-        D = torch.zeros(ids.shape[0], T, device=ids.device)
-        rows = [r for r in range(ids.shape[0]) if teacher_prompts is not None and teacher_prompts[s + r] is not None]
-        teacher = logprob_kernels.completion_hidden if fused else unfused.completion_logits
-        if dist is not None and dist.any(bool(rows)) and not rows:
-            with torch.no_grad():  # FSDP: another rank runs its teacher on this chunk; this one an idle forward
-                teacher(model, ids[:1], mask[:1], T)
-        if rows:
-            t0 = time.time()
-            tp, tm = pad_left([teacher_prompts[s + r] for r in rows], pad_id, ids.device)
-            tids, tmask = torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1)
-            with torch.no_grad():  # the teacher: stop-gradient
-                zt = teacher(model, tids, tmask, T)  # [r, T, H] or [r, T, V]
-            idx = torch.tensor(rows, device=ids.device)
-            zs = out[idx] if kl_grad else out.detach()[idx]
-            with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
-                if divergence is not None:  # an ablation's D (no gradient)
-                    with torch.no_grad():
-                        student = logps[-1].detach()[idx]
-                        kl = divergence(zt, ids[rows, -T:], student, lm if fused else None, temperature, positions)
-                elif fused:  # [positions, V] fp32 temporaries of about 64 MB
-                    both, kl_positions = (zs.flatten(0, 1), zt.flatten(0, 1)), max(1, 2**24 // lm.out_features)
-                    kl = FusedLinearKL.apply(*both, lm.weight, lm.bias, temperature, kl_positions).view(len(rows), T)
-                else:
-                    if kl_fn is None:
-                        raise ValueError("logprobs_and_kl: the unfused path needs kl_fn (sc_grpo.token_kl)")
-                    cuts = [slice(t, t + time_chunk) for t in range(0, T, time_chunk)]
-                    kl = torch.cat([kl_fn(zt[:, c].float() / temperature, zs[:, c]) for c in cuts], 1)
-                D = D.index_put((idx,), kl)
-            del zt
-            cost["seconds"] += time.time() - t0
-            cost["peak_bytes"] = max(cost["peak_bytes"], torch.cuda.max_memory_allocated() if ids.is_cuda else 0)
-        kls.append(D)
-        del out
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(kls), cost
-
-
 class TeacherLog:
     """The step's D and f over its weighted tokens, in the order they were computed, and the teacher pass's seconds and
     CUDA peak: the sc/* metrics (docs/sc_grpo.md, Logs). All are 0 in a step with no weighted token."""
@@ -182,7 +119,7 @@ class TeacherLog:
 
     def add(self, D=None, f=None, active=None, cost: dict | None = None) -> None:
         """D, f [n, T] of some rows (None: not computed there) on `active` [n, T], their weighted tokens; cost: a
-        teacher pass's {"seconds", "peak_bytes"} (logprobs_and_kl's)."""
+        teacher pass's {"seconds", "peak_bytes"} (teacher_kl's)."""
         self.kl += [D.detach()[active.bool()].cpu()] if D is not None else []
         self.f += [f[active.bool()].cpu()] if f is not None else []
         if cost is not None:
@@ -192,15 +129,9 @@ class TeacherLog:
         """D's mean, P75 and P95 and f's mean, each group mode's share, the teacher's time (and CUDA peak), the
         bad-input counts of build_teachers and the empty completions."""
         kl, f = torch.cat(self.kl + [torch.zeros(0)]), torch.cat(self.f + [torch.zeros(0)])
-        q = np.percentile(kl.numpy(), [75, 95]).tolist() if len(kl) else [0.0, 0.0]  # (no 2^24 size limit)
-        out = {
-            "sc/kl_mean": kl.mean().item() if len(kl) else 0.0,
-            "sc/kl_p75": q[0],
-            "sc/kl_p95": q[1],
-            "sc/weight_mean": f.mean().item() if len(f) else 0.0,
-            "time/teacher": self.seconds,
-            **{f"sc/groups_{k}": modes.count(k) / len(modes) for k in ("partial", "none", "single", "all", "plain")},
-            **bad,
-            "sc/empty_completions": sum(not t.strip() for t in texts),
-        }
+        p75, p95 = np.percentile(kl.numpy(), [75, 95]).tolist() if len(kl) else [0.0, 0.0]  # (no 2^24 limit)
+        out = {"sc/kl_mean": kl.mean().item() if len(kl) else 0.0, "sc/kl_p75": p75, "sc/kl_p95": p95}
+        out |= {"sc/weight_mean": f.mean().item() if len(f) else 0.0, "time/teacher": self.seconds}
+        out |= {f"sc/groups_{k}": modes.count(k) / len(modes) for k in ("partial", "none", "single", "all", "plain")}
+        out |= {**bad, "sc/empty_completions": sum(not t.strip() for t in texts)}
         return out | ({"memory/teacher_peak_gb": self.peak / 2**30} if device.type == "cuda" else {})

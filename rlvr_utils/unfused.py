@@ -8,6 +8,7 @@ time.
   completion_logits   the model's logits [b, T, V] at the positions predicting the completion
   SelectedLogProb     log-probs from those logits (any dtype) without autograd's fp32 copies
   entropy_from_logits per-position entropy, a few positions at a time
+  logits_kl           SC-GRPO's D = KL(teacher || student) from both sides' logits, a few positions at a time
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import torch
 from rlvr_utils.logprob_kernels import right_padded
 
 
-def logprobs(model, ids, mask, T: int, temperature: float, with_entropy: bool, entropy_chunk: int = 128):
-    """log p [b, T] of each row's last T tokens and, with `with_entropy`, the entropy [b, T] (else None)."""
+def logprobs(model, ids, mask, T: int, temperature: float, with_entropy: bool, entropy_chunk: int = 128, keep=None):
+    """log p [b, T] of each row's last T tokens and, with `with_entropy`, the entropy [b, T] (else None); `keep`: a
+    list that gets the logits [b, T, V] (with their gradient: the student's side of SC-GRPO's D)."""
     logits = completion_logits(model, ids, mask, T)  # [b, T, V]
+    if keep is not None:
+        keep.append(logits)
     chunk = max(1, 2**24 // (logits.shape[0] * logits.shape[2]))  # fp32 temporaries ~64 MB
     logp = SelectedLogProb.apply(logits, ids[:, -T:], temperature, chunk)
     return logp, entropy_from_logits(logits, entropy_chunk, temperature) if with_entropy else None
@@ -79,3 +83,15 @@ def entropy_from_logits(logits: torch.Tensor, chunk: int = 128, temperature: flo
         z = logits[:, t : t + chunk].detach().float() / temperature
         out.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
     return torch.cat(out, dim=1)
+
+
+def logits_kl(zs, zt, targets, lm, temperature: float, chunk: int = 128) -> torch.Tensor:
+    """SC-GRPO's D [r, T] = KL(softmax(zt / tau) || softmax(zs / tau)) per position from the student's and the teacher's
+    logits [r, T, V] (teacher.teacher_kl on such a model; targets, lm: unused), in fp32 `chunk` positions at a time:
+    sc_grpo.token_kl's equation, with its gradient toward the student where zs has one."""
+    out = []
+    for t in range(0, zs.shape[1], chunk):
+        lt = torch.log_softmax(zt[:, t : t + chunk].float() / temperature, -1)
+        ls = torch.log_softmax(zs[:, t : t + chunk].float() / temperature, -1)
+        out.append((lt.exp() * (lt - ls)).sum(-1))
+    return torch.cat(out, 1)

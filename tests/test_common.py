@@ -281,7 +281,9 @@ def test_no_attention_query_row_is_fully_masked_on_a_left_padded_batch(monkeypat
     seen = _spy_sdpa(monkeypatch)
     common.token_logprobs(model, ids, attn, T, fused=fused)[0].sum().backward()
     teacher_ids = [[5, 6, 7], None, [8], [9, 10, 11, 12, 13, 14, 15, 16]]
-    teacher.logprobs_and_kl(model, ids, attn, T, 1.0, teacher_ids, 0)
+    student = []
+    common.token_logprobs(model, ids, attn, T, keep=student)
+    teacher.teacher_kl(model, student, ids, attn, T, teacher_ids)
     assert len(seen) >= 3 * 2  # two layers x (student, SC-GRPO student, teacher)
     assert all(_fully_masked_rows(*s) == 0 for s in seen), [_fully_masked_rows(*s) for s in seen]
 

@@ -15,7 +15,7 @@ from helpers import read_metrics, run_inprocess, run_script
 import common
 import ep_grpo
 from ep_grpo import cell_zscore, entropy_gate, ep_advantages, progress_windows, row_quantile
-from rlvr_utils import tasks
+from rlvr_utils import cli, ep_ablations, tasks
 from rlvr_utils.ep_diagnostics import ep_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,10 +42,23 @@ def make_batch(seed=0, T=12, equal_rewards=False, same_policy=False):
     return dict(entropy=entropy, logp_old=logp_old, logp_ref=logp_ref, mask=mask, rewards=rewards, group_ids=group_ids)
 
 
+ABLATED = cli.with_ablations(ep_grpo.Args, ep_ablations)  # Args with the ablation flags, as cli.parse makes it
+ABLATION_FLAGS = {f.name for f in dataclasses.fields(ep_ablations.Ablations)}
+
+
+def ep(*batch, return_parts=False, scores=None, **flags):
+    """The token advantages of `batch` (ep_advantages' positional arguments) with `flags` (Args fields, the
+    ablations' too) over the defaults: ep_advantages, or with an ablation flag ep_ablations.wrap's, as ep_grpo.py
+    calls them."""
+    args = ABLATED(**flags)
+    fn = ep_ablations.wrap(args, vars(ep_grpo)) if set(flags) & ABLATION_FLAGS else ep_advantages
+    return fn(*batch, flags=ep_grpo.Flags.of(args), scores=scores, return_parts=return_parts)
+
+
 def adv(b, return_parts=False, scores=None, **flags):
-    """ep_advantages on a batch dict, with `flags` (Args fields) over the defaults."""
+    """`ep` on a batch dict."""
     x = (b["entropy"], b["logp_old"], b["logp_ref"], b["mask"], b["rewards"], G, b["group_ids"])
-    return ep_advantages(*x, flags=ep_grpo.Args(**flags), scores=scores, return_parts=return_parts)
+    return ep(*x, return_parts=return_parts, scores=scores, **flags)
 
 
 def clipped_loss(token_adv, logp, old, ref, mask, loss_agg, beta=1e-3, eps=0.2, eps_high=0.28):
@@ -91,7 +104,8 @@ def test_gate_has_mean_one_per_response_and_favours_pivots(gate):
     b = make_batch()
     H = torch.rand(b["mask"].shape, generator=torch.Generator().manual_seed(2)) * 3
     tau = torch.quantile(H[b["mask"].bool()], 0.8)
-    g = entropy_gate(H, b["mask"], tau, gate)
+    weights = ep_ablations.gate_weights(H, tau, 0.1, gate) if gate != "soft" else None  # the other gates: ablations
+    g = entropy_gate(H, b["mask"], tau) if gate == "soft" else ep_grpo.mean_one(weights, b["mask"])
     m = b["mask"].float()
     assert torch.allclose((g * m).sum(1) / m.sum(1), torch.ones(len(m)), atol=1e-5)
     assert (g * (1 - m)).abs().sum() == 0
@@ -164,16 +178,18 @@ def test_process_signal_is_a_window_z_score_and_can_flip_polarity():
     rewards = torch.tensor([1.0, 0.0])  # A_out = +-1 (population std 1/2)
 
     def run(lam):
-        return ep_advantages(
+        return ep(
             entropy,
             logp_old,
             logp_ref,
             mask,
             rewards,
             2,
-            flags=ep_grpo.Args(
-                num_buckets=2, process_coef=lam, gate_alpha=0.0, process_granularity="window", process_polarity="none"
-            ),
+            num_buckets=2,
+            process_coef=lam,
+            gate_alpha=0.0,
+            process_granularity="window",
+            process_polarity="none",
             return_parts=True,
         )
 
@@ -196,9 +212,7 @@ def test_bad_input_no_nan_and_counted():
     logp_old = torch.tensor([[-1.0, -2, -3, -4]] * 2 + [[-0.5] * T, [-1.0] * T] + [[-2.0] * T, [-1.0] * T])
     logp_ref = logp_old - torch.tensor([[0.5] * T] * 2 + [[0.1] * T, [0.9] * T] + [[0.3] * T, [0.2] * T])
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
-    a, parts = ep_advantages(
-        entropy, logp_old, logp_ref, mask, rewards, 2, flags=ep_grpo.Args(num_buckets=4), return_parts=True
-    )
+    a, parts = ep(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=4, return_parts=True)
     m = ep_metrics(a, parts, entropy, mask)
     assert torch.isfinite(a).all() and all(math.isfinite(v) for v in m.values())
     assert (a[:2] == 0).all()  # identical responses in an all-equal group: nothing to learn
@@ -212,13 +226,11 @@ def test_bad_input_no_nan_and_counted():
     assert m["ep/frac_zero_var_groups"] == 1.0 and m["ep/zero_var_groups_with_grad"] == pytest.approx(2 / 3)
     # a batch with no entropy at all: the threshold is 0, every gate form stays finite
     for gate in ("soft", "hard", "gtpo", "none"):
-        out = ep_advantages(torch.zeros(6, T), logp_old, logp_ref, mask, rewards, 2, flags=ep_grpo.Args(gate=gate))
+        out = ep(torch.zeros(6, T), logp_old, logp_ref, mask, rewards, 2, gate=gate)
         assert torch.isfinite(out).all(), gate
     # sigma_min = 0: flat windows and one-member windows must still not divide by zero
     assert torch.equal(
-        ep_advantages(
-            entropy, logp_old, logp_ref, mask, rewards, 2, flags=ep_grpo.Args(num_buckets=4, process_std_min=0.0)
-        ),
+        ep(entropy, logp_old, logp_ref, mask, rewards, 2, num_buckets=4, process_std_min=0.0),
         a,
     )
 
@@ -292,18 +304,19 @@ def test_window_z_scores_have_zero_mean_in_each_group_window():
 
 
 def test_every_method_flag_reaches_ep_advantages():
-    """ep_advantages reads its flags from the Args record by name: every name it reads is a field, and every flag of the
-    method (but the anchor's, which act in the loop) is read, so a flag cannot silently keep a default."""
+    """ep_advantages reads a small record (Flags), by name: every name it reads is a field of it, every field is read,
+    and the fields are the method's own flags (Args, but the loss's beta and loss_agg) and the two shared ones it needs,
+    so a flag cannot silently keep a default; the ablations' flags are not among them (rlvr_utils/ep_ablations.py)."""
     import ast
     import inspect
 
-    fields = [f.name for f in dataclasses.fields(ep_grpo.Args)]
+    fields = [f.name for f in dataclasses.fields(ep_grpo.Flags)]
     tree = ast.parse(inspect.getsource(ep_advantages))
     read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "f"}
-    assert read - set(fields) == set()
-    method = fields[fields.index("gate") :]
-    assert [f for f in method if f not in read] == ["process_anchor", "anchor_ema_decay", "anchor_lag"]
-    assert {"scale_rewards", "success_threshold", "outcome_std"} <= read
+    assert read == set(fields)
+    own = {f.name for f in dataclasses.fields(ep_grpo.Args)} - {f.name for f in dataclasses.fields(cli.BaseArgs)}
+    assert set(fields) == own - {"beta", "loss_agg"} | {"scale_rewards", "success_threshold"}
+    assert not set(fields) & ABLATION_FLAGS and len(fields) <= 15
     assert len(inspect.signature(ep_advantages).parameters) <= 10
 
 
@@ -419,12 +432,10 @@ def test_outcome_advantage_uses_the_population_std_by_default():
     r = torch.tensor([1.0, 1, 0, 0, 0, 0, 0, 0])
     mask = torch.ones(8, 3)
     zero = torch.zeros(8, 3)
-    a = ep_advantages(zero + 1.0, zero, zero, mask, r, 8, flags=ep_grpo.Args(gate="none", process_coef=0.0))
+    a = ep(zero + 1.0, zero, zero, mask, r, 8, gate="none", process_coef=0.0)
     want = torch.tensor([0.75, 0.75] + [-0.25] * 6) / (3**0.5 / 4 + 1e-6)
     assert torch.allclose(a, want[:, None].expand(-1, 3), atol=1e-6)
-    u = ep_advantages(
-        zero + 1.0, zero, zero, mask, r, 8, flags=ep_grpo.Args(gate="none", process_coef=0.0, outcome_std="unbiased")
-    )
+    u = ep(zero + 1.0, zero, zero, mask, r, 8, gate="none", process_coef=0.0, outcome_std="unbiased")
     assert torch.allclose(u / a, torch.full_like(a, (7 / 8) ** 0.5), atol=1e-3)
 
 
@@ -433,25 +444,30 @@ def test_zsig_gate_is_the_authors_sigmoid_of_the_group_z_score():
     in one group give W = (0.2072, 0.3900, 0.6100, 0.7928) at gamma = 1 (hand values: z = (+-1.342, +-0.447))."""
     H = torch.tensor([[0.0], [1.0], [2.0], [3.0]])
     one = torch.ones(4, 1)
-    _, parts = ep_advantages(
+    _, parts = ep(
         H,
         one * 0,
         one * 0,
         one,
         torch.tensor([1.0, 0, 0, 0]),
         4,
-        flags=ep_grpo.Args(gate="zsig", gate_norm="none", pivot_scope="group"),
+        gate="zsig",
+        gate_norm="none",
+        pivot_scope="group",
         return_parts=True,
     )
     assert torch.allclose(parts["gate"].squeeze(1), torch.tensor([0.2072, 0.3900, 0.6100, 0.7928]), atol=1e-4)
-    steep = ep_advantages(
+    steep = ep(
         H,
         one * 0,
         one * 0,
         one,
         torch.tensor([1.0, 0, 0, 0]),
         4,
-        flags=ep_grpo.Args(gate="zsig", gate_norm="none", pivot_scope="group", gate_gamma=5.0),
+        gate="zsig",
+        gate_norm="none",
+        pivot_scope="group",
+        gate_gamma=5.0,
         return_parts=True,
     )[1]["gate"].squeeze(1)
     assert steep[0] < 0.01 and steep[3] > 0.99  # gamma sharpens the gate
@@ -466,9 +482,7 @@ def test_outcome_polarity_signs_the_process_credit():
     logp_ref = -torch.rand(B, T, generator=g)
     logp_old = logp_ref + torch.randn(B, T, generator=g)  # delta = logp_old - logp_ref
     rewards = torch.tensor([0.0] * 4 + [1.0] * 4 + [1.0, 0, 0, 0])  # all-wrong, all-correct, mixed
-    a, parts = ep_advantages(
-        entropy, logp_old, logp_ref, mask, rewards, 4, flags=ep_grpo.Args(gate="none"), return_parts=True
-    )
+    a, parts = ep(entropy, logp_old, logp_ref, mask, rewards, 4, gate="none", return_parts=True)
     assert parts["polarity"].tolist() == [-1.0] * 4 + [1.0] * 4 + [1.0, -1, -1, -1]
     delta = logp_old - logp_ref
 
@@ -478,9 +492,7 @@ def test_outcome_polarity_signs_the_process_credit():
 
     assert corr(a[:4].flatten(), delta[:4].flatten()) < -0.5
     assert corr(a[4:8].flatten(), delta[4:8].flatten()) > 0.5
-    unsigned = ep_advantages(
-        entropy, logp_old, logp_ref, mask, rewards, 4, flags=ep_grpo.Args(gate="none", process_polarity="none")
-    )
+    unsigned = ep(entropy, logp_old, logp_ref, mask, rewards, 4, gate="none", process_polarity="none")
     assert torch.equal(a[:4], -unsigned[:4]) and torch.equal(a[4:8], unsigned[4:8])  # d = -1 / +1
     lam_p = unsigned[8:] - parts["outcome"][8:, None]  # mixed group: A = A_out + lambda * d * P
     assert torch.allclose(a[8:], parts["outcome"][8:, None] + parts["polarity"][8:, None] * lam_p, atol=1e-6)
@@ -520,15 +532,7 @@ def _tabular_drift(polarity, reward, steps=40, seed=0, lr=0.5):
         entropy = -(lp.exp() * lp).sum(-1).detach().expand(G * n, T)
         logp_ref = ref.log_softmax(-1).gather(1, tok.T).T
         mask = torch.ones(G * n, T)
-        A = ep_advantages(
-            entropy,
-            logp.detach(),
-            logp_ref,
-            mask,
-            torch.full((G * n,), reward),
-            G,
-            flags=ep_grpo.Args(process_polarity=polarity),
-        )
+        A = ep(entropy, logp.detach(), logp_ref, mask, torch.full((G * n,), reward), G, process_polarity=polarity)
         theta.grad = None
         (-(A * logp).sum() / mask.sum()).backward()
         with torch.no_grad():
@@ -565,14 +569,12 @@ def test_an_unscored_rollout_is_left_out_of_its_groups_process_statistics():
     lambda 0.2: A = A_out + lambda * d * P = 1 + 0.2 and -1 + 0.2 (A_out = +-1, population std)."""
     entropy, mask = torch.ones(3, 2), torch.ones(3, 2)
     logp_old = torch.tensor([[1.0, 1.0], [100.0, 100.0], [-1.0, -1.0]])
-    flags = ep_grpo.Args(num_buckets=1, gate_alpha=0.0, process_coef=0.2)
+    flags = dict(num_buckets=1, gate_alpha=0.0, process_coef=0.2)
     rewards = torch.tensor([1.0, math.nan, 0.0])
-    a, parts = ep_advantages(entropy, logp_old, torch.zeros(3, 2), mask, rewards, 3, flags=flags, return_parts=True)
+    a, parts = ep(entropy, logp_old, torch.zeros(3, 2), mask, rewards, 3, **flags, return_parts=True)
     assert parts["process"].tolist() == [[1.0, 1.0], [0.0, 0.0], [-1.0, -1.0]]
-    assert parts["cell_members"].tolist() == [4.0]  # the scored rows' four tokens
+    assert parts["cell_members"].tolist() == [[4.0]]  # the scored rows' four tokens (one group, one window)
     assert torch.allclose(a, torch.tensor([[1.2, 1.2], [0.0, 0.0], [-0.8, -0.8]]), atol=1e-5)
     for form in (dict(advantage_form="B"), dict(anchor_form="multiplicative"), dict(process_granularity="window")):
-        b = ep_advantages(
-            entropy, logp_old, torch.zeros(3, 2), mask, rewards, 3, flags=dataclasses.replace(flags, **form)
-        )
+        b = ep(entropy, logp_old, torch.zeros(3, 2), mask, rewards, 3, **flags, **form)
         assert torch.isfinite(b).all() and (b[1] == 0).all() and (b[0] != 0).all(), form

@@ -11,6 +11,7 @@ from conftest import ROOT
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 
 import common
+from rlvr_utils import cli, lambda_ablations
 from rlvr_utils.trace_diagnostics import trace_multipliers
 
 _spec = importlib.util.spec_from_file_location("grpo_lambda", ROOT / "grpo_lambda.py")
@@ -44,7 +45,9 @@ def grpo_loss(logp, old, A, mask, agg, eps=0.2, eps_high=0.28):
 
 
 def lambda_loss(logp, old, A, mask, agg, lam, style, eps=0.2, eps_high=0.28, apply="trace"):
-    per_token, _, _ = gl.grpo_lambda_token_loss(logp, old, A, mask.float(), lam, 1.0, style, apply, eps, eps_high)
+    """GRPO-λ's aggregated loss, ϵ-trace or (apply "weight") the ablation's ϵ-weight, as grpo_lambda.py calls them."""
+    token_loss = weight_variant() if apply == "weight" else gl.grpo_lambda_token_loss
+    per_token, _, _ = token_loss(logp, old, A, mask.float(), lam, 1.0, style, eps, eps_high)
     return common.aggregate_loss(per_token, mask.float(), agg, 48, mask.sum().item(), mask.shape[0])
 
 
@@ -213,9 +216,15 @@ def test_adv_clamp_only_touches_negative_advantages():
 
 
 # ------------------------------------------------------------------------------------ ϵ-weight variant
+def weight_variant():
+    """--trace-apply weight's loss (rlvr_utils/lambda_ablations.py), with grpo_lambda_token_loss's arguments."""
+    args = cli.with_ablations(gl.Args, lambda_ablations)(trace_apply="weight")
+    return lambda_ablations.token_loss(args, gl.grpo_lambda_token_loss, gl.trace_log_ratio)
+
+
 def test_weight_variant_is_clipped_grpo_loss_times_eligibility():
     logp, old, A, mask = off_policy_batch(seed=5)
-    loss, ratio, _ = gl.grpo_lambda_token_loss(logp, old, A, mask, 0.9, 1.0, "recent", "weight", 0.2, 0.2)
+    loss, ratio, _ = weight_variant()(logp, old, A, mask, 0.9, 1.0, "recent", 0.2, 0.2)
     grpo_tok = -torch.min(torch.exp(logp - old) * A, torch.clamp(torch.exp(logp - old), 0.8, 1.2) * A)
     E = torch.stack([weight_matrix(mask.shape[1], 0.9, "recent").float() @ (1 + torch.sigmoid(r - 1)) for r in logp])
     m = mask.bool()
@@ -259,8 +268,6 @@ def test_bad_arguments_raise():
         gl.trace_log_ratio(x, mask, 0.9, 1.0, "early")
     with pytest.raises(ValueError, match=r"gamma \* lam must be in \[0, 1\]"):
         gl.trace_log_ratio(x, mask, 1.5, 1.0, "recent")
-    with pytest.raises(ValueError, match="unknown trace application"):
-        gl.grpo_lambda_token_loss(x, x, x, mask, 0.9, apply="both")
     assert gl.trace_log_ratio(torch.zeros(3, 0), torch.zeros(3, 0), 0.9).shape == (3, 0)
     assert trace_multipliers(torch.tensor([], dtype=torch.long), 0.9).shape == (0, 0)
 

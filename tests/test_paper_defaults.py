@@ -5,6 +5,7 @@ choice rather than the paper's, the comment says so; docs/<method>.md has the ta
 flag | paper | official code | ours | why."""
 
 import dataclasses
+import importlib
 import inspect
 
 import pytest
@@ -15,12 +16,15 @@ import grpo_lambda
 import sc_grpo
 import srpo
 
+ABLATIONS = {sc_grpo: "sc_ablations", ep_grpo: "ep_ablations", srpo: "srpo_ablations", grpo_lambda: "lambda_ablations"}
+
 
 def defaults(module) -> dict:
-    return {
-        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(module.Args)
-    }
+    """The script's flags' defaults, its ablation flags' too (rlvr_utils/<method>_ablations.py: the method's values)."""
+    fields = dataclasses.fields(module.Args)
+    if module in ABLATIONS:
+        fields += dataclasses.fields(importlib.import_module(f"rlvr_utils.{ABLATIONS[module]}").Ablations)
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
 
 
 def signature_defaults(fn) -> dict:
@@ -84,7 +88,7 @@ def test_grpo_lambda_paper_defaults():
     )
     assert d["loss_agg"] == "token-mean" and d["beta"] == 0.0
     loss = signature_defaults(grpo_lambda.grpo_lambda_token_loss)
-    assert (loss["gamma"], loss["style"], loss["apply"]) == (1.0, "both", "trace")
+    assert (loss["gamma"], loss["style"]) == (1.0, "both")
     assert signature_defaults(grpo_lambda.trace_log_ratio)["style"] == "both"
 
 

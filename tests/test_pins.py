@@ -12,7 +12,7 @@ from helpers import read_metrics, run_inprocess
 import ep_grpo
 import sc_grpo
 import srpo
-from rlvr_utils import engines, teacher
+from rlvr_utils import engines
 from sc_grpo import Role
 
 
@@ -46,10 +46,10 @@ def test_sc_grpo_micro_batches_hold_whole_groups_when_the_size_is_not_a_multiple
     """G = 4: --micro-batch-size 6 -> one group per micro-batch, 9 -> two, 3 (< G) -> one group anyway; groups keep
     their order of first appearance, interleaved rows included."""
     gid = torch.tensor([7, 7, 7, 7, 3, 3, 3, 3, 5, 5, 5, 5])
-    got = teacher.micro_batches_of_groups(torch.arange(12), gid, 4, size)
+    got = sc_grpo.micro_batches_of_groups(torch.arange(12), gid, 4, size)
     assert [m.tolist() for m in got] == (want or [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
     mixed = torch.tensor([1, 2, 1, 2, 1, 2, 1, 2])
-    got = teacher.micro_batches_of_groups(torch.arange(8), mixed, 4, 6)
+    got = sc_grpo.micro_batches_of_groups(torch.arange(8), mixed, 4, 6)
     assert [m.tolist() for m in got] == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 

@@ -3,7 +3,6 @@ inputs) and its real entry point."""
 
 import copy
 import dataclasses
-import functools
 import itertools
 
 import pytest
@@ -12,7 +11,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import sc_grpo
-from rlvr_utils import sc_ablations, tasks, teacher
+from rlvr_utils import logprob_kernels, sc_ablations, tasks, teacher
 from sc_grpo import Role
 
 
@@ -21,7 +20,22 @@ def reference_prompt(problem: tasks.ArithProblem, reference: str) -> str:
     return f"Reference solution:\n{reference.strip()}\nSolve: {problem.text}\n"
 
 
-logprobs_and_kl = functools.partial(teacher.logprobs_and_kl, kl_fn=sc_grpo.token_kl)  # as sc_grpo.py calls it
+def logprobs_and_kl(model, ids, attn, T, temperature=1.0, teach=None, pad_id=0, with_entropy=False, kl_grad=False,
+                    chunk_size=None, fused=None, divergence=None):  # fmt: skip
+    """As sc_grpo.py's step 5: common.token_logprobs keeps its forward's output (`keep`), teacher.teacher_kl adds the
+    teacher's. fused=False: as on a model whose logits are not lm_head(h) (rlvr_utils/unfused.py), for both."""
+    fused_ok = logprob_kernels.fused_logprobs_ok
+    student, teach = [], teach if teach is not None else [None] * len(ids)
+    try:
+        logprob_kernels.fused_logprobs_ok = fused_ok if fused is not False else (lambda model: False)
+        logp, ent = common.token_logprobs(model, ids, attn, T, temperature, chunk_size, with_entropy, keep=student)
+        D, cost = teacher.teacher_kl(
+            model, student, ids, attn, T, teach, temperature, pad_id, kl_grad, None, divergence
+        )
+    finally:
+        logprob_kernels.fused_logprobs_ok = fused_ok
+    return logp, ent, D, cost
+
 
 REAL_LOAD_TASK, REAL_CLIP = tasks.load_task, torch.nn.utils.clip_grad_norm_
 NEW_METRICS = (
@@ -186,7 +200,7 @@ def test_kl_is_zero_for_the_students_own_context_and_matches_a_direct_computatio
         assert D_same.abs().max() < 1e-6  # the teacher sees exactly the student's context
         teach = [tasks.encode_prompt(tok, reference_prompt(tasks.parse_arith_problem("12+3-4"), comps[0]))] * 2
         teach[1] = None  # the second row has no teacher: D = 0 there
-        _, _, D, cost = logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id, time_chunk=3)
+        _, _, D, cost = logprobs_and_kl(model, ids, attn, T, 1.0, teach, tok.pad_token_id)
         # direct: one unpadded forward each, full log-softmax
         comp = tok(comps[0], add_special_tokens=False).input_ids + [tok.eos_token_id]
         L = len(comp)
@@ -299,7 +313,7 @@ def test_c_is_the_micro_batch_percentile_unless_the_scope_is_the_batch():
 
     def weights(micro_batch_size):
         w = torch.empty(4, 1)
-        for mb in teacher.micro_batches_of_groups(rows, gid, 2, micro_batch_size):
+        for mb in sc_grpo.micro_batches_of_groups(rows, gid, 2, micro_batch_size):
             w[mb] = sc_grpo.weights_and_advantages(D[mb], active[mb], role[mb], gid[mb], adv[mb])[0]
         return w.flatten()
 

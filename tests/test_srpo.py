@@ -13,7 +13,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import srpo
-from rlvr_utils import rollouts, tasks
+from rlvr_utils import rollouts, runtime, tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
 
@@ -129,7 +129,7 @@ def test_collect_rollouts_oracle_batch(tiny):
     torch.manual_seed(0)
     task, examples = _task(tok, 4)
     ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
-        model, tok, task, examples, _args(reset="oracle"), random.Random(0)
+        model, tok, task, iter([examples]), runtime.Dist(), _args(reset="oracle"), random.Random(0)
     )
     assert len(ro) == 8 * len(examples)  # the budget: 8 trained trajectories per prompt
     prompts = [tuple(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()) for i in range(len(ro))]
@@ -157,7 +157,7 @@ def test_collect_rollouts_fallback_when_nothing_fails(tiny):
     task, examples = _task(tok, 2)
     task.reward_fn = lambda completion, ex: 1.0
     ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
-        model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0)
+        model, tok, task, iter([examples]), runtime.Dist(), _args(max_fresh_attempts=6), random.Random(0)
     )
     assert info["num_parents"] == 0 and info["fallback_share"] == 1.0
     assert info["fresh_chains"] == 6 * 2  # searched up to max_fresh_attempts, then topped up to 8 below
@@ -181,7 +181,7 @@ def test_easy_prompt_fallback_samples_fresh_chains_official(tiny):
 
     task.reward_fn = reward
     ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
-        model, tok, task, examples, _args(max_fresh_attempts=6), random.Random(0)
+        model, tok, task, iter([examples]), runtime.Dist(), _args(max_fresh_attempts=6), random.Random(0)
     )
     assert info["num_parents"] == 0 and info["fresh_chains"] == 12 and all(n == 6 + 4 for n in calls.values())
     for e in examples:
@@ -203,7 +203,7 @@ def test_parent_never_enters_the_batch(tiny):
 
     task.reward_fn = reward
     ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
-        model, tok, task, examples, _args(reset="random"), random.Random(0)
+        model, tok, task, iter([examples]), runtime.Dist(), _args(reset="random"), random.Random(0)
     )
     assert info["num_parents"] == 2
     assert len(ro) == 16 and (rewards == 1.0).all()
@@ -396,7 +396,7 @@ def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(ti
 
     task.reward_fn = reward
     ro, _, suffix_start, _, info = srpo.collect_rollouts(
-        model, tok, task, examples, _args(reset="random", max_new_tokens=400), random.Random(3)
+        model, tok, task, iter([examples]), runtime.Dist(), _args(reset="random", max_new_tokens=400), random.Random(3)
     )
     assert info["num_parents"] == 3
     counts = []

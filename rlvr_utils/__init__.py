@@ -1,6 +1,13 @@
 """The support package of the five scripts, one topic per module. Layers point one way: scripts -> common.py -> this
 package; nothing here imports common.py or a script, and no import cycle runs through the modules (tests/test_layout).
 
+One variant per file (CleanRL): a method's script holds the paper's method and its reduction to grpo.py; each ablation
+lives in rlvr_utils/<method>_ablations.py, whose `Ablations` dataclass declares its flags (a docstring each, the --help
+text) and whose functions take the method's own as arguments (this package imports no script). cli.parse adds those
+flags to the script's Args only when the command line names one of them, or the run --resume continues was started
+with one: `--help` and a default run show and load the method alone, and `--help` after an ablation flag lists them
+all. The script asks `cli.ablation(args)` (the module, or None) at the few places an ablation acts, one line each.
+
 The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
   runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
@@ -11,7 +18,7 @@ The core, what a default run loads (README: Copy one method):
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
   checkpoints      atomic checkpoints (--save-every, Ctrl-C), the run directory and its one-writer lock
 A method's own, loaded by its script:
-  teacher          SC-GRPO's teacher forward: D without a [b, T, V] tensor (sc_grpo.py has its prompt, roles and KL)
+  teacher          SC-GRPO's D from the update's forward and one teacher forward, without a [b, T, V] tensor
   chains           SRPO's generate calls under its chain protocol (srpo.py has the rules, the prompt, the parser)
   trace_diagnostics  GRPO-lambda's trace/* metrics and the closed form of its credit multiplier
   ep_diagnostics   EP-GRPO's ep/* metrics (logged; they change nothing in the update)
@@ -37,8 +44,13 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   trl_eval         --eval-num-generations: TRL's evaluation, samples per prompt and their training metrics under eval/
   lora             --lora-rank: PEFT adapters, the reference with adapters off, merged weights for vLLM and saves
   credit           --log-credit: each token's effective credit, read from the loss's gradient, and credit.jsonl
-  ep_ablations     EP-GRPO's ablation flags: the alternative forms (docs/ep_grpo.md)
-  sc_ablations     SC-GRPO's --divergence sampled-logratio: the sampled token's log-ratio in place of the KL
+The ablations, one module a method (its flags join the script's only when one is given, below):
+  sc_ablations     SC-GRPO's --divergence sampled-logratio, --weighted-groups, --kl-threshold-scope batch
+  ep_ablations     EP-GRPO's other forms (--gate, --pivot-scope, --process-granularity, --anchor-form,
+                   --advantage-form) and moving anchors (--process-anchor ema / lagged)
+  srpo_ablations   SRPO's --split 2x4 / 1x8, --no-mask, --clip
+  lambda_ablations  GRPO-lambda's --trace-apply weight (epsilon-weight)
+
 """
 
 # The files an extra needs besides its own (and the core): what it imports, at the top or where its flag is handled.

@@ -51,21 +51,23 @@ def recording_step(self, *args, **kwargs):
 
 torch.optim.AdamW.step = recording_step
 IDLE = {"passes": 0, "teacher": 0}  # FSDP's padding on this rank: idle micro-batches, idle teacher forwards
-_idle, _any = distributed.TorchrunDist.idle_pass, distributed.TorchrunDist.any
+_idle, _idle_forward = distributed.TorchrunDist.idle_pass, distributed.TorchrunDist.idle_forward
 
 
-def counting_idle(loss_of_one_row):
+def counting_idle(self, train_model):
     IDLE["passes"] += 1
-    return _idle(loss_of_one_row)
+    return _idle(self, train_model)
 
 
-def counting_any(self, flag):
-    out = _any(self, flag)
-    IDLE["teacher"] += int(out and not flag)
-    return out
+def counting_idle_forward(self, busy, forward):
+    def counted():
+        IDLE["teacher"] += 1
+        return forward()
+
+    return _idle_forward(self, busy, counted)
 
 
-distributed.TorchrunDist.idle_pass, distributed.TorchrunDist.any = staticmethod(counting_idle), counting_any
+distributed.TorchrunDist.idle_pass, distributed.TorchrunDist.idle_forward = counting_idle, counting_idle_forward
 
 if __name__ == "__main__":
     out, rest = Path(sys.argv[1]), sys.argv[2:]

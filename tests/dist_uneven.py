@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node 2 tests/dist_uneven.py OUT_DIR ddp|fsdp
 
-Under FSDP rank 1 runs an idle pass (Dist.micro_batches) so the collectives match; the gradient must be the one DDP
-gives, where rank 1 simply runs one micro-batch. Rank 0 saves the full gradient to OUT_DIR/<mode>.pt."""
+Under FSDP with uneven rows (Dist.uneven, SRPO's) rank 1 runs an idle pass (Dist.micro_batches) so the collectives
+match; the gradient must be the one DDP gives, where rank 1 simply runs one micro-batch. Rank 0 saves the full gradient
+to OUT_DIR/<mode>.pt."""
 
-import functools
 import sys
 from pathlib import Path
 
@@ -25,9 +25,9 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(1 + dist.rank)
     ids = torch.randint(3, 50, (2 if dist.rank == 0 else 1, 12), generator=g)  # rank 0: two micro-batches of one row
     attn, T = torch.ones_like(ids), 6
-    one_row = functools.partial(common.token_logprobs, train, ids[:1], attn[:1], T)
+    dist.uneven = True  # ranks hold different numbers of rows, as SRPO's
     micro = [torch.tensor([k]) for k in range(len(ids))]  # one row each: rank 1 has one fewer
-    for mb in dist.micro_batches(train, micro, one_row):  # its missing one: an idle pass (FSDP)
+    for mb in dist.micro_batches(train, micro):  # its missing one: an idle pass (FSDP)
         (-common.token_logprobs(train, ids[mb], attn[mb], T)[0].sum() / 3).backward()
     grads = {
         n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()

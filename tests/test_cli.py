@@ -4,6 +4,7 @@ anything loads and before the run directory exists (cli.py and each script's val
 import gzip
 import importlib.util
 import json
+import re
 import time
 
 import pytest
@@ -30,7 +31,6 @@ CASES = [  # (script, flags, words the one line must hold)
     ("grpo.py", ["--num-minibatches", "3"], ["--num-minibatches 3", "divide", "--prompts-per-step 8"]),
     ("sc_grpo.py", ["--percentile", "120"], ["--percentile"]),
     ("grpo_lambda.py", ["--adv-clamp", "0.5"], ["--adv-clamp", "<= 0"]),
-    ("ep_grpo.py", ["--anchor-lag", "0"], ["--anchor-lag", ">= 1"]),
     (
         "srpo.py",
         ["--reset", "oracle", "--task", "gsm8k", "--data-path", "DATA", "--eval-data-path", "DATA"],
@@ -38,6 +38,18 @@ CASES = [  # (script, flags, words the one line must hold)
     ),
     ("grpo.py", ["--device", "tpu"], ["--device tpu", "cuda:N"]),
     ("grpo.py", ["--resume", "no/such/run"], ["--resume no/such/run", "not a run directory"]),
+    # the ablation flags (rlvr_utils/<method>_ablations.py): checked as the method's, once given
+    ("srpo.py", ["--split", "2x4", "--num-generations", "6"], ["--num-generations", "multiple of 4", "--split 2x4"]),
+    (
+        "sc_grpo.py",
+        ["--divergence", "sampled-logratio", "--kl-loss-coef", "0.1"],
+        ["--kl-loss-coef", "--divergence kl"],
+    ),
+    ("sc_grpo.py", ["--divergence", "l2"], ["--divergence", "kl", "sampled-logratio"]),
+    ("ep_grpo.py", ["--anchor-lag", "0"], ["--anchor-lag", ">= 1"]),
+    ("ep_grpo.py", ["--gate-gamma", "0"], ["--gate-gamma", "> 0"]),
+    ("grpo_lambda.py", ["--trace-apply", "both"], ["--trace-apply", "trace", "weight"]),
+    ("sc_grpo.py", ["--percentil", "50"], ["--percentil"]),  # a mistake, not an ablation: tyro names it
 ]
 
 
@@ -134,3 +146,50 @@ def test_read_rows_accepts_jsonl_gz_and_json_arrays(tmp_path):
 )
 def test_looks_like_path(name, local):
     assert models.looks_like_path(name) is local
+
+
+ABLATION_FLAGS = {  # each method's ablation flags (rlvr_utils/<method>_ablations.py), one given to list them all
+    "sc_grpo.py": ["--divergence", "--weighted-groups", "--kl-threshold-scope"],
+    "ep_grpo.py": ["--gate", "--pivot-scope", "--process-granularity", "--anchor-form", "--advantage-form"],
+    "srpo.py": ["--split", "--no-mask", "--clip"],
+    "grpo_lambda.py": ["--trace-apply"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(ABLATION_FLAGS))
+def test_help_shows_the_method_and_an_ablation_flag_shows_the_ablations(script):
+    """One variant per file: a script's --help lists its method's flags and none of its ablations'; with one ablation
+    flag on the line, --help lists them all (they join the script's flags where one is given, cli.parse)."""
+    plain = run_script(script, "--help", timeout=120)
+    assert plain.returncode == 0 and "--beta" in plain.stdout, plain.stderr[-2000:]
+    listed = lambda text, flag: re.search(rf"│ {re.escape(flag)}[ ,]", text)  # noqa: E731  (an option's row)
+    assert not [f for f in ABLATION_FLAGS[script] if listed(plain.stdout, f)], plain.stdout
+    first = ABLATION_FLAGS[script][0]
+    value = {"--no-mask": [], "--clip": []}.get(first, [{"--divergence": "kl", "--gate": "soft"}.get(first, "1x4")])
+    value = ["trace"] if script == "grpo_lambda.py" else value
+    more = run_script(script, first, *value, "--help", timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert all(listed(more.stdout, f) for f in ABLATION_FLAGS[script]), more.stdout
+
+
+@pytest.mark.slow
+def test_a_run_started_with_an_ablation_flag_resumes_with_it(tmp_path, monkeypatch):
+    """--resume reads the run's config.json: a run started with --trace-apply weight continues with it, the flag not
+    given again (cli.parse adds the ablation's flags when the run had them)."""
+    import sys
+
+    import grpo_lambda
+    from rlvr_utils import cli, lambda_ablations
+
+    tiny = ["--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "8", "--num-eval", "2"]
+    tiny += ["--eval-every", "0", "--threads", "1", "--output-dir", str(tmp_path)]
+    first = run_script("grpo_lambda.py", *tiny, "--trace-apply", "weight", "--total-steps", "1", "--save-every", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run,) = tmp_path.iterdir()
+    again = run_script("grpo_lambda.py", "--resume", str(run), "--total-steps", "2", timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in lines] == [0, 1, 2]
+    monkeypatch.setattr(sys, "argv", ["grpo_lambda.py", "--resume", str(run), "--total-steps", "3"])
+    args = cli.parse(grpo_lambda.Args, grpo_lambda.validate, "lambda_ablations")  # what the resume ran with
+    assert args.trace_apply == "weight" and cli.ablation(args) is lambda_ablations

@@ -218,6 +218,8 @@ FOLLOW = [  # (script, flags, the files the line names)
     ("grpo.py", ["--engine", "vllm"], ["engines"]),
     ("sc_grpo.py", ["--divergence", "sampled-logratio"], ["sc_ablations"]),
     ("ep_grpo.py", ["--gate", "hard"], ["ep_ablations"]),
+    ("srpo.py", ["--clip"], ["srpo_ablations"]),
+    ("grpo_lambda.py", ["--trace-apply", "weight"], ["lambda_ablations"]),
 ]  # fmt: skip
 NAMED = re.compile(r"needs ((?:rlvr_utils/\w+\.py(?:, )?)+), which this copy does not have")
 

@@ -238,7 +238,7 @@ if __name__ == "__main__":
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
-    ablation = cli.ablation(args)  # its flags given: rlvr_utils/ep_ablations.py (docs/ep_grpo.md)
+    ablation = args.ablation_module  # its flags given: rlvr_utils/ep_ablations.py (docs/ep_grpo.md)
     anchor = ablation.moving_anchor(args, model) if ablation else None  # ablation: a moving anchor
     need_ref = anchor is None or args.beta > 0  # ALGO LOGIC: delta needs it
     ref_model = common.reference(model, args) if need_ref else None  # LoRA: adapters off

@@ -183,7 +183,9 @@ if __name__ == "__main__":
         epsilon=args.epsilon, epsilon_high=args.epsilon_high, max_log_ratio=args.max_log_ratio
     )
     token_loss = grpo_lambda_token_loss  # ALGO LOGIC: ϵ-trace
-    ablation = cli.ablation(args)  # its flag given: rlvr_utils/lambda_ablations.py (--trace-apply)
+    ablation = (
+        args.ablation_module
+    )  # its flag given: rlvr_utils/lambda_ablations.py (--trace-apply)
     if ablation is not None:
         token_loss = ablation.token_loss(args, grpo_lambda_token_loss, trace_log_ratio)
 

@@ -313,7 +313,7 @@ if __name__ == "__main__":
     teach = dict(temperature=args.temperature, pad_id=tokenizer.pad_token_id, kl_grad=kl_grad)
     teacher_kl = functools.partial(teacher.teacher_kl, **teach, dist=dist)  # D, fused (§5.1)
     weighted, f_per_batch = ("partial", "none"), False  # the groups with a teacher (§5.1)
-    ablation = cli.ablation(args)  # its flags given: rlvr_utils/sc_ablations.py (docs/sc_grpo.md)
+    ablation = args.ablation_module  # its flags given: rlvr_utils/sc_ablations.py (docs/sc_grpo.md)
     if ablation is not None:
         f_and_bonus, teacher_kl, weighted, f_per_batch = ablation.set_up(
             args, f_and_bonus, teacher_kl

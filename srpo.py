@@ -252,8 +252,8 @@ class Search:
 def split_sizes(args) -> tuple[int, int, int]:
     """(parents, K continuations per parent, base chains) per prompt: the budget G split 1x4, one
     parent's G/2 continuations and G/2 base chains (--split: an ablation's other splits)."""
-    if cli.ablation(args) is not None:
-        return cli.ablation(args).split_sizes(args)
+    if args.ablation_module is not None:
+        return args.ablation_module.split_sizes(args)
     K = args.num_generations // 2
     return 1, K, args.num_generations - K
 
@@ -380,8 +380,8 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
             rows += [Row(e, c.ids, 0, "base", None, c.reward) for c in st.base]
             continue
         kept = st.base[:n_base]  # the base chains (--split: an ablation's other fallbacks)
-        if cli.ablation(args) is not None:
-            kept = cli.ablation(args).fallback(st, args)
+        if args.ablation_module is not None:
+            kept = args.ablation_module.fallback(st, args)
         kept = kept + st.spare[: args.num_generations - len(kept)]
         rows += [Row(e, c.ids, 0, "fresh", None, c.reward) for c in kept]
     order = [e.id for e in examples]
@@ -488,7 +488,7 @@ if __name__ == "__main__":
     run.start(model, tokenizer, optimizer, task, state={"resets": rng})
     dist = run.dist
     dist.uneven = True  # torchrun: a rank's rows are its prompts' resets (FSDP evens the passes)
-    ablation = cli.ablation(args)  # its flags given: rlvr_utils/srpo_ablations.py (docs/srpo.md)
+    ablation = args.ablation_module  # its flags given: rlvr_utils/srpo_ablations.py (docs/srpo.md)
 
     for step in run.steps():
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization,

@@ -1,12 +1,7 @@
 """The support package of the five scripts, one topic per module. Layers point one way: scripts -> common.py -> this
 package; nothing here imports common.py or a script, and no import cycle runs through the modules (tests/test_layout).
-
-One variant per file (CleanRL): a method's script holds the paper's method and its reduction to grpo.py; each ablation
-lives in rlvr_utils/<method>_ablations.py, whose `Ablations` dataclass declares its flags (a docstring each, the --help
-text) and whose functions take the method's own as arguments (this package imports no script). cli.parse adds those
-flags to the script's Args only when the command line names one of them, or the run --resume continues was started
-with one: `--help` and a default run show and load the method alone, and `--help` after an ablation flag lists them
-all. The script asks `cli.ablation(args)` (the module, or None) at the few places an ablation acts, one line each.
+One variant per file (CleanRL): a script holds its paper's method; its ablations' flags (<method>_ablations.Ablations)
+join its Args only when given (runtime.ablated), and it asks args.ablation_module where one acts (docs/design.md).
 
 The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
@@ -44,20 +39,13 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   trl_eval         --eval-num-generations: TRL's evaluation, samples per prompt and their training metrics under eval/
   lora             --lora-rank: PEFT adapters, the reference with adapters off, merged weights for vLLM and saves
   credit           --log-credit: each token's effective credit, read from the loss's gradient, and credit.jsonl
-The ablations, one module a method (its flags join the script's only when one is given, below):
-  sc_ablations     SC-GRPO's --divergence sampled-logratio, --weighted-groups, --kl-threshold-scope batch
-  ep_ablations     EP-GRPO's other forms (--gate, --pivot-scope, --process-granularity, --anchor-form,
-                   --advantage-form) and moving anchors (--process-anchor ema / lagged)
-  srpo_ablations   SRPO's --split 2x4 / 1x8, --no-mask, --clip
-  lambda_ablations  GRPO-lambda's --trace-apply weight (epsilon-weight)
-
+  sc_ablations     SC-GRPO's ablation flags: --divergence sampled-logratio, --weighted-groups, --kl-threshold-scope
+  ep_ablations     EP-GRPO's: the other forms (--gate, --pivot-scope, --process-granularity, ...), moving anchors
+  srpo_ablations   SRPO's: --split 2x4 / 1x8, --no-mask, --clip
+  lambda_ablations  GRPO-lambda's: --trace-apply weight (epsilon-weight)
 """
 
-# The files an extra needs besides its own (and the core): what it imports, at the top or where its flag is handled.
-# runtime.extra names every one a copy lacks in its one line (tests/test_copy.py follows the line to a trained step).
-REQUIRES = {
-    "data_tasks": ("model_checks",),  # a hub dataset is looked up as a --model would be
-    "custom": ("reward_calls", "reward_isolation", "reward_logs", "watchdog"),  # --reward-fn: TRL's reward calls
-    "reward_calls": ("reward_isolation", "reward_logs", "watchdog"),
-    "sandbox": ("sandbox_harness",),  # --task code: the program the sandbox starts
-}
+# what each extra imports besides the core: runtime.extra names all a copy lacks in one line (tests/test_layout.py)
+REQUIRES = {"data_tasks": ("model_checks",), "sandbox": ("sandbox_harness",)}  # the harness: read as text
+REQUIRES["reward_calls"] = ("reward_isolation", "reward_logs", "watchdog")  # --reward-fn: TRL's reward calls
+REQUIRES["custom"] = ("reward_calls", *REQUIRES["reward_calls"])

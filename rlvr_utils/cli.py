@@ -22,10 +22,10 @@ from typing import Annotated, Literal
 import tyro
 
 from rlvr_utils.models import check_default
+from rlvr_utils.runtime import ablated, world_size
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
 from rlvr_utils.runtime import usage_error as usage_error
-from rlvr_utils.runtime import world_size
 from rlvr_utils.tasks import arith_problems
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-arith")  # the bundled tiny policy
@@ -37,6 +37,7 @@ class BaseArgs:
     `Args(BaseArgs)` adds its method's flags and redeclares the defaults it changes; tyro reads the docstring under each
     field as its --help text."""
 
+    ablation_module = None  # not a flag: the method's ablation module once one of its flags is given (ablated)
     exp_name: str = ""
     """name of this experiment (part of the run name; default: the script's name)"""
     seed: int = 1
@@ -210,37 +211,18 @@ class BaseArgs:
 
 
 def parse(args_type, validate=None, ablations: str | None = None):
-    """The command line, checked before anything loads: `tyro.cli(args_type)` (its parse errors, a framed panel, turned
-    into the same one line as ours), --resume's flags, the shared checks, then the script's own `validate(args)`
-    (one-line errors; it returns the args, with any field it derives). --epsilon-high defaults to --epsilon and
-    --exp-name to the script's name. `ablations`: rlvr_utils/<method>_ablations.py, whose flags join only when given
-    (or --resume's run had them): --help and a default run are the method's alone (docs/design.md)."""
-    if ablations and (flag := unknown_flag(args_type)):  # an ablation's flag, or a mistake tyro names
-        args_type = with_ablations(args_type, extra(ablations, f"{flag} (not the method's flag: an ablation's?)"))
-    args = expand_paths(_tyro(args_type))
+    """The command line, checked before anything loads: `tyro.cli(args_type)` (with `ablations`' flags where one is
+    given: runtime.ablated), --resume's flags, the shared checks, then the script's own `validate(args)` and the
+    ablations' (one line each; they return the args). --epsilon-high defaults to --epsilon, --exp-name to the script."""
+    args = expand_paths(_tyro(ablated(args_type, ablations)))
     if args.resume:  # the run's own flags (its config.json), checked against these
-        args = extra("resume", "--resume").resume_args(args, args_type, ablations)
+        args = extra("resume", "--resume").resume_args(args, type(args), ablations)
     args = dataclasses.replace(args, save_model=args.save_model or args.save_adapter)  # --save-adapter: the save too
     check_common(args)
     args = validate(args) if validate is not None else args
-    args = ablation(args).validate(args) if ablation(args) else args  # the ablation flags' own checks
+    args = args.ablation_module.validate(args) if args.ablation_module else args
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     return dataclasses.replace(args, epsilon_high=eps_high, exp_name=args.exp_name or Path(sys.argv[0]).stem)
-
-
-def unknown_flag(args_type) -> str | None:  # the first --flag (--no-flag, --flag_name) args_type does not declare
-    names = {f.name for f in dataclasses.fields(args_type)} | {"help"}
-    words = [w[2:].split("=", 1)[0].replace("-", "_") for w in sys.argv[1:] if w.startswith("--")]
-    return next((f"--{w.replace('_', '-')}" for w in words if {w, w.removeprefix("no_")}.isdisjoint(names)), None)
-
-
-def with_ablations(args_type, module):  # args_type with module.Ablations' flags after its own; ablation(args): module
-    more = {"__doc__": args_type.__doc__, "ablation_module": module}
-    return dataclasses.make_dataclass(args_type.__name__, [], bases=(module.Ablations, args_type), namespace=more)
-
-
-def ablation(args):  # the method's ablation module when args holds its flags (one was given), else None
-    return getattr(args, "ablation_module", None)
 
 
 def expand_paths(args):
@@ -329,8 +311,7 @@ def check_common(args) -> None:
         import torch
 
         need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
-    needed = needed_extras(a)  # a copy of the minimal core without some: one line naming every file they need
-    for module, flag in needed:
+    for module, flag in (needed := needed_extras(a)):  # a copy without some: one line naming every file they need
         extra(module, flag, *needed)
     if a["model"] == DEFAULT_MODEL:
         check_default(a["model"])
@@ -359,8 +340,8 @@ def check_common(args) -> None:
 
 
 def needed_extras(a: dict) -> list[tuple[str, str]]:
-    """(module, flag) of each extra module the flags ask for (README: Copy one method): what a default run never
-    loads (--task gsm8k, math, code: not the reward-call layer, which --reward-fn and --task custom need)."""
+    """(module, flag) of each extra the flags ask for, never loaded by a default run (--task gsm8k/math/code: not TRL's
+    reward-call layer, which --reward-fn and --task custom need). README: Copy one method."""
     out = [("model_checks", "--model")] if a["model"] != DEFAULT_MODEL else []  # its directory or hub id, checked
     own = dict(gsm8k=["rewards"], math=["rewards"], code=["sandbox"], custom=["datafiles", "custom"])  # the tasks'
     out += [(m, f"--task {a['task']}") for m in ["data_tasks", *own[a["task"]]]] if a["task"] != "arith" else []

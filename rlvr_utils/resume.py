@@ -81,11 +81,8 @@ def resume_args(args, args_type, ablations: str | None = None):
     except (ValueError, AssertionError, OSError, RecursionError) as e:
         usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
     more = sorted(set(saved) - {f.name for f in dataclasses.fields(args_type)} - {"script", "file_hashes"})
-    if ablations and more and not hasattr(args_type, "ablation_module"):  # a run started with an ablation flag
-        from rlvr_utils import cli
-
-        module = runtime.extra(ablations, f"--resume of a run with --{more[0].replace('_', '-')}")
-        args_type = cli.with_ablations(args_type, module)
+    if more and not hasattr(args_type, "ablation_module"):  # a run started with an ablation flag: its flags
+        args_type = runtime.ablated(args_type, ablations, more[0])
         args = args_type(**vars(args))  # its flags at their defaults, then the run's
     made_by = saved.get("script")
     need(

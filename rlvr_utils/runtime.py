@@ -36,9 +36,8 @@ def need(ok: bool, message: str) -> None:
 
 
 def extra(module: str, flag: str, *more: tuple[str, str]):
-    """rlvr_utils.<module>, an extra that `flag` needs, imported where the flag is handled (README: Copy one method). A
-    copy that lacks its file, one it needs (rlvr_utils.REQUIRES) or one of the (module, flag) pairs `more` (cli.parse
-    checks every extra the flags ask for, before anything loads): one line naming every such file, exit code 2."""
+    """rlvr_utils.<module>, an extra that `flag` needs, imported where its flag is handled. A copy that lacks its file,
+    one it needs (rlvr_utils.REQUIRES) or one of the (module, flag) pairs `more`: one line naming them all, exit 2."""
     from rlvr_utils import REQUIRES
 
     here, asked = Path(__file__).parent, ((module, flag), *more)
@@ -48,6 +47,18 @@ def extra(module: str, flag: str, *more: tuple[str, str]):
     need(not files, f"{flags} needs {files}, which this copy does not have: copy {'them' if ',' in files else 'it'} "
          "from the repository into rlvr_utils/ (README: Copy one method)")  # fmt: skip
     return importlib.import_module(f"rlvr_utils.{module}")
+
+
+def ablated(args_type, ablations: str | None, flag: str | None = None):
+    """args_type and rlvr_utils/<ablations>.py's flags after them if `flag` (else the line's first it lacks) asks."""
+    names = {f.name for f in dataclasses.fields(args_type)} | {"help"}
+    words = [w[2:].split("=", 1)[0].replace("-", "_") for w in sys.argv[1:] if w.startswith("--")]
+    flag = flag or next((w for w in words if {w, w.removeprefix("no_")}.isdisjoint(names)), None)
+    if not ablations or not flag:  # none asked for, or a mistake that tyro names
+        return args_type
+    module = extra(ablations, f"--{flag.replace('_', '-')} (not the method's flag)")  # docs/design.md
+    more = {"__doc__": args_type.__doc__, "ablation_module": module}
+    return dataclasses.make_dataclass(args_type.__name__, [], bases=(module.Ablations, args_type), namespace=more)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,9 +98,7 @@ class Dist:
         return tokens / self.world, seqs / self.world
 
     def micro_batches(self, train_model, micro: list):
-        """Each micro-batch of a mini-batch in turn, the gradients all-reduced in the last one's backward only. Under
-        FSDP with `uneven` rows every rank runs as many as the rank with most, one forward each, the missing ones idle
-        passes. Here: `micro` itself."""
+        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened)."""
         yield from micro
 
     def gathered_if_uneven(self, *models):  # FSDP with `uneven` rows: the no-grad passes on the full weights
@@ -104,9 +113,6 @@ class Dist:
         yield
 
     def idle_forward(self, busy: bool, forward) -> None:  # FSDP: forward() where another rank is busy, this not
-        pass
-
-    def sync_grads(self, train_model, enabled: bool) -> None:  # whether the next backward all-reduces gradients
         pass
 
     def reduce_metrics(self, metrics: dict) -> dict:  # means over ranks (sums for counts)

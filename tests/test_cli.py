@@ -192,4 +192,4 @@ def test_a_run_started_with_an_ablation_flag_resumes_with_it(tmp_path, monkeypat
     assert [json.loads(r)["step"] for r in lines] == [0, 1, 2]
     monkeypatch.setattr(sys, "argv", ["grpo_lambda.py", "--resume", str(run), "--total-steps", "3"])
     args = cli.parse(grpo_lambda.Args, grpo_lambda.validate, "lambda_ablations")  # what the resume ran with
-    assert args.trace_apply == "weight" and cli.ablation(args) is lambda_ablations
+    assert args.trace_apply == "weight" and args.ablation_module is lambda_ablations

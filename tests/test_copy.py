@@ -201,15 +201,16 @@ DATA = {  # a small data file of each task's format (8 training rows, 2 held out
     "rows.jsonl": [{"prompt": f"{i} + 1 = ", "answer": str(i + 1)} for i in range(10)],
 }
 REWARD = "def f(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
+DATA_FILES = ["data_tasks", "model_checks"]  # every data flag's (a hub dataset is looked up as a --model would be)
+REWARD_FNS = ["custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]  # TRL's reward-call layer
 FOLLOW = [  # (script, flags, the files the line names)
-    ("grpo.py", ["--task", "gsm8k", "--data-path", "gsm.jsonl"], ["data_tasks", "model_checks", "rewards", "datafiles"]),
-    ("grpo.py", ["--task", "math", "--data-path", "math.jsonl"], ["data_tasks", "model_checks", "rewards", "datafiles"]),
+    ("grpo.py", ["--task", "gsm8k", "--data-path", "gsm.jsonl"], [*DATA_FILES, "rewards", "datafiles"]),
+    ("grpo.py", ["--task", "math", "--data-path", "math.jsonl"], [*DATA_FILES, "rewards", "datafiles"]),
     ("grpo.py", ["--task", "code", "--data-path", "code.jsonl"],
-     ["data_tasks", "model_checks", "sandbox", "sandbox_harness", "datafiles"]),
+     [*DATA_FILES, "sandbox", "sandbox_harness", "datafiles"]),
     ("grpo.py", ["--task", "custom", "--data-path", "rows.jsonl", "--reward-fn", "r.py:f"],
-     ["data_tasks", "model_checks", "datafiles", "custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]),
-    ("grpo.py", ["--reward-fn", "r.py:f"],
-     ["data_tasks", "model_checks", "datafiles", "custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]),
+     [*DATA_FILES, "datafiles", *REWARD_FNS]),
+    ("grpo.py", ["--reward-fn", "r.py:f"], [*DATA_FILES, "datafiles", *REWARD_FNS]),
     ("grpo.py", ["--log-credit", "2"], ["credit"]),
     ("grpo.py", ["--save-model"], ["model_card"]),
     ("grpo.py", ["--eval-num-generations", "2"], ["trl_eval"]),

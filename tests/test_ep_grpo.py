@@ -15,7 +15,7 @@ from helpers import read_metrics, run_inprocess, run_script
 import common
 import ep_grpo
 from ep_grpo import cell_zscore, entropy_gate, ep_advantages, progress_windows, row_quantile
-from rlvr_utils import cli, ep_ablations, tasks
+from rlvr_utils import cli, ep_ablations, runtime, tasks
 from rlvr_utils.ep_diagnostics import ep_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def make_batch(seed=0, T=12, equal_rewards=False, same_policy=False):
     return dict(entropy=entropy, logp_old=logp_old, logp_ref=logp_ref, mask=mask, rewards=rewards, group_ids=group_ids)
 
 
-ABLATED = cli.with_ablations(ep_grpo.Args, ep_ablations)  # Args with the ablation flags, as cli.parse makes it
+ABLATED = runtime.ablated(ep_grpo.Args, "ep_ablations", "gate")  # Args with the ablation flags, as cli.parse makes it
 ABLATION_FLAGS = {f.name for f in dataclasses.fields(ep_ablations.Ablations)}
 
 

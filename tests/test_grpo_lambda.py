@@ -11,7 +11,7 @@ from conftest import ROOT
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 
 import common
-from rlvr_utils import cli, lambda_ablations
+from rlvr_utils import lambda_ablations, runtime
 from rlvr_utils.trace_diagnostics import trace_multipliers
 
 _spec = importlib.util.spec_from_file_location("grpo_lambda", ROOT / "grpo_lambda.py")
@@ -218,7 +218,7 @@ def test_adv_clamp_only_touches_negative_advantages():
 # ------------------------------------------------------------------------------------ ϵ-weight variant
 def weight_variant():
     """--trace-apply weight's loss (rlvr_utils/lambda_ablations.py), with grpo_lambda_token_loss's arguments."""
-    args = cli.with_ablations(gl.Args, lambda_ablations)(trace_apply="weight")
+    args = runtime.ablated(gl.Args, "lambda_ablations", "trace_apply")(trace_apply="weight")
     return lambda_ablations.token_loss(args, gl.grpo_lambda_token_loss, gl.trace_log_ratio)
 
 

@@ -161,12 +161,12 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
     delta sums 0 and 0.6 -> P = -1, +1 (population z-score); rewards 1, 0 -> A_out = +-1 / (1 + 2e-6);
     A = gate * (A_out + 0.5 P)."""
     from ep_grpo import Flags, ep_advantages
-    from rlvr_utils import cli, ep_ablations
+    from rlvr_utils import ep_ablations, runtime
 
     H = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     logp_old = torch.tensor([[0.1, -0.1], [0.2, 0.4]])
     flags = dict(num_buckets=1, gate_alpha=1.0, gate_temp=0.1, process_coef=0.5, process_polarity="none")
-    args = cli.with_ablations(ep_grpo.Args, ep_ablations)(**flags, process_granularity="window")  # an ablation
+    args = runtime.ablated(ep_grpo.Args, "ep_ablations", "gate")(**flags, process_granularity="window")  # an ablation
     A = ep_ablations.wrap(args, vars(ep_grpo))(
         H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, flags=Flags.of(args)
     )

@@ -1,8 +1,7 @@
 """The generate calls of srpo.py under its chain protocol (SRPO / RRPO, arXiv 2605.25507; docs/srpo.md, "The chain
 protocol"): each response is generated in one call and srpo.py's stopping rules (protocol_cut) are applied after the
 fact, cutting the sampled token ids, never re-tokenizing them. `Sampler` makes a step's generate calls and counts what
-SRPO logs; `tokens_before` aligns a character offset with the sampled tokens; `reset_metrics` counts a step's reset/*
-metrics from srpo.py's records.
+SRPO logs (`reset_metrics`: the rest); `tokens_before` aligns a character offset with the sampled tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import Callable
 from rlvr_utils import rollouts
 
 COUNTS = "loc_truncated generated_tokens long_thoughts generate_calls".split()  # the Sampler's (srpo: reset/<name>)
-REPLIES = ("empty", "no_error", "out_of_range", "unparsable")  # a localization reply's failures (srpo.parse_reply)
 
 
 def tokens_before(tokenizer, ids: list[int], cut: int) -> int:
@@ -46,10 +44,10 @@ def reset_metrics(cuts, rows, examples, tried: int, solved: float) -> dict:
         num_parents=len(cuts),
         fresh_chains=tried,
         parent_one_thought=sum(c.n == 1 for c in cuts),
-        prefix_overflow=sum(c.overflow for c in cuts),  # reset to the start: the prefix would fill the context
+        prefix_overflow=sum(c.overflow for c in cuts),
         oracle_early_stop=sum(c.early for c in cuts),  # the chain stopped before the task's first error
     )
-    out |= {f"loc_{kind}": sum(c.reply == kind for c in cuts) for kind in REPLIES}  # the localization's failures
+    out |= {f"loc_{k}": sum(c.reply == k for c in cuts) for k in ("empty", "no_error", "out_of_range", "unparsable")}
     if oracle_ks:
         out["oracle_exact"] = sum(k == o for (k, _), o in zip(ks, oracle_ks)) / len(ks)
         out["oracle_within_1"] = sum(abs(k - o) <= 1 for (k, _), o in zip(ks, oracle_ks)) / len(ks)

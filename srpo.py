@@ -438,8 +438,8 @@ def collect_rollouts(model, tokenizer, task, batches, dist, args, rng: random.Ra
         later = reset_points(sampler, task, search, rest, args, rng, max_pos)  # (3) --reset self
         sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
         *out, rows = settle(model, sampler, task, examples, search, early + later, sfx, args)
-    tried = sum(st.tried for st in search.values())  # LOGS: reset/* (docs/srpo.md, Logs)
-    logs = chains.reset_metrics(early + later, rows, examples, tried, args.success_threshold)
+    tried, cuts = sum(st.tried for st in search.values()), early + later  # LOGS: reset/*
+    logs = chains.reset_metrics(cuts, rows, examples, tried, args.success_threshold)  # LOGS
     return (*out, sampler.info | logs)
 
 

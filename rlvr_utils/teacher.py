@@ -14,9 +14,9 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from rlvr_utils import logprob_kernels, runtime
-from rlvr_utils.rollouts import pad_left
 
 
 def teacher_kl(model, student: list, input_ids, attention_mask, T: int, teacher_prompts: list, temperature: float = 1.0,
@@ -33,7 +33,7 @@ def teacher_kl(model, student: list, input_ids, attention_mask, T: int, teacher_
     unfused = None if fused else runtime.extra("unfused", "a model whose logits are not lm_head(h)")
     lm = logprob_kernels.unwrap(model).get_output_embeddings() if fused else None
     forward = logprob_kernels.completion_hidden if fused else unfused.completion_logits  # [r, T, H] or [r, T, V]
-    divergence = divergence or (fused_kl if fused else unfused.logits_kl)
+    divergence = divergence or (FusedLinearKL.of if fused else unfused.logits_kl)
     out, cost, start = [], {"seconds": 0.0, "peak_bytes": 0}, 0
     for zs in student:  # common.token_logprobs' row chunks
         ids, mask = input_ids[start : start + len(zs)], attention_mask[start : start + len(zs)]
@@ -45,7 +45,9 @@ def teacher_kl(model, student: list, input_ids, attention_mask, T: int, teacher_
         if not rows:
             continue
         t0 = time.time()
-        tp, tm = pad_left([prompts[r] for r in rows], pad_id, ids.device)
+        tp = [torch.tensor(prompts[r], device=ids.device) for r in rows]  # the teacher prompts, left-padded
+        tm = pad_sequence([torch.ones_like(p) for p in tp], batch_first=True, padding_side="left")
+        tp = pad_sequence(tp, batch_first=True, padding_value=pad_id, padding_side="left")
         with torch.no_grad():  # the teacher: stop-gradient
             zt = forward(model, torch.cat([tp, ids[rows, -T:]], 1), torch.cat([tm, mask[rows, -T:]], 1), T)
         with torch.set_grad_enabled(kl_grad and torch.is_grad_enabled()):
@@ -57,13 +59,6 @@ def teacher_kl(model, student: list, input_ids, attention_mask, T: int, teacher_
     return torch.cat(out), cost
 
 
-def fused_kl(zs, zt, targets, lm, temperature: float) -> torch.Tensor:
-    """D [r, T] from the student's and the teacher's final hidden states [r, T, H] through the lm_head `lm`:
-    FusedLinearKL, [positions, V] fp32 temporaries of about 64 MB."""
-    both, positions = (zs.flatten(0, 1), zt.flatten(0, 1)), max(1, 2**24 // lm.out_features)
-    return FusedLinearKL.apply(*both, lm.weight, lm.bias, temperature, positions).view(targets.shape)
-
-
 class FusedLinearKL(torch.autograd.Function):
     """D_n = KL(p^T_n || p^S_n) = sum_v p^T (log p^T - log p^S) over the full vocabulary,
     p = softmax(W h_n (+ b) / tau),
@@ -72,6 +67,13 @@ class FusedLinearKL(torch.autograd.Function):
     The teacher is a constant (stop-gradient: nothing reaches its hidden states, nor W through its side). The
     backward recomputes both chunks' log-softmaxes and forms dD/dz^S = (p^S - p^T) / tau, then dh^S = dz W and
     dW += dz^T h^S (accumulated in fp32). Under no_grad it is a chunked, no-gradient KL (SC-GRPO's weights)."""
+
+    @staticmethod
+    def of(zs, zt, targets, lm, temperature: float) -> torch.Tensor:
+        """D [r, T] from the student's and the teacher's final hidden states [r, T, H] through the lm_head `lm`, with
+        [positions, V] fp32 temporaries of about 64 MB (teacher_kl's default `divergence`)."""
+        both, positions = (zs.flatten(0, 1), zt.flatten(0, 1)), max(1, 2**24 // lm.out_features)
+        return FusedLinearKL.apply(*both, lm.weight, lm.bias, temperature, positions).view(targets.shape)
 
     @staticmethod
     def log_softmax(hidden, weight, bias, temperature: float) -> torch.Tensor:

@@ -13,9 +13,13 @@ The rule, static and the same for every method:
     block (`f_and_bonus = functools.partial(weights_and_advantages, ...)`) stands for what its value names.
   - follow: every project function or class those lines name, then every one their bodies name, transitively (a
     class is one place: its methods are read with it).
-  - not counted: the plumbing every method shares (the modules PLUMBING: flags, the run, model loading, rollouts,
-    log-prob kernels, checkpoints, tasks and prompts; common.py's shared loop, SHARED), and the extras that a default
-    run does not load (ablations, diagnostics, credit logging, torchrun, vLLM).
+  - plumbing included: a task, rollout or log-prob helper (the modules OPENED) that the method's code names is counted,
+    as a reader opens it, but not followed into (its own helpers are plumbing of plumbing).
+  - each counted once: a definition grpo.py's list holds (GRPO's group advantage) is counted there, not again for each
+    method (a reader comes to a method from grpo.py).
+  - not counted: the plumbing every script runs the same way (the modules PLUMBING: flags, the run, model loading,
+    checkpoints; common.py's shared loop, SHARED), and the extras that a default run does not load (ablations,
+    diagnostics, credit logging, torchrun, vLLM, a model whose logits are not lm_head(h)).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo")
-PLUMBING = {"runtime", "cli", "models", "rollouts", "checkpoints", "logprob_kernels", "tasks", "watchdog"}
+PLUMBING = {"runtime", "cli", "models", "checkpoints", "watchdog", "model_checks"}
+OPENED = {"tasks", "rollouts", "logprob_kernels"}  # the task, rollout and log-prob helpers: counted, not followed
 EXTRAS = {"credit", "ep_diagnostics", "trace_diagnostics", "ep_ablations", "sc_ablations", "engines", "distributed"}
 EXTRAS |= {"sharded", "resume", "data_tasks", "datafiles", "custom", "reward_calls", "rewards", "sandbox", "model_card"}
-EXTRAS |= {"lora", "reward_logs"}
+EXTRAS |= {"lora", "reward_logs", "srpo_ablations", "lambda_ablations", "unfused", "cuda_graphs", "reward_isolation"}
 SHARED = {"token_logprobs", "aggregate_loss", "k3_kl", "engine_correction", "minibatches", "rollouts_with_rewards"}
 SHARED |= {"UpdateStats", "Run", "load_task", "load_model", "load_tokenizer", "stop_token_ids", "make_rollouts"}
 SHARED |= {"seed_everything", "prompt_batches", "regroup", "evaluate", "stop_if_nonfinite", "reset_peak_memory"}
@@ -184,7 +189,10 @@ def places(script: str, mods: dict[str, Module]) -> list[tuple[str, str]]:
         if ref in seen or not counted(ref):
             continue
         seen.add(ref)
-        todo |= body_references(mods[ref[0]].defs[ref[1]], mods[ref[0]], mods)
+        if ref[0] not in OPENED:  # a task, rollout or log-prob helper is opened, not followed into
+            todo |= body_references(mods[ref[0]].defs[ref[1]], mods[ref[0]], mods)
+    if script != "grpo" and "grpo" in mods:  # counted once: what grpo.py's list already holds
+        seen -= set(places("grpo", mods))
     order = lambda r: (r[0] != script, r[0], mods[r[0]].defs[r[1]].lineno)  # noqa: E731
     return sorted(seen, key=order)
 

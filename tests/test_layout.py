@@ -1,4 +1,4 @@
-"""The package's layout (DESIGN.md): layers point one way (scripts -> common.py -> rlvr_utils; the package imports
+"""The package's layout (docs/design.md): layers point one way (scripts -> common.py -> rlvr_utils; the package imports
 neither common.py nor a script and has no import cycle inside), rlvr_utils/__init__.py lists every module, the
 one-line usage error has one definition (rlvr_utils/runtime.py), and no line of Python is over 120 characters
 (ruff's E501 lets a line that ends in a pragma comment run over; this does not)."""

@@ -80,7 +80,7 @@ def test_every_project_module_attribute_used_exists():
 
 
 def test_shared_modules_stay_small():
-    """DESIGN.md: common.py (what every script uses) at most 600 lines, each module of the support package at most
+    """docs/design.md: common.py (what every script uses) at most 600 lines, each module of the support package at most
     400."""
     assert len((ROOT / "common.py").read_text().splitlines()) <= 600
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "rlvr_utils").glob("*.py")}

@@ -26,7 +26,12 @@ TINY_MODEL = ROOT / "assets" / "tiny-arith"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end runs of the scripts (subprocess)")
+    config.addinivalue_line(
+        "markers",
+        "slow: end-to-end runs of the scripts, the learning checks, the torchrun jobs (tests/test_dist.py) and the "
+        "longest memory and update checks; they run by default and in CI (python -m pytest -q), and "
+        "`python -m pytest -q -m 'not slow'` leaves them out for a quick pass",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # every test here starts torchrun jobs (gloo on CPU): the suite's slowest file
+
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = str(ROOT / "tests" / "dist_driver.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the torchrun command runs, without relying on PATH

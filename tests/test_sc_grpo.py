@@ -470,6 +470,7 @@ def test_additive_kl_baseline_and_ablation_flags_run(tmp_path, monkeypatch):
     assert m["sc/groups_plain"] < 1 and m["sc/tau_truncated"] + m["sc/no_reference"] > 0
 
 
+@pytest.mark.slow
 def test_batch_scope_gives_one_c_whatever_the_micro_batch_size(tmp_path, monkeypatch):
     """Four partial-solve groups of 4: with --kl-threshold-scope batch and one group per micro-batch, f (and so the
     gradient) is that of the micro-batch scope with all four groups in one micro-batch, not that of one group per
@@ -653,6 +654,7 @@ def test_an_unscored_rollout_gets_no_role_and_advantage_zero_in_a_solve_none_gro
         assert (adv[1] == 0).all() and (adv[role == Role.DIVERSITY].abs() > 0).all()
 
 
+@pytest.mark.slow
 def test_the_additive_kl_term_acts_whatever_the_weight_mode(tmp_path, monkeypatch):
     """--kl-loss-coef: D, with its gradient, joins the loss in every pass, also where f is not made (--weight-mode
     none): the teacher runs for it (need_teacher = f_here or kl_grad), so the gradient differs from the run without."""

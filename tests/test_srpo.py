@@ -442,6 +442,7 @@ def test_protocol_cut_s_worked_example_holds():
     assert srpo.protocol_cut(tok, [ord(c) for c in "abcdefgh"], "abcdefgh", "\n", budget=4, continuation=True) == []
 
 
+@pytest.mark.slow
 def test_base_and_reset_groups_are_normalized_apart(tmp_path, monkeypatch):
     """Issue #54: a prompt's base chains and its reset group are two normalization groups (official 1x4: each z-scored
     alone), through the real step: the rollouts settle builds carry a group per (prompt, base | reset), and step 3

@@ -11,7 +11,7 @@ The core, what a default run loads (README: Copy one method):
   rollouts         the Rollouts batch and its generation: the static decoder (a preallocated KV cache, the model's
                    own weights), HF generate (--engine hf), or the vLLM engine when attached
   logprob_kernels  memory-bounded token log-probs: fused lm_head kernels, the padded batch's layout
-  checkpoints      atomic checkpoints (--save-every, Ctrl-C), the run directory and its one-writer lock
+  checkpoints      the run directory and its one-writer lock, the counted prompt stream, where checkpoints are
 A method's own, loaded by its script:
   teacher          SC-GRPO's D from the update's forward and one teacher forward, without a [b, T, V] tensor
   chains           SRPO's generate calls under its chain protocol (srpo.py has the rules, the prompt, the parser)
@@ -19,6 +19,7 @@ A method's own, loaded by its script:
   ep_diagnostics   EP-GRPO's ep/* metrics (logged; they change nothing in the update)
 The extras, each imported where its flag is handled (runtime.extra names the file a copy lacks):
   model_checks     a --model you give, checked before it loads: its config, weight files and tokenizer, or the hub
+  saving           writing atomic checkpoints (--save-every, Ctrl-C) and Hugging Face folders (--save-model)
   resume           --resume: the run's flags and its checkpoint restored
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
   datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line
@@ -47,5 +48,6 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
 
 # what each extra imports besides the core: runtime.extra names all a copy lacks in one line (tests/test_layout.py)
 REQUIRES = {"data_tasks": ("model_checks",), "sandbox": ("sandbox_harness",)}  # the harness: read as text
+REQUIRES |= {"model_card": ("saving",), "sharded": ("saving",)}  # writing a checkpoint or a folder
 REQUIRES["reward_calls"] = ("reward_isolation", "reward_logs", "watchdog")  # --reward-fn: TRL's reward calls
 REQUIRES["custom"] = ("reward_calls", *REQUIRES["reward_calls"])

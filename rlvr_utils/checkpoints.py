@@ -1,4 +1,5 @@
-"""Checkpoints: `--save-model`, `--save-every N`, and the one a clean Ctrl-C writes (resume.py reads them back).
+"""Checkpoints: `--save-model`, `--save-every N`, and the one a clean Ctrl-C writes (saving.py writes them, resume.py
+reads them back); here what every run has: the run directory, its one-writer lock, the counted prompt stream.
 
 A training checkpoint is the directory <run_dir>/checkpoint/, written into a temporary sibling and renamed over the
 previous one (only the last is kept, and a crash never leaves a half-written one):
@@ -18,93 +19,13 @@ import contextlib
 import errno
 import json
 import os
-import random
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import NoReturn
 
-import numpy as np
-import torch
-
 from rlvr_utils import runtime
-
-
-def save_model_atomic(
-    model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None, card: str | None = None
-) -> Path:
-    """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
-    over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights.
-    `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state); `card`: the
-    README.md written beside them (the model card)."""
-    named = state_dict.items() if state_dict is not None else model.named_parameters()
-    bad = [n for n, p in named if torch.is_floating_point(p) and not torch.isfinite(p).all()]
-    if bad:
-        raise ValueError(f"refusing to save a checkpoint with non-finite weights in {bad[:3]}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _atomic_dir(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        if card is not None:
-            (tmp / "README.md").write_text(card)
-    return path
-
-
-class _atomic_dir:
-    """`with _atomic_dir(path) as tmp:` fill `tmp`; on success its files are flushed to disk (fsync) and it replaces
-    `path` by two renames (path -> .<name>.old-<pid>, tmp -> path; then the old copy is removed); on failure it is
-    removed. A kill between the two renames leaves both copies complete under hidden names: `Checkpointer.restore`
-    finds the newest complete one."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def __enter__(self) -> Path:
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
-        return self.tmp
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        umask = os.umask(0)
-        os.umask(umask)
-        for dirpath, _, files in os.walk(self.tmp):  # safetensors writes 0600: give every file the umask's mode
-            for name in files:
-                os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
-        _fsync_tree(self.tmp)
-        old = None
-        if self.path.exists():
-            old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
-            os.rename(self.path, old)
-        os.rename(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return False
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Every file under `root`, then every directory, on disk before the rename makes them visible."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
 
 
 def io_cause(e: BaseException) -> str:
@@ -152,33 +73,6 @@ class CountingBatches:
             next(self)
 
 
-def numpy_state() -> tuple:
-    """NumPy's global random state with its key as a list of ints (np.random.set_state takes it back as it is)."""
-    name, key, *rest = np.random.get_state()
-    return (name, key.tolist(), *rest)
-
-
-def _is_rng(obj) -> bool:
-    return isinstance(obj, (torch.Generator, random.Random))
-
-
-def _state_of(obj):
-    if isinstance(obj, torch.Generator):
-        return obj.get_state()
-    if isinstance(obj, random.Random):
-        return obj.getstate()
-    return obj.state_dict()
-
-
-def load_into(obj, state) -> None:
-    if isinstance(obj, torch.Generator):
-        obj.set_state(state)
-    elif isinstance(obj, random.Random):
-        obj.setstate(state)
-    else:
-        obj.load_state_dict(state)
-
-
 class Checkpointer:
     """Saves <run_dir>/checkpoint/ every `every` steps (0: never) and when asked (Ctrl-C), and restores it.
     `extra`: the script's own stateful objects by name (torch.Generator, random.Random, or anything with
@@ -192,59 +86,9 @@ class Checkpointer:
         return self.every > 0 and (step % self.every == 0 or step == total_steps)
 
     def save(self, step: int, model, tokenizer, optimizer, batches: CountingBatches, extra: dict | None = None) -> Path:
-        """Write the checkpoint of the state after `step` (rank 0 writes the model; every rank its RNG states)."""
-        state = {
-            "step": step,
-            "batches_drawn": batches.drawn,
-            "optimizer": None if self.sharded else optimizer.state_dict(),  # FSDP: in the shards (sharded.save)
-            "python": random.getstate(),
-            "numpy": numpy_state(),  # plain numbers: resume.py loads trainer.pt with weights_only=True
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "extra": {k: _state_of(v) for k, v in (extra or {}).items()},
-        }
-        # each rank's own streams: the script's generators too (SC-GRPO's routing draws differ per rank)
-        state["extra_rng"] = {k: state["extra"][k] for k, v in (extra or {}).items() if _is_rng(v)}
-        world = self.dist.world if self.dist is not None else 1
-        states = [None] * world
-        if world > 1:
-            keys = ("python", "numpy", "torch", "cuda", "extra_rng")
-            torch.distributed.all_gather_object(states, {k: state[k] for k in keys})
-        if self.sharded:
-            return runtime.extra("sharded", "--fsdp").save(self, step, model, optimizer, state, states)
-        if self.rank == 0:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                with self.new_copy() as tmp:
-                    save_model_atomic(model, tokenizer, tmp / "model")
-                    self.write_state(tmp, step, state, states)
-            except Exception as e:  # a full disk, a read-only directory, a file-size limit (OSError or the writer's)
-                if not is_io_error(e):
-                    raise  # not an I/O failure: a bug keeps its traceback
-                self.failed(step, e)
-            self.clean_leftovers()
-        if self.dist is not None:
-            self.dist.barrier()
-        return self.path
-
-    def new_copy(self) -> _atomic_dir:
-        """`with ckpt.new_copy() as tmp:` a temporary copy that replaces the checkpoint once it is filled."""
-        return _atomic_dir(self.path)
-
-    def write_state(self, tmp: Path, step: int, state: dict, states: list, **marker) -> None:
-        """A copy's files besides the weights (rank 0): trainer.pt, the other ranks' sampling streams `states[1:]`,
-        and last the marker {"step": step, **marker} that says the copy is whole."""
-        torch.save(state, tmp / "trainer.pt")
-        for r in range(1, len(states)):
-            torch.save(states[r], tmp / f"trainer_rank{r}.pt")
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, **marker}))
-
-    def failed(self, step: int, e: BaseException) -> NoReturn:
-        """A save that could not be written: one line naming the directory, the cause and the checkpoint that is still
-        whole (the atomic copy never replaced it), then exit code 1."""
-        kept = self.copies()
-        left = f"the checkpoint of step {kept[0][0]} is intact" if kept else "no earlier checkpoint exists"
-        write_failed(f"saving step {step} to {self.path} failed ({io_cause(e)}); {left}")
+        """The checkpoint of the state after `step`, by saving.py: an extra that a run which never saves never loads."""
+        saving = runtime.extra("saving", "a checkpoint (--save-every, Ctrl-C)")
+        return saving.save(self, step, model, tokenizer, optimizer, batches, extra)
 
     @property
     def sharded(self) -> bool:
@@ -306,8 +150,8 @@ def lock_run_dir(run_dir) -> None:
     ends, however it ends). `.lock`, opened without following a link, names the holder for people. A second process
     (a resume beside the live run, two resumes at once) stops with one line naming the live holder (/proc/locks where
     it can be read), before it writes anything. A file system that cannot lock a directory (NFS): `.lock` itself is
-    locked; one that cannot lock at all (ENOLCK, EOPNOTSUPP): a warning, and the run goes on unguarded (README). Any
-    other failure (a read-only directory, `.lock` a directory or a link, a full disk): one line naming `.lock` and
+    locked; one that cannot lock at all (ENOLCK, EOPNOTSUPP): a warning; the run goes on unguarded (docs/running.md).
+    Any other failure (a read-only directory, `.lock` a directory or a link, a full disk): one line naming `.lock` and
     the cause, exit code 2 (1 for a full disk or an I/O error)."""
     import fcntl
     import socket

@@ -75,8 +75,8 @@ class BaseArgs:
     reward_fn: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """PATH.py:NAME or package.module:NAME: a reward in TRL's convention, NAME(prompts, completions, completion_ids,
     trainer_state, **columns) -> one float (or None) per completion, async def too; repeat the flag for several (they
-    sum); with a built-in task it replaces the task's reward (README: Your own task). A reward model: wrap it with
-    rlvr_utils.custom.RewardModel (README: Reward models)"""
+    sum); with a built-in task it replaces the task's reward (docs/tasks.md: Your own task). A reward model: wrap it
+    with rlvr_utils.custom.RewardModel (docs/tasks.md: Reward models)"""
     reward_weights: Annotated[tuple[float, ...], tyro.conf.UseAppendAction] = ()
     """one weight per --reward-fn, the flag repeated in the same order (default: 1 each)"""
     reward_timeout: float = 0.0
@@ -159,7 +159,7 @@ class BaseArgs:
     about a third more update time for much less GPU memory on long completions (the README's GPU commands use it)"""
     lora_rank: int = 0
     """LoRA rank r (PEFT; 0: full fine-tuning): train adapters on --lora-target-modules; the reference (KL, EP-GRPO's
-    delta) is then the same model with its adapters off, not a second copy (README: LoRA)"""
+    delta) is then the same model with its adapters off, not a second copy (docs/lora.md)"""
     lora_alpha: float | None = None
     """LoRA alpha: the adapters are scaled by alpha / r (default: r, a scale of 1, as in the official SRPO code)"""
     lora_dropout: float = 0.0
@@ -215,8 +215,8 @@ def parse(args_type, validate=None, ablations: str | None = None):
     given: runtime.ablated), --resume's flags, the shared checks, then the script's own `validate(args)` and the
     ablations' (one line each; they return the args). --epsilon-high defaults to --epsilon, --exp-name to the script."""
     args = expand_paths(_tyro(ablated(args_type, ablations)))
-    if args.resume:  # the run's own flags (its config.json), checked against these
-        args = extra("resume", "--resume").resume_args(args, type(args), ablations)
+    if args.resume:  # the run's own flags (its config.json), checked against these; it saves as it goes
+        args = extra("resume", "--resume", ("saving", "--resume")).resume_args(args, type(args), ablations)
     args = dataclasses.replace(args, save_model=args.save_model or args.save_adapter)  # --save-adapter: the save too
     check_common(args)
     args = validate(args) if validate is not None else args
@@ -340,8 +340,7 @@ def check_common(args) -> None:
 
 
 def needed_extras(a: dict) -> list[tuple[str, str]]:
-    """(module, flag) of each extra the flags ask for, never loaded by a default run (--task gsm8k/math/code: not TRL's
-    reward-call layer, which --reward-fn and --task custom need). README: Copy one method."""
+    """(module, flag) of each extra the flags ask for, never loaded by a default run (README: Copy one method)."""
     out = [("model_checks", "--model")] if a["model"] != DEFAULT_MODEL else []  # its directory or hub id, checked
     own = dict(gsm8k=["rewards"], math=["rewards"], code=["sandbox"], custom=["datafiles", "custom"])  # the tasks'
     out += [(m, f"--task {a['task']}") for m in ["data_tasks", *own[a["task"]]]] if a["task"] != "arith" else []
@@ -350,6 +349,7 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
+    out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []
     out += [("distributed", "torchrun (WORLD_SIZE > 1)")] if world_size() > 1 else []

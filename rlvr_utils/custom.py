@@ -42,7 +42,7 @@ def load_reward_fn(spec: str) -> Callable:
         model = Path(os.path.expanduser(spec)).is_dir() or (spec.count("/") == 1 and not spec.endswith(".py"))
         raise RewardFnError(
             f"--reward-fn {spec}: a reward model is not a function: wrap it with rlvr_utils.custom.RewardModel in a "
-            "file and name that (README: Reward models)"
+            "file and name that (docs/tasks.md: Reward models)"
             if model
             else f"--reward-fn {spec}: expected PATH.py:NAME or package.module:NAME"
         )

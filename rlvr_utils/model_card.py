@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from rlvr_utils import checkpoints
+from rlvr_utils import checkpoints, saving
 from rlvr_utils.cli import DEFAULT_MODEL, BaseArgs
 from rlvr_utils.models import looks_like_path
 from rlvr_utils.runtime import extra
@@ -280,9 +280,9 @@ def save_final_model(dist, model, tokenizer, path, example: str | None, flags_no
         try:
             if hasattr(model, "peft_config"):  # --lora-rank
                 with extra("lora", "--lora-rank").saved_as(model, adapter, base_as_given(flags_now["model"])) as saved:
-                    out = checkpoints.save_model_atomic(saved, tokenizer, path, None, card)
+                    out = saving.save_model_atomic(saved, tokenizer, path, None, card)
             else:
-                out = checkpoints.save_model_atomic(model, tokenizer, path, state, card)
+                out = saving.save_model_atomic(model, tokenizer, path, state, card)
         except Exception as e:
             if not checkpoints.is_io_error(e):
                 raise  # not an I/O failure: a bug keeps its traceback

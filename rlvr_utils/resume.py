@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rlvr_utils import runtime
-from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, load_into, lock_run_dir
+from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, lock_run_dir
 from rlvr_utils.runtime import need, read_rows, usage_error
 
 RUNTIME_FLAGS = (
@@ -81,7 +81,7 @@ def resume_args(args, args_type, ablations: str | None = None):
     except (ValueError, AssertionError, OSError, RecursionError) as e:
         usage_error(f"--resume {args.resume}: {run_dir / 'config.json'} cannot be read ({type(e).__name__})")
     more = sorted(set(saved) - {f.name for f in dataclasses.fields(args_type)} - {"script", "file_hashes"})
-    if more and not hasattr(args_type, "ablation_module"):  # a run started with an ablation flag: its flags
+    if more and args_type.ablation_module is None:  # a run started with an ablation flag: its flags
         args_type = runtime.ablated(args_type, ablations, more[0])
         args = args_type(**vars(args))  # its flags at their defaults, then the run's
     made_by = saved.get("script")
@@ -224,6 +224,16 @@ def recover(ckpt) -> int | None:
             shutil.rmtree(ckpt.path)
         os.rename(best, ckpt.path)
     return step
+
+
+def load_into(obj, state) -> None:
+    """A script's stateful object (saving.py's _state_of) back from its saved state."""
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, random.Random):
+        obj.setstate(state)
+    else:
+        obj.load_state_dict(state)
 
 
 def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | None = None) -> int:

@@ -1,6 +1,6 @@
 """Sharded checkpoints under --fsdp: torch.distributed.checkpoint (DCP) writes every rank's shards of the policy and
 of the optimizer state at once, and reshards them on load onto any number of ranks, with or without FSDP. The rest of
-a checkpoint (step, random streams, data position, method state) and its atomic replacement are checkpoints.py's.
+a checkpoint (step, random streams, data position, method state) and its atomic replacement are saving.py's.
 See docs/scaling.md ("Checkpoints across world sizes").
 """
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rlvr_utils import saving
 from rlvr_utils.runtime import usage_error
 
 
@@ -28,7 +29,7 @@ def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     if dist.sum([float(not all(torch.isfinite(p).all() for p in local))])[0] > 0:
         raise ValueError("refusing to save a checkpoint with non-finite weights")
-    ctx = ckpt.new_copy() if main else None
+    ctx = saving.new_copy(ckpt) if main else None
     if main:
         ckpt.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(dist.broadcast(str(ctx.__enter__()) if main else None))  # one temporary copy, named by rank 0
@@ -37,7 +38,7 @@ def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp / "sharded"))  # every rank: its shards
         dist.barrier()
         if main:
-            ckpt.write_state(tmp, step, {**state, "sharded": True}, states, world=dist.world)
+            saving.write_state(ckpt, tmp, step, {**state, "sharded": True}, states, world=dist.world)
     except BaseException as e:
         if main:
             ctx.__exit__(type(e), e, None)  # the temporary copy goes; the previous checkpoint stays

@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir, run_inprocess
 
-from rlvr_utils import checkpoints
+from rlvr_utils import checkpoints, saving
 
 TINY = ["--num-eval", "4", "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "2"]
 TINY += ["--max-new-tokens", "16", "--threads", "1"]
@@ -326,8 +326,8 @@ def test_a_kill_at_any_point_of_a_save_loses_and_repeats_no_step(tmp_path, monke
     real = {
         "rename": os.rename,
         "save": torch.save,
-        "fsync_tree": checkpoints._fsync_tree,
-        "rmtree": checkpoints.shutil.rmtree,
+        "fsync_tree": saving._fsync_tree,
+        "rmtree": saving.shutil.rmtree,
     }
     for k in range(6, 18):  # the 1st save makes 5 of these writes (nothing to resume after them), the others 6
         count = [0]
@@ -336,15 +336,15 @@ def test_a_kill_at_any_point_of_a_save_loses_and_repeats_no_step(tmp_path, monke
             def f(*a, **kw):
                 count[0] += 1
                 if count[0] == k:
-                    monkeypatch.setattr(checkpoints.shutil, "rmtree", lambda *a, **kw: None)  # no cleanup after -9
+                    monkeypatch.setattr(saving.shutil, "rmtree", lambda *a, **kw: None)  # no cleanup after -9
                     raise _Killed
                 return real[name](*a, **kw)
 
             return f
 
-        monkeypatch.setattr(checkpoints.os, "rename", killer("rename"))
-        monkeypatch.setattr(checkpoints.torch, "save", killer("save"))
-        monkeypatch.setattr(checkpoints, "_fsync_tree", killer("fsync_tree"))
+        monkeypatch.setattr(saving.os, "rename", killer("rename"))
+        monkeypatch.setattr(saving.torch, "save", killer("save"))
+        monkeypatch.setattr(saving, "_fsync_tree", killer("fsync_tree"))
         out = tmp_path / f"k{k}"
         with pytest.raises(_Killed):
             run_inprocess("grpo.py", "--output-dir", str(out), *flags)

@@ -27,7 +27,7 @@ from test_bad_input import TINY, _one_line, _run
 from test_trl_rewards import _examples
 
 import common
-from rlvr_utils import checkpoints, cli, custom, data_tasks, resume, reward_calls, runtime, tasks
+from rlvr_utils import cli, custom, data_tasks, resume, reward_calls, runtime, saving, tasks
 
 
 class _Planted:
@@ -78,7 +78,7 @@ def test_trainer_pt_loads_weights_only_and_an_older_one_with_numpy_arrays_still_
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     before = np.random.get_state()
-    state = {"step": 1, "batches_drawn": 0, "optimizer": opt.state_dict(), "numpy": checkpoints.numpy_state()}
+    state = {"step": 1, "batches_drawn": 0, "optimizer": opt.state_dict(), "numpy": saving.numpy_state()}
     torch.save(state, tmp_path / "new.pt")
     new = torch.load(tmp_path / "new.pt", weights_only=True)  # the format itself: no safe globals needed
     np.random.set_state(new["numpy"])

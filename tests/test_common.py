@@ -8,7 +8,7 @@ import torch
 from helpers import padded_batch, random_model
 
 import common
-from rlvr_utils import checkpoints, logprob_kernels, rollouts, runtime
+from rlvr_utils import logprob_kernels, rollouts, runtime, saving
 
 
 def _reference(model64, prompt, completion, temperature):
@@ -194,14 +194,14 @@ def test_save_model_atomic_refuses_nan_and_replaces(tmp_path):
             (d / "tokenizer.json").write_text("{}")
 
     model = random_model()
-    out = checkpoints.save_model_atomic(model, Tok(), tmp_path / "ckpt")
+    out = saving.save_model_atomic(model, Tok(), tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
-    checkpoints.save_model_atomic(model, Tok(), tmp_path / "ckpt")  # overwrite in place
+    saving.save_model_atomic(model, Tok(), tmp_path / "ckpt")  # overwrite in place
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
-        checkpoints.save_model_atomic(model, Tok(), tmp_path / "ckpt2")
+        saving.save_model_atomic(model, Tok(), tmp_path / "ckpt2")
     assert not (tmp_path / "ckpt2").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
 

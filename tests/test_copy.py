@@ -212,10 +212,11 @@ FOLLOW = [  # (script, flags, the files the line names)
      [*DATA_FILES, "datafiles", *REWARD_FNS]),
     ("grpo.py", ["--reward-fn", "r.py:f"], [*DATA_FILES, "datafiles", *REWARD_FNS]),
     ("grpo.py", ["--log-credit", "2"], ["credit"]),
-    ("grpo.py", ["--save-model"], ["model_card"]),
+    ("grpo.py", ["--save-model"], ["model_card", "saving"]),
+    ("grpo.py", ["--save-every", "1"], ["saving"]),
     ("grpo.py", ["--eval-num-generations", "2"], ["trl_eval"]),
     ("grpo.py", ["--lora-rank", "2"], ["lora"]),
-    ("grpo.py", ["--resume", "RUN"], ["resume"]),
+    ("grpo.py", ["--resume", "RUN"], ["resume", "saving"]),  # the run's own --save-every 1
     ("grpo.py", ["--engine", "vllm"], ["engines"]),
     ("sc_grpo.py", ["--divergence", "sampled-logratio"], ["sc_ablations"]),
     ("ep_grpo.py", ["--gate", "hard"], ["ep_ablations"]),
@@ -232,8 +233,12 @@ def in_copy(script: str, flags: list[str], here: Path) -> subprocess.CompletedPr
         (here / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (here / "r.py").write_text(REWARD)
     if flags == ["--resume", "RUN"]:
-        if not (here / "runs").exists():
+        if not (here / "runs").exists():  # a checkpointed run, written with saving.py, which the copy then lacks
+            lent = not (here / "rlvr_utils" / "saving.py").exists()
+            shutil.copy(ROOT / "rlvr_utils" / "saving.py", here / "rlvr_utils" / "saving.py")
             assert run([script, *QUICK, "--save-every", "1"], cwd=here).returncode == 0
+            if lent:
+                (here / "rlvr_utils" / "saving.py").unlink()
         return run([script, "--resume", str(next((here / "runs").iterdir())), "--total-steps", "3"], cwd=here)
     return run([script, *QUICK, *flags], cwd=here)
 

@@ -155,7 +155,7 @@ def test_every_script_runs_two_steps_with_vllm(tmp_path, script, extra):
 def test_engine_flag_errors(monkeypatch):
     model, _ = common.load_policy(common.DEFAULT_MODEL, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="choose auto, hf or vllm"):
+    with pytest.raises(ValueError, match="choose auto, static, hf or vllm"):
         engines.attach_engine("fast", model, opt, common.DEFAULT_MODEL)
     assert engines.attach_engine("hf", model, opt, common.DEFAULT_MODEL) is None
     monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM missing (an import of it fails)

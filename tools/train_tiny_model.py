@@ -50,7 +50,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-from rlvr_utils import checkpoints, rewards, tasks  # noqa: E402
+from rlvr_utils import rewards, saving, tasks  # noqa: E402
 from srpo import ARITH_LOCALIZATION  # noqa: E402  (format (b): what SRPO's self-localization asks)
 
 
@@ -322,7 +322,7 @@ def save(model, tok, args: Args, report: dict, n_params: int, history: list, ini
     """Write the model and its training report (atomically) to --out-dir; a warm start keeps the
     report of the run it started from under "init_from_report"."""
     model.eval()
-    out = checkpoints.save_model_atomic(model, tok, args.out_dir)
+    out = saving.save_model_atomic(model, tok, args.out_dir)
     report = dict(report, params=n_params, args=dataclasses.asdict(args), history=history)
     if init_report is not None:
         report["init_from_report"] = init_report

@@ -74,7 +74,7 @@ class CountingBatches:
 
 
 class Checkpointer:
-    """Saves <run_dir>/checkpoint/ every `every` steps (0: never) and when asked (Ctrl-C), and restores it.
+    """<run_dir>/checkpoint/: when a save is due (every `every` steps, 0: never), its copies; saving.py writes it.
     `extra`: the script's own stateful objects by name (torch.Generator, random.Random, or anything with
     state_dict/load_state_dict, e.g. EP-GRPO's anchor model)."""
 

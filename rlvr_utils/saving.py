@@ -107,7 +107,7 @@ def save_model_atomic(
 class _atomic_dir:
     """`with _atomic_dir(path) as tmp:` fill `tmp`; on success its files are flushed to disk (fsync) and it replaces
     `path` by two renames (path -> .<name>.old-<pid>, tmp -> path; then the old copy is removed); on failure it is
-    removed. A kill between the two renames leaves both copies complete under hidden names: `Checkpointer.restore`
+    removed. A kill between the two renames leaves both copies complete under hidden names: `resume.recover`
     finds the newest complete one."""
 
     def __init__(self, path: Path):

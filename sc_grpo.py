@@ -202,7 +202,7 @@ def teacher_prompt(tokenizer, task: str, example: tasks.Example, tau: str) -> li
     the user turns the student's. Plain text: "Reference solution:\\n<tau>\\n" + the student's
     prompt (the block the bundled tiny model was trained on: tools/train_tiny_model.py)."""
     tau = tau.strip()
-    default = tasks.default_system_message(tokenizer) if tasks.has_chat_template(tokenizer) else ""
+    default = teacher.default_system_message(tokenizer)  # "" without a chat template
     if example.meta.get("chat"):  # a custom task's messages: the guide and tau join its system turn
         msgs = list(example.meta["prompt"])
         own = msgs.pop(0)["content"] + "\n\n" if msgs[0]["role"] == "system" else ""

@@ -119,6 +119,23 @@ class Checkpointer:
             shutil.rmtree(d, ignore_errors=True)
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # --exp-name: one short path component
+
+
+def check_run_dir(name: str, output_dir: str, resume: str | None) -> None:
+    """--exp-name and --output-dir, checked before anything loads (cli.parse): one line naming the flag, exit code 2."""
+    ok = not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", ".."))
+    runtime.need(ok, f"--exp-name {name!r}: a run name is one short path component: ASCII letters, digits, '.', '_' "
+                 "or '-', at most 64 characters, no '/' or '\\'")  # fmt: skip
+    runtime.need(bool(output_dir.strip()), "--output-dir must name a directory (default: runs), got ''")
+    out = Path(output_dir).expanduser()
+    parent = next(p for p in [out, *out.parents] if p.exists())
+    if not resume:  # a resumed run writes into its own directory
+        runtime.need(not out.exists() or out.is_dir(), f"--output-dir {output_dir}: exists and is not a directory")
+        ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+        runtime.need(ok, f"--output-dir {output_dir}: {parent} is not a writable directory")
+
+
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 

@@ -14,13 +14,13 @@ import importlib.util
 import io
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
 
+from rlvr_utils import checkpoints
 from rlvr_utils.models import check_default
 from rlvr_utils.runtime import ablated, world_size
 from rlvr_utils.runtime import extra as extra
@@ -358,21 +358,11 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
 
 
 def check_run_flags(a: dict) -> None:
-    """The seed, the run's name and directory, the dtype, the engine."""
+    """The seed, the run's name and directory (checkpoints.check_run_dir), the dtype, the engine."""
     need(0 <= a["seed"] <= 2**32 - 1, f"--seed must be in [0, 2**32-1], got {a['seed']}")
-    name = a["exp_name"]
-    ok = not name or (RUN_NAME.fullmatch(name) is not None and name not in (".", ".."))
-    need(ok, f"--exp-name {name!r}: a run name is one short path component: ASCII letters, digits, '.', '_' or '-', "
-         "at most 64 characters, no '/' or '\\'")  # fmt: skip
-    out = Path(a["output_dir"]).expanduser()
-    parent = next(p for p in [out, *out.parents] if p.exists())
-    if not a["resume"]:  # a resumed run writes into its own directory
-        need(not out.exists() or out.is_dir(), f"--output-dir {a['output_dir']}: exists and is not a directory")
-        ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
-        need(ok, f"--output-dir {a['output_dir']}: {parent} is not a writable directory")
+    checkpoints.check_run_dir(a["exp_name"], a["output_dir"], a["resume"])
     why = f"at or above it a reward is a success; 0 or less: every completion), got {a['success_threshold']}"
     need(a["success_threshold"] > 0 or a["reward_fn"], f"--success-threshold must be > 0 ({why}")  # a --reward-fn: any
-    need(bool(a["output_dir"].strip()), "--output-dir must name a directory (default: runs), got ''")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     limit = f"at most 4 per CPU core: {4 * cpus} here; 0: torch's default, one per core"
     need(a["threads"] <= 4 * cpus, f"--threads must be {limit}, got {a['threads']}")
@@ -386,9 +376,6 @@ def check_run_flags(a: dict) -> None:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
     if (n := a["num_eval"]) > 2000:
         print(f"warning: --num-eval {n}: every evaluation generates {n} completions", file=sys.stderr)
-
-
-RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def set_threads(threads: int) -> None:

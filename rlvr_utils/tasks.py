@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
 import re
 import weakref
@@ -102,20 +101,6 @@ def render_prompt(tokenizer, user: str, plain: str, system: str | None = None) -
         return plain
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def default_system_message(tokenizer) -> str:
-    """The system message a chat template puts in front of a conversation that has none (Qwen2.5's "You are Qwen,
-    created by Alibaba Cloud. ..."), '' when it adds none: the template rendered with a probe system message and
-    without one differs exactly there."""
-    probe, user = "\u2063sc-grpo-probe\u2063", [{"role": "user", "content": "x"}]
-    plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-    with_probe = tokenizer.apply_chat_template(
-        [{"role": "system", "content": probe}] + user, add_generation_prompt=True, tokenize=False
-    )
-    head = len(os.path.commonprefix([plain, with_probe]))
-    tail = len(os.path.commonprefix([plain[head:][::-1], with_probe[head:][::-1]]))
-    return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
 
 
 def encode_prompt(tokenizer, text: str, limit: int | None = None) -> list[int] | None:

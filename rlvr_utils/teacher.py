@@ -5,10 +5,12 @@ teacher_kl              D = KL(teacher || student) per token: the student's side
                         (common.token_logprobs' `keep`), the teacher's from one no-grad forward, through the lm_head
 FusedLinearKL           that KL from both sides' final hidden states, a few positions at a time: no [b, T, V] tensor
 TeacherLog              the step's D, f, teacher time and memory, as the sc/* metrics
+default_system_message  what a chat template adds when a conversation has no system message: the teacher keeps it
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -17,6 +19,22 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from rlvr_utils import logprob_kernels, runtime
+
+
+def default_system_message(tokenizer) -> str:
+    """The system message a chat template puts in front of a conversation that has none (Qwen2.5's "You are Qwen,
+    created by Alibaba Cloud. ..."), '' when it adds none: the template rendered with a probe system message and
+    without one differs exactly there; '' for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    probe, user = "\u2063sc-grpo-probe\u2063", [{"role": "user", "content": "x"}]
+    plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    with_probe = tokenizer.apply_chat_template(
+        [{"role": "system", "content": probe}] + user, add_generation_prompt=True, tokenize=False
+    )
+    head = len(os.path.commonprefix([plain, with_probe]))
+    tail = len(os.path.commonprefix([plain[head:][::-1], with_probe[head:][::-1]]))
+    return plain[head : len(plain) - tail] if with_probe[head : len(with_probe) - tail] == probe else ""
 
 
 def teacher_kl(model, student: list, input_ids, attention_mask, T: int, teacher_prompts: list, temperature: float = 1.0,

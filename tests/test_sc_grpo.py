@@ -581,7 +581,7 @@ def test_teacher_keeps_the_students_default_system_message(tiny):
     _, tok = tiny
     tok = copy.deepcopy(tok)
     tok.chat_template = TEMPLATE_WITH_DEFAULT
-    assert tasks.default_system_message(tok) == "You are a careful assistant."
+    assert teacher.default_system_message(tok) == "You are a careful assistant."
     user = "What is 1+1?"
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
     student = ex.prompt
@@ -590,7 +590,7 @@ def test_teacher_keeps_the_students_default_system_message(tiny):
     head = "<|im_start|>system\nYou are a careful assistant."
     assert student.startswith(head) and teacher_text == student.replace(head, head + inserted, 1)
     tok.chat_template = TEMPLATE_WITHOUT_DEFAULT
-    assert tasks.default_system_message(tok) == ""
+    assert teacher.default_system_message(tok) == ""
     ex = tasks.Example(0, user, "2", tasks.render_prompt(tok, user, user), [], user)
     assert tok.decode(sc_grpo.teacher_prompt(tok, "gsm8k", ex, "tau")).startswith(
         "<|im_start|>system\n" + sc_grpo.GUIDE + "tau<|im_end|>"

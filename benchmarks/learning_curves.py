@@ -436,6 +436,8 @@ def commits_of(setting: str, results: Path) -> dict:
 
 def cmd_report(a) -> None:
     curves = load(a.setting, Path(a.results), quiet=a.json)
+    default = Path(a.results).resolve() == RESULTS.resolve()
+    a.img = a.img or str(ROOT / "docs" / "img" if default else Path(a.results) / a.setting)
     if not curves:
         sys.exit(
             f"no results under {Path(a.results) / a.setting}: run `learning_curves.py run --setting {a.setting}` first"
@@ -542,7 +544,9 @@ def cmd_report(a) -> None:
     table = "\n".join(lines)
     print(table)
     out = Path(a.results) / a.setting
-    (out / "report.md").write_text(f"`python benchmarks/learning_curves.py report --setting {a.setting}`\n\n{table}\n")
+    where = "" if default else f" --results {os.path.relpath(Path(a.results).resolve(), ROOT)}"
+    command = f"python benchmarks/learning_curves.py report --setting {a.setting}{where}"
+    (out / "report.md").write_text(f"`{command}`\n\n{table}\n")
     main = {m: c for m, c in means.items() if "@" not in m}  # the methods at their defaults
     plot(
         main,
@@ -685,7 +689,12 @@ def main() -> None:
     p = sub.add_parser("report", help="table and plots from the results")
     p.add_argument("--setting", default="headroom")
     p.add_argument("--results", default=str(RESULTS))
-    p.add_argument("--img", default=str(ROOT / "docs" / "img"))
+    p.add_argument(
+        "--img",
+        default=None,
+        help="where the plots go (default: docs/img for the default --results, else beside report.md, so a second "
+        "results folder never overwrites the docs' figures)",
+    )
     p.add_argument("--pool-commits", action="store_true", help="report runs made at different commits together")
     p.add_argument(
         "--json",

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -334,3 +335,23 @@ def test_verify_math_benchmark_on_a_small_file(tmp_path):
         timeout=300,
     )
     assert json.loads(out.read_text())["own_answer_scores_1"] < 1.0  # the shorthand is what normalize_latex fixes
+
+
+def test_a_second_results_folders_report_keeps_its_plots_beside_it(tmp_path):
+    """`report --results X` without --img: the plots go beside X's report.md, whose first line names X; docs/img (the
+    default results' figures) is left as it was."""
+    for method in ("grpo", "srpo"):
+        d = tmp_path / "long" / method
+        d.mkdir(parents=True)
+        for seed, acc in enumerate(([0.2, 0.4], [0.2, 0.5]), 1):
+            rows = [{"step": s, "num_tokens": 100, "eval/accuracy": a} for s, a in zip((0, 10), acc)]
+            (d / f"seed{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    img = ROOT / "docs" / "img"
+    before = {p.name: p.stat().st_mtime_ns for p in img.iterdir()}
+    cmd = [sys.executable, "benchmarks/learning_curves.py", "report", "--setting", "long", "--results", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {p.name: p.stat().st_mtime_ns for p in img.iterdir()} == before
+    assert (tmp_path / "long" / "learning_curves_long.png").stat().st_size > 0
+    first = (tmp_path / "long" / "report.md").read_text().split("\n")[0]
+    assert first.endswith(f"--results {os.path.relpath(tmp_path, ROOT)}`"), first

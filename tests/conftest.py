@@ -29,8 +29,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "slow: end-to-end runs of the scripts, the learning checks, the torchrun jobs (tests/test_dist.py) and the "
-        "longest memory and update checks; they run by default and in CI (python -m pytest -q), and "
-        "`python -m pytest -q -m 'not slow'` leaves them out for a quick pass",
+        "longest memory and update checks; they run by default and in CI (python -m pytest -q -n 2 --dist loadfile), "
+        "and `python -m pytest -q -m 'not slow'` leaves them out for a quick pass",
     )
 
 

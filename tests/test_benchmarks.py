@@ -144,8 +144,8 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path, lora):
     assert saved["args"]["lora"] == int(lora) and ("LoRA r 4" in saved["table"][0]) == (lora == "4")
 
 
-def test_script_memory_runs_every_script_at_a_small_vocabulary(tmp_path):
-    scripts = ["grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo"]
+def test_script_memory_runs_scripts_at_a_small_vocabulary(tmp_path):
+    scripts = ["grpo", "sc_grpo", "ep_grpo"]  # the grown model's teacher (SC-GRPO), LoRA's reference (EP-GRPO)
     out = tmp_path / "script_memory.json"
     r = subprocess.run(
         [

@@ -176,8 +176,7 @@ SMALL += ["--num-eval", "4"]
 SCRIPTS = [
     ("grpo.py", []),
     ("sc_grpo.py", ["--micro-batch-size", "4"]),  # one group per micro-batch: ranks differ in teacher passes
-    ("grpo_lambda.py", []),
-    ("ep_grpo.py", []),
+    ("ep_grpo.py", []),  # grpo_lambda.py: grpo.py's torchrun calls, line for line (tests/test_shared_loop.py)
     ("srpo.py", ["--reset", "self"]),  # ranks differ in sampling and localization rounds
 ]
 

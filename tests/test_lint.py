@@ -85,3 +85,12 @@ def test_shared_modules_stay_small():
     assert len((ROOT / "common.py").read_text().splitlines()) <= 600
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "rlvr_utils").glob("*.py")}
     assert all(n <= 400 for n in sizes.values()), sizes
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run calls the test command the README gives (the Quick start's `python -m pytest ...` before its comment)."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    (line,) = [x for x in readme if "python -m pytest" in x and x.startswith("pip install -r requirements-dev.txt")]
+    command = line.split("&&", 1)[1].split("#", 1)[0].strip()
+    ci = [x.strip() for x in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci, (command, [x for x in ci if "pytest" in x])

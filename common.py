@@ -321,19 +321,6 @@ def minibatches(group_ids: torch.Tensor, num_minibatches: int) -> list[torch.Ten
     return [torch.tensor(r, device=group_ids.device) for r in rows]
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device: torch.device) -> dict:
-    """{"memory/peak_gb": peak GPU memory since `reset_peak_memory`} on CUDA, {} on CPU."""
-    if device.type != "cuda":
-        return {}
-    return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-
-
 def stop_if_nonfinite(value: torch.Tensor | float, what: str, step: int, last_metrics: dict):
     """Stop the run (exit code 1) with the step and the last metrics when `value` is NaN or inf.
     Called before the optimizer step: no update and no checkpoint is made from NaN weights."""
@@ -498,7 +485,7 @@ class Run:
         bar = dict(initial=self.first - 1, total=a.total_steps, desc=Path(sys.argv[0]).stem)
         self.bar = tqdm(todo, **bar, dynamic_ncols=True, disable=not self.dist.main)
         for step in self.bar:
-            reset_peak_memory(self.device)
+            runtime.reset_peak_memory(self.device)
             self.step, self.times, self.clock = step, {}, time.time()
             if self.credit is not None:  # --log-credit: at the evaluation steps
                 self.credit.start(self.eval_due(step))
@@ -553,7 +540,7 @@ class Run:
         metrics["tokens_per_second"] = num_tokens / step_time
         metrics |= {f"time/{k}": v for k, v in self.times.items()}
         metrics["time/step"] = step_time
-        metrics |= peak_memory(self.device)
+        metrics |= runtime.peak_memory(self.device)
         # --reward-fn: rewards/<name>/mean, ... over the rows trained on (their unshaped rewards)
         trained = (ro, rewards if ro.scores is None else ro.scores)
         metrics = self.task.with_reward_metrics(metrics, step, rows=trained)

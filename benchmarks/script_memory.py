@@ -10,7 +10,7 @@ Each script runs --steps steps of --prompts prompts x --generations completions 
 all, --eval-every 0 with --num-eval prompts) in a fresh process. Peak memory: on CPU the process's peak resident set
 size (VmHWM: model, optimizer, rollouts, update, evaluation, everything) and the peak of its update phases alone (VmHWM
 reset through /proc/self/clear_refs when step 3 calls common.group_advantages, read when the next step starts
-(common.reset_peak_memory) or the evaluation does: credit assignment, extra passes, forward, backward, optimizer step);
+(runtime.reset_peak_memory) or the evaluation does: credit assignment, extra passes, forward, backward, optimizer step);
 on a GPU (--device cuda) the largest memory/peak_gb the script logs (torch.cuda.max_memory_allocated, reset each
 step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.json.
 
@@ -94,6 +94,7 @@ WRAPPER = r"""
 import json, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import common
+from rlvr_utils import runtime
 
 def hwm():
     return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 2**20  # GiB
@@ -118,7 +119,7 @@ def wrap(fn, starts_update):
     return inner
 
 common.group_advantages = wrap(common.group_advantages, True)
-common.reset_peak_memory = wrap(common.reset_peak_memory, False)
+runtime.reset_peak_memory = wrap(runtime.reset_peak_memory, False)
 common.evaluate = wrap(common.evaluate, False)
 sys.argv = sys.argv[1:]
 try:

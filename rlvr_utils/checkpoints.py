@@ -136,6 +136,27 @@ def check_run_dir(name: str, output_dir: str, resume: str | None) -> None:
         runtime.need(ok, f"--output-dir {output_dir}: {parent} is not a writable directory")
 
 
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
+    line that is not a JSON object with an integer step, is an error naming it)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
+                runtime.usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
+            rows.append(row)
+        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
+            if i < len(lines):
+                runtime.usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
+            print(
+                f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
+                file=sys.stderr,
+            )
+    return rows
+
+
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from rlvr_utils import runtime
-from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, lock_run_dir
-from rlvr_utils.runtime import need, read_rows, usage_error
+from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, lock_run_dir, read_rows
+from rlvr_utils.runtime import need, usage_error
 
 RUNTIME_FLAGS = (
     "resume",

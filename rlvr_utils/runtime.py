@@ -249,27 +249,6 @@ class GracefulStop:
 # ----------------------------------------------------------------------------------------------
 # metrics: the update's diagnostics and where every metric goes
 # ----------------------------------------------------------------------------------------------
-def read_rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
-    line that is not a JSON object with an integer step, is an error naming it)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    rows = []
-    for i, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
-                usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
-            rows.append(row)
-        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
-            if i < len(lines):
-                usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
-            print(
-                f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
-                file=sys.stderr,
-            )
-    return rows
-
-
 class Logger:
     """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`. `resume_step` k > 0
     (--resume): the rows after step k are dropped from metrics.jsonl and TensorBoard before the run goes on.
@@ -279,6 +258,8 @@ class Logger:
         self.enabled = enabled  # False on torchrun ranks > 0
         self.run_dir, self.last_eval = Path(run_dir), None
         if resume_step:
+            from rlvr_utils.checkpoints import read_rows  # the run directory's files (checkpoints imports this module)
+
             rows = read_rows(self.run_dir / "metrics.jsonl")
             rows = [r for r in rows if r["step"] <= resume_step]
             self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
@@ -329,6 +310,19 @@ class Logger:
         self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement (CUDA; nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict:
+    """{"memory/peak_gb": peak GPU memory since `reset_peak_memory`} on CUDA, {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"memory/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
 class UpdateStats:

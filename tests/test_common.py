@@ -367,7 +367,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
     with torch.no_grad():  # generation puts it in eval mode and back
         common.generate_rollouts(ck, tok, [prompts[0]], [0], 2, 4)
     assert ck.training
-    assert common.peak_memory(torch.device("cpu")) == {}
+    assert runtime.peak_memory(torch.device("cpu")) == {}
 
 
 class _Args:

@@ -1,5 +1,6 @@
 """Checkpoints: `--save-model`, `--save-every N`, and the one a clean Ctrl-C writes (saving.py writes them, resume.py
-reads them back); here what every run has: the run directory, its one-writer lock, the counted prompt stream.
+reads them back); here what every run has: the run directory (its name and place checked before anything loads, its
+metrics.jsonl read back), its one-writer lock, the counted prompt stream.
 
 A training checkpoint is the directory <run_dir>/checkpoint/, written into a temporary sibling and renamed over the
 previous one (only the last is kept, and a crash never leaves a half-written one):

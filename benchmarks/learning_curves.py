@@ -13,16 +13,17 @@ several `run` processes may share the work (each (method, seed) is claimed with 
 *.lock files after an interruption).
 
 `report` prints and writes benchmarks/results/<setting>/report.md: final greedy pass@1 (mean over seeds with its 95%
-Student-t interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems; the mean
-of the per-seed differences over the n seeds both finished, with their 95% t-interval) and the lowest per-seed ratio
-to GRPO's final (a collapse on one seed), the mean accuracy over all evaluations (step 0 included; a less noisy view
-of speed than one crossing) and its difference from GRPO's paired by seed (the evaluations after step 0: less
-hostage to one evaluation than the final), the first evaluated step at which each method's mean curve reaches GRPO's
-final mean accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and
-against generated tokens (mean and 95% t band) in docs/img/: one for the methods at their defaults, one per swept
-method for its `--tag` sweeps beside it (needs matplotlib: pip install -r benchmarks/requirements.txt). `report
---json` prints one JSON line per method instead (`versus_grpo` defines its fields) and writes nothing. Intervals are
-t-intervals (`t_interval`), not a bootstrap: over 3 seeds a percentile bootstrap of the mean covers far less than 95%.
+Student-t interval over seeds), its difference from GRPO paired by seed (same seed: same held-out problems; the mean of
+the per-seed differences over the n seeds both finished, with their 95% t-interval) and the lowest per-seed ratio to
+GRPO's final (a collapse on one seed), the mean accuracy over all evaluations (step 0 included; a less noisy view of
+speed than one crossing) and its difference from GRPO's paired by seed (the evaluations after step 0: less hostage to
+one evaluation than the final), the first evaluated step at which each method's mean curve reaches GRPO's final mean
+accuracy over the same seeds (and the same in generated tokens), and plots of accuracy against step and against
+generated tokens (mean and 95% t band) in docs/img/ (for another --results folder: beside its report.md): one for the
+methods at their defaults, one per swept method for its `--tag` sweeps beside it (needs matplotlib: pip install -r
+benchmarks/requirements.txt). `report --json` prints one JSON line per method instead (`versus_grpo` defines its fields)
+and writes nothing. Intervals are t-intervals (`t_interval`), not a bootstrap: over 3 seeds a percentile bootstrap of
+the mean covers far less than 95%.
 
 Settings (the bundled tiny model, the built-in arith task):
   default   the default run: 4 operations, values <= 99 (GRPO starts ~0.7: little headroom)
@@ -545,6 +546,7 @@ def cmd_report(a) -> None:
     print(table)
     out = Path(a.results) / a.setting
     where = "" if default else f" --results {os.path.relpath(Path(a.results).resolve(), ROOT)}"
+    where += " --pool-commits" if a.pool_commits else ""
     command = f"python benchmarks/learning_curves.py report --setting {a.setting}{where}"
     (out / "report.md").write_text(f"`{command}`\n\n{table}\n")
     main = {m: c for m, c in means.items() if "@" not in m}  # the methods at their defaults

@@ -15,24 +15,18 @@ from typing import Sequence
 import torch
 
 from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD
-from rlvr_utils.runtime import Dist, need, pick_device, usage_error
+from rlvr_utils.runtime import TORCHRUN, Dist, need, pick_device, usage_error
 
 
-def world_size() -> int:
-    """WORLD_SIZE as torchrun sets it (runtime.world_size: 1 when unset). A value torchrun would not have set (not a
-    whole number >= 1, or > 1 without the RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT it sets beside it): one line,
-    exit code 2."""
-    env, text = os.environ, os.environ.get("WORLD_SIZE", "1")
-    how = "start the run with torchrun (torchrun --nproc_per_node N <script> ...), or unset WORLD_SIZE for one process"
-    need(text.strip().isascii() and text.strip().isdigit() and int(text) >= 1, f"WORLD_SIZE={text!r}: not a number "
-         f"of processes >= 1; {how}")  # fmt: skip
-    world = int(text)
-    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if world > 1 else ():
-        need(bool(env.get(name, "").strip()), f"WORLD_SIZE={world} is set without {name}: {how}")
+def check_env(world: int) -> None:
+    """With WORLD_SIZE > 1 (runtime.world_size), the RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT torchrun sets beside
+    it, each as torchrun would have set it: one line naming the first that is not, exit code 2 (cli.check_common)."""
+    env = os.environ
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        need(bool(env.get(name, "").strip()), f"WORLD_SIZE={world} is set without {name}: {TORCHRUN}")
         ok = name.endswith("ADDR") or env[name].strip().isascii() and env[name].strip().isdigit()
         need(ok and (not name.endswith("RANK") or int(env[name]) < world), f"{name}={env[name]!r} with "
-             f"WORLD_SIZE={world}: not what torchrun sets; {how}")  # fmt: skip
-    return world
+             f"WORLD_SIZE={world}: not what torchrun sets; {TORCHRUN}")  # fmt: skip
 
 
 class TorchrunDist(Dist):

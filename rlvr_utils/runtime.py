@@ -160,12 +160,16 @@ def init_distributed(
     return distributed.init_torchrun(device, args, prompts_per_step, timeout_s, fsdp)
 
 
+TORCHRUN = "start the run with torchrun (torchrun --nproc_per_node N <script> ...), or unset WORLD_SIZE for one process"
+
+
 def world_size() -> int:
-    """WORLD_SIZE as torchrun sets it: 1 when unset or 1; any other value is checked by torchrun's extra
-    (distributed.world_size: a whole number >= 1 with the RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT beside it)."""
-    if os.environ.get("WORLD_SIZE", "1").strip() == "1":
-        return 1
-    return extra("distributed", "torchrun (WORLD_SIZE > 1)").world_size()
+    """WORLD_SIZE as torchrun sets it (1 when unset); not a whole number >= 1: one line, exit code 2. The variables
+    torchrun sets beside it are checked by its extra (distributed.check_env), once every missing file is named."""
+    text = os.environ.get("WORLD_SIZE", "1").strip()
+    need(text.isascii() and text.isdigit() and int(text) >= 1, f"WORLD_SIZE={text!r}: not a number of processes >= 1; "
+         f"{TORCHRUN}")  # fmt: skip
+    return int(text)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -275,3 +275,18 @@ def test_copying_what_the_line_names_makes_the_flag_train(script, flags, files, 
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(r) for r in metrics_rows(here / "runs")]
     assert rows[-1]["step"] == (3 if "RUN" in flags else 2) and "policy_loss" in rows[-1], rows[-1]
+
+
+def test_under_torchrun_the_line_names_every_file_and_torchruns_variables_come_after(tmp_path, monkeypatch):
+    """WORLD_SIZE > 1 with --fsdp in the minimal copy: one line naming distributed.py, sharded.py and saving.py (not one
+    at a time); with them copied, a missing RANK is the next line; a WORLD_SIZE that is no number is its own line."""
+    here = copy_minimal("grpo.py", tmp_path / "myproj")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    named = NAMED.search(one_line(run(["grpo.py", *QUICK, "--fsdp"], cwd=here)))
+    files = ["distributed", "sharded", "saving"]
+    assert named and named.group(1).split(", ") == [f"rlvr_utils/{f}.py" for f in files], named
+    for f in files:
+        shutil.copy(ROOT / "rlvr_utils" / f"{f}.py", here / "rlvr_utils" / f"{f}.py")
+    assert "WORLD_SIZE=2 is set without RANK" in one_line(run(["grpo.py", *QUICK, "--fsdp"], cwd=here))
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert "WORLD_SIZE='two': not a number of processes" in one_line(run(["grpo.py", *QUICK], cwd=here))

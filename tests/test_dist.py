@@ -176,7 +176,8 @@ SMALL += ["--num-eval", "4"]
 SCRIPTS = [
     ("grpo.py", []),
     ("sc_grpo.py", ["--micro-batch-size", "4"]),  # one group per micro-batch: ranks differ in teacher passes
-    ("ep_grpo.py", []),  # grpo_lambda.py: grpo.py's torchrun calls, line for line (tests/test_shared_loop.py)
+    ("grpo_lambda.py", []),  # its traced loss inside grpo.py's micro-batch loop
+    ("ep_grpo.py", []),
     ("srpo.py", ["--reset", "self"]),  # ranks differ in sampling and localization rounds
 ]
 

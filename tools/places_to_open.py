@@ -38,7 +38,7 @@ EXTRAS |= {"sharded", "resume", "data_tasks", "datafiles", "custom", "reward_cal
 EXTRAS |= {"lora", "reward_logs", "srpo_ablations", "lambda_ablations", "unfused", "cuda_graphs", "reward_isolation"}
 SHARED = {"token_logprobs", "aggregate_loss", "k3_kl", "engine_correction", "minibatches", "rollouts_with_rewards"}
 SHARED |= {"UpdateStats", "Run", "load_task", "load_model", "load_tokenizer", "stop_token_ids", "make_rollouts"}
-SHARED |= {"seed_everything", "prompt_batches", "regroup", "evaluate", "stop_if_nonfinite", "reset_peak_memory"}
+SHARED |= {"seed_everything", "prompt_batches", "regroup", "evaluate", "stop_if_nonfinite"}
 SHARED |= {"with_lora", "reference"}  # model loading: --lora-rank's adapters, the frozen reference
 
 

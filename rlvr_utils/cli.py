@@ -270,7 +270,7 @@ def need_ranges(args, **ranges: str) -> None:
 
 def check_common(args) -> None:
     """The checks every script shares (fields that a script does not have are skipped)."""
-    world_size()  # WORLD_SIZE that is not a number of processes: one line
+    world = world_size()  # WORLD_SIZE that is not a number of processes: one line
     a = {f: getattr(args, f) for f in vars(args)}
     for name, v in a.items():  # inf and nan pass every comparison below the wrong way or silently
         if isinstance(v, float):
@@ -313,7 +313,7 @@ def check_common(args) -> None:
         need(torch.cuda.is_available(), f"--device {dev}: no CUDA GPU is visible (use --device cpu)")
     for module, flag in (needed := needed_extras(a)):  # a copy without some: one line naming every file they need
         extra(module, flag, *needed)
-    if (world := world_size()) > 1:  # torchrun's variables beside WORLD_SIZE
+    if world > 1:  # torchrun's variables beside WORLD_SIZE
         extra("distributed", "torchrun (WORLD_SIZE > 1)").check_env(world)
     if a["model"] == DEFAULT_MODEL:
         check_default(a["model"])

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from rlvr_utils import logprob_kernels, runtime
+from rlvr_utils import logprob_kernels, runtime, tasks
 
 
 def default_system_message(tokenizer) -> str:
     """The system message a chat template puts in front of a conversation that has none (Qwen2.5's "You are Qwen,
     created by Alibaba Cloud. ..."), '' when it adds none: the template rendered with a probe system message and
     without one differs exactly there; '' for a tokenizer without a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not tasks.has_chat_template(tokenizer):
         return ""
     probe, user = "\u2063sc-grpo-probe\u2063", [{"role": "user", "content": "x"}]
     plain = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)

@@ -3,6 +3,7 @@ what `learning_curves.py report --json` computes from the committed raw rows (be
 its learning-rate sibling), next to the method's name: a figure edited by hand, two methods' figures swapped, or rows
 changed without the text fail here."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ LABELS = {"sc_grpo": "SC-GRPO", "grpo_lambda": "GRPO-λ", "ep_grpo": "EP-GRPO", 
 LABELS |= {"srpo_oracle": "oracle resets", "control": "beats GRPO by"}  # the prose's names
 
 
+@functools.cache  # one report per folder, however many tests read it
 def report(folder: str) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "learning_curves.py"), "report", "--setting", "long", "--json"]
     out = subprocess.run([*cmd, "--results", str(ROOT / "benchmarks" / "results" / folder)], capture_output=True,

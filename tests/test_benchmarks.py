@@ -144,6 +144,7 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path, lora):
     assert saved["args"]["lora"] == int(lora) and ("LoRA r 4" in saved["table"][0]) == (lora == "4")
 
 
+@pytest.mark.slow  # twelve script runs: three scripts x both engines x full fine-tuning and LoRA
 def test_script_memory_runs_scripts_at_a_small_vocabulary(tmp_path):
     scripts = ["grpo", "sc_grpo", "ep_grpo"]  # the grown model's teacher (SC-GRPO), LoRA's reference (EP-GRPO)
     out = tmp_path / "script_memory.json"

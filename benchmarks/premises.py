@@ -118,16 +118,18 @@ def srpo_pass(f: dict) -> bool:
     return bool(exact and f["at_or_before"] >= 0.85 and f["over_positions"] == 0)
 
 
-def line_auc(D: np.ndarray, lines: np.ndarray, k: int) -> tuple[float, bool, float] | None:
+def line_auc(D: np.ndarray, lines: np.ndarray, k: int, departure: int | None = None) -> tuple | None:
     """For one failed row: (AUC of D on line k's tokens over the tokens of lines 1..k-1, ties 1/2; whether D's maximum
-    over lines 1..k is on line k; line k's share of those tokens, the chance of the latter). None when line k has no
-    token or no line precedes it (k < 2). D, lines [T]: the row's tokens (lines: rlvr_utils.credit.token_lines)."""
+    over lines 1..k is on line k; line k's share of those tokens, the chance of the latter; the AUC of D at the
+    `departure` token alone over the same tokens, None without one). None when line k has no token or no line precedes
+    it (k < 2). D, lines [T]: the row's tokens (lines: rlvr_utils.credit.token_lines)."""
     wrong, before = lines == k, (lines >= 1) & (lines < k)
     if k < 2 or not wrong.any() or not before.any():
         return None
     upto = wrong | before
     top = int(np.flatnonzero(upto)[np.argmax(D[upto])])
-    return pairwise_auc(D[wrong], D[before]), bool(wrong[top]), float(wrong.sum() / upto.sum())
+    at = pairwise_auc(D[[departure]], D[before]) if departure is not None else None
+    return pairwise_auc(D[wrong], D[before]), bool(wrong[top]), float(wrong.sum() / upto.sum()), at
 
 
 def sc_grpo_pass(f: dict) -> bool:
@@ -326,7 +328,7 @@ def measure_sc_grpo(model, tok, task, rows: Rows, evals, a, seed: int) -> dict:
     teachers, role, _, _ = sc_grpo.build_teachers(tok, a.task, ro, by_id, correct, tau_row, context - T,
                                                   a.max_reference_tokens, gen)  # fmt: skip
     scored = [i for i in rows.with_wrong_line() if role[i] == sc_grpo.Role.WEIGHTED and rows.k[i] >= 2]
-    aucs, tops, chance = [], [], []
+    aucs, tops, chance, at_departure = [], [], [], []
     if scored:
         idx = torch.tensor(scored)
         ids, attn = ro.input_ids[idx], ro.attention_mask[idx]
@@ -337,17 +339,20 @@ def measure_sc_grpo(model, tok, task, rows: Rows, evals, a, seed: int) -> dict:
         for r, i in enumerate(scored):
             n = len(rows.ids[i])
             lines = np.asarray(token_lines([tok.decode([t]) for t in rows.ids[i]]))
-            got = line_auc(D[r, :n].numpy(), lines, rows.k[i])
+            dep = rows.departure(i)
+            got = line_auc(D[r, :n].numpy(), lines, rows.k[i], dep[0] if dep else None)
             if got is not None:
                 aucs.append(got[0])
                 tops.append(got[1])
                 chance.append(got[2])
+                at_departure += [got[3]] if got[3] is not None else []
     f["auc_rows"] = len(aucs)
     if aucs:
         f |= {
             "d_auc": float(np.mean(aucs)),
             "d_max_on_line": float(np.mean(tops)),
             "d_max_chance": float(np.mean(chance)),
+            "d_departure_auc": float(np.mean(at_departure)) if at_departure else None,  # the departure token alone
         }
     return f | {"pass": sc_grpo_pass(f) if pos and aucs else False}
 
@@ -518,7 +523,8 @@ def figures_text(r: dict) -> str:
         return (f"greedy {fmt(r['greedy_without'])} → {fmt(r['greedy_with_solution'])} with the solution; raised "
                 f"{fmt(r.get('raised'))} (anchor {fmt(r.get('anchor_raised'))}; {r['raised_rows']} rows); D's AUC "
                 f"{fmt(r.get('d_auc'))}, max on the line {fmt(r.get('d_max_on_line'))} (chance "
-                f"{fmt(r.get('d_max_chance'))}; {r['auc_rows']} rows)")  # fmt: skip
+                f"{fmt(r.get('d_max_chance'))}; {r['auc_rows']} rows; the departure token's AUC "
+                f"{fmt(r.get('d_departure_auc'))})")  # fmt: skip
     if m == "ep_grpo":
         share = f"; process share of \\|A\\| {fmt(r['process_share'])}" if "process_share" in r else ""
         pivot = fmt(r.get("above_batch_pivot"))

@@ -52,10 +52,12 @@ def test_srpo_gate_at_its_thresholds():
 def test_line_auc_by_hand():
     D = np.array([0.1, 0.2, 0.05, 0.9, 0.2, 0.3])
     lines = np.array([1, 1, 2, 2, 3, 3])
-    auc, top, chance = premises.line_auc(D, lines, 2)
+    auc, top, chance, at = premises.line_auc(D, lines, 2, departure=2)
     assert auc == pytest.approx(2 / 4)  # 0.05 beats neither 0.1 nor 0.2; 0.9 beats both
     assert top and chance == pytest.approx(2 / 4)  # the max over lines 1-2 (0.9) is on line 2, which is 2 of 4 tokens
-    auc, top, _ = premises.line_auc(np.array([0.3, 0.2, 0.2, 0.9]), np.array([1, 2, 2, 3]), 2)
+    assert at == 0 and premises.line_auc(D, lines, 2, departure=3)[3] == 1  # the departure token alone: 0.05, 0.9
+    assert premises.line_auc(D, lines, 2)[3] is None
+    auc, top, _, _ = premises.line_auc(np.array([0.3, 0.2, 0.2, 0.9]), np.array([1, 2, 2, 3]), 2)
     assert auc == 0 and not top  # line 3 (after k) is not compared: the max over lines 1-2 is line 1's 0.3
     assert premises.line_auc(np.array([0.2, 0.2]), np.array([1, 2]), 2)[0] == 0.5  # a tie counts 1/2
     assert premises.line_auc(D, lines, 1) is None  # nothing before line 1

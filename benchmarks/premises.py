@@ -538,14 +538,52 @@ def figures_text(r: dict) -> str:
             f"{fmt(r['drop_hi'])}]; {r['rows']} rows × {r['continuations']}")  # fmt: skip
 
 
-def table(results: list[dict]) -> str:
-    """The gates' table: one row per (result file, method)."""
-    lines = ["| setting | policy | method | pass | figures | gate |", "|---|---|---|---|---|---|"]
+def headline(r: dict) -> str:
+    """A method's gated figures, short (the compact table's cell)."""
+    m, f2 = r["method"], fmt
+    if m == "srpo":
+        return (f"exact {f2(r.get('exact'))} (uniform {f2(r.get('uniform'))}, constant {f2(r.get('best_constant'))}); "
+                f"at or before {f2(r.get('at_or_before'))}; over positions {f2(r['over_positions'])}")  # fmt: skip
+    if m == "sc_grpo":
+        return (f"greedy {f2(r['greedy_without'])} → {f2(r['greedy_with_solution'])}; raised {f2(r.get('raised'))} "
+                f"(anchor {f2(r.get('anchor_raised'))}); AUC {f2(r.get('d_auc'))}")  # fmt: skip
+    if m == "ep_grpo":
+        return f"top 20% {f2(r.get('top20'))}"
+    if m == "grpo_lambda":
+        return f"first quarter {f2(r.get('early'))}"
+    return f"drop {f2(r['drop'])} [{f2(r['drop_lo'])}, {f2(r['drop_hi'])}]"
+
+
+def compact(results: list[dict]) -> str:
+    """One row per result file, one column per method: pass or fail and its gated figures."""
+    lines = ["| setting | policy | " + " | ".join(METHODS) + " |", "|---|---|" + "---|" * len(METHODS)]
+    for res in results:
+        by = {r["method"]: r for r in res["methods"]}
+        cells = [(("**yes**" if by[m]["pass"] else "no") + ": " + headline(by[m])) if m in by else "–" for m in METHODS]
+        lines.append(f"| {setting_text(res['meta'])} | {res['meta']['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def setting_text(meta: dict) -> str:
+    """The setting's name and the flags a measurement added to it (--flags; not the model, which the policy column
+    names, nor the seed or group size)."""
+    flags, extra = meta["flags"][len(lc.SETTINGS[meta["setting"]]) :], []
+    while flags:
+        name, value, flags = flags[0], flags[1:2], flags[2:]
+        extra += [] if name in ("--seed", "--num-generations", "--model") else [name, *value]
+    return meta["setting"] + (f" + `{' '.join(extra)}`" if extra else "")
+
+
+def table(results: list[dict], gates: bool = True) -> str:
+    """The gates' table: one row per (result file, method); `gates`: a column with each gate's thresholds."""
+    lines = ["| setting | policy | method | pass | figures |" + (" gate |" if gates else "")]
+    lines += ["|---|---|---|---|---|" + ("---|" if gates else "")]
     for res in results:
         meta = res["meta"]
         for r in res["methods"]:
-            lines.append(f"| {meta['setting']} | {meta['label']} | {r['method']} | {'yes' if r['pass'] else 'no'} | "
-                         f"{figures_text(r)} | {r['gate']} |")  # fmt: skip
+            gate = f" {r['gate']} |" if gates else ""
+            lines.append(f"| {setting_text(meta)} | {meta['label']} | {r['method']} | {'yes' if r['pass'] else 'no'} | "
+                         f"{figures_text(r)} |{gate}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -570,11 +608,14 @@ def main() -> None:
     m.add_argument("--out", default=None, help="write the results (JSON, with their provenance) here")
     t = sub.add_parser("table", help="the gates' table from result files")
     t.add_argument("files", nargs="+")
+    t.add_argument("--no-gates", action="store_true", help="leave out the column of each gate's thresholds")
+    t.add_argument("--compact", action="store_true", help="one row per file, one column per method")
     o = ap.parse_args()
     if o.cmd == "measure":
         cmd_measure(o)
     else:
-        print(table([json.loads(Path(f).read_text()) for f in o.files]))
+        results = [json.loads(Path(f).read_text()) for f in o.files]
+        print(compact(results) if o.compact else table(results, gates=not o.no_gates))
 
 
 if __name__ == "__main__":

@@ -163,3 +163,17 @@ def test_premises_runs_and_prints_one_object_per_method():
     assert by["ep_grpo"]["process_share"] == pytest.approx(0.0, abs=1e-6)  # the policy is its own reference: P = 0
     assert by["control"]["rows"] == 3 and by["control"]["continuations"] == 2
     assert not by["control"]["pass"]  # 3 rows x 2 continuations are below the gate's sizes, whatever the drop
+
+
+def test_the_table_names_the_setting_and_what_a_measurement_added():
+    flags = ["--model", "assets/tiny-arith-long", "--arith-steps", "16", "--max-new-tokens", "180"]
+    flags += ["--arith-steps", "12", "--model", "m", "--seed", "1", "--num-generations", "8"]
+    meta = {"setting": "long", "flags": flags, "label": "x"}
+    assert premises.setting_text(meta) == "long + `--arith-steps 12`"  # the policy column names the model
+    assert (
+        premises.setting_text({"setting": "default", "flags": ["--seed", "3", "--num-generations", "8"]}) == "default"
+    )
+    r = {"method": "ep_grpo", "pass": True, "gate": premises.GATES["ep_grpo"], "rows": 3, "top20": 0.95}
+    row = premises.table([{"meta": meta, "methods": [r]}]).splitlines()[-1]
+    assert row.startswith("| long + `--arith-steps 12` | x | ep_grpo | yes | top 20% 0.950")
+    assert row.endswith(f"| {premises.GATES['ep_grpo']} |")

@@ -66,6 +66,8 @@ METHODS = {
     "rrpo": ["srpo.py", "--reset", "random"],
     "srpo_oracle": ["srpo.py", "--reset", "oracle"],
     "control": ["benchmarks/perfect_credit.py"],  # the positive control: perfect process credit (not a method)
+    "placebo": ["benchmarks/perfect_credit.py", "--placebo"],  # its mass-matched placebo: the same |A|, no location
+    "grpo_aa": ["grpo.py", "--micro-batch-size", "8"],  # A/A: GRPO with another update chunking (no rule changes)
 }
 
 
@@ -358,7 +360,14 @@ def first_reach(curve, target: float):
     return next(((s, t) for s, t, m, _, _ in curve if m >= target - 1e-9), (None, None))
 
 
-def versus_grpo(by_seed: dict, grpo: dict) -> dict:
+def endpoint(points: list, last: int = 1) -> float:
+    """A run's endpoint: the mean accuracy of its `last` evaluations (1: the final one); points: [(step, tokens,
+    accuracy), ...]."""
+    accs = [p[2] for p in points[-last:]]
+    return sum(accs) / len(accs)
+
+
+def versus_grpo(by_seed: dict, grpo: dict, last: int = 1) -> dict:
     """A method's final greedy accuracy over its seeds and against GRPO's on the same seeds (same seed: same held-out
     problems and first batches, so the paired difference is the sharper test):
       final            mean over its seeds of the final accuracy, with its 95% t-interval (final_lo, final_hi);
@@ -371,14 +380,15 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
                        accuracy - GRPO's), with its 95% paired t-interval (evals_lo, evals_hi): less hostage to one
                        evaluation than diff; evals_n: the seeds among those n that share such an evaluation with GRPO
                        (a seed evaluated at other steps than GRPO's is left out of evals_diff, not counted as 0).
-    grpo: GRPO's curves by seed (seed -> [(step, tokens, accuracy), ...])."""
-    grpo_final = {k: pts[-1][2] for k, pts in grpo.items()}
-    finals = [pts[-1][2] for pts in by_seed.values()]
+    grpo: GRPO's curves by seed (seed -> [(step, tokens, accuracy), ...]). last > 1: "final" is each seed's endpoint,
+    the mean of its last `last` evaluations, which one evaluation's jump cannot swing."""
+    grpo_final = {k: endpoint(pts, last) for k, pts in grpo.items()}
+    finals = [endpoint(pts, last) for pts in by_seed.values()]
     final, final_lo, final_hi = t_interval(finals)
     shared = sorted(k for k in by_seed if k in grpo_final)
-    diffs = [by_seed[k][-1][2] - grpo_final[k] for k in shared]
+    diffs = [endpoint(by_seed[k], last) - grpo_final[k] for k in shared]
     diff, lo, hi = t_interval(diffs) if diffs else (None, None, None)
-    ratios = [by_seed[k][-1][2] / grpo_final[k] for k in shared if grpo_final[k] > 0]
+    ratios = [endpoint(by_seed[k], last) / grpo_final[k] for k in shared if grpo_final[k] > 0]
     per_seed = []
     for k in shared:
         theirs = {step: acc for step, _, acc in grpo[k]}
@@ -405,13 +415,14 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
     )
 
 
-def versus_control(by_seed: dict, grpo: dict, control: dict) -> dict:
+def versus_control(by_seed: dict, grpo: dict, control: dict, last: int = 1) -> dict:
     """A method against the positive control (benchmarks/perfect_credit.py) on the seeds all three finished:
     vs_control  mean of (its final - the control's final), with the paired 95% t-interval (vs_control_lo, _hi);
     share       the share of the control's gain over GRPO that the method recovers, mean(its final - GRPO's) /
                 mean(the control's final - GRPO's), with Fieller's 95% interval (share_lo, share_hi; None when the
-                control's own gain is not shown: the share is then undefined); n_control: the seeds used."""
-    final = lambda curves, k: curves[k][-1][2]  # noqa: E731
+                control's own gain is not shown: the share is then undefined); n_control: the seeds used.
+    Finals are endpoints (versus_grpo's `last`)."""
+    final = lambda curves, k: endpoint(curves[k], last)  # noqa: E731
     shared = sorted(k for k in by_seed if k in grpo and k in control)
     mine = [final(by_seed, k) - final(grpo, k) for k in shared]
     ctrl = [final(control, k) - final(grpo, k) for k in shared]
@@ -461,12 +472,12 @@ def cmd_report(a) -> None:
         sys.exit(f"{a.setting}: its runs come from {len(every)} commits ({', '.join(every)}); {why}")
     control = curves.get("control")
     family = [m for m in order if m != "grpo"]  # the comparisons with GRPO in this table: Holm's family
-    rows = {m: versus_grpo(curves[m], grpo) for m in order}
+    rows = {m: versus_grpo(curves[m], grpo, a.last) for m in order}
     adjusted = holm({m: rows[m]["p"] for m in family})
     for m in order:
         rows[m] |= {"p_holm": adjusted.get(m), "family": len(family), "commits": sorted(commits.get(m, []))}
         if control is not None and m not in ("grpo", "control"):
-            rows[m] |= versus_control(curves[m], grpo, control)
+            rows[m] |= versus_control(curves[m], grpo, control, a.last)
     if a.json:  # one JSON line per method, nothing written
         for m in order:
             print(json.dumps({"method": m, **rows[m]}))
@@ -490,7 +501,12 @@ def cmd_report(a) -> None:
             if control is not None
             else ""
         )
-        + f". Commits: {', '.join(every)}.",
+        + f". Commits: {', '.join(every)}."
+        + (
+            f' Endpoint (every "final" here): each seed\'s mean over its last {a.last} evaluations.'
+            if a.last > 1
+            else ""
+        ),
         "",
         "| method | seeds | step 0 | final (step) | final, 95% t-interval | n paired "
         "| final − GRPO, paired 95% t-interval | p (Holm) | detects (80%) | min ratio to GRPO "
@@ -542,6 +558,8 @@ def cmd_report(a) -> None:
         else:
             lines.append(f"- {m}: no difference shown; a gain above {v['hi']:+.3f} and a loss beyond {v['lo']:+.3f} "
                          f"are excluded (it detects {v['mde80']:.3f} 80% of the time)")  # fmt: skip
+    if a.contrast:
+        lines += ["", *contrast_lines(curves, a.contrast, a.last)]
     table = "\n".join(lines)
     print(table)
     out = Path(a.results) / a.setting
@@ -564,6 +582,39 @@ def cmd_report(a) -> None:
         )
     mechanisms(a, main, out)
     print(f"report: {out / 'report.md'}")
+
+
+def contrasts(curves: dict, pairs: list[str], last: int = 1) -> list[dict]:
+    """Planned comparisons "A-B" (method names): per pair, the mean over the seeds both finished of A's endpoint minus
+    B's (versus_grpo's `last`), its paired 95% t-interval, p (paired_p), the smallest difference it detects 80% of the
+    time, and p Holm-adjusted over the listed pairs (their own family)."""
+    out = []
+    for pair in pairs:
+        cuts = [(pair[:i], pair[i + 1 :]) for i, c in enumerate(pair) if c == "-"]  # a tag may hold a "-" too
+        found = [(a, b) for a, b in cuts if a in curves and b in curves]
+        if not found:
+            sys.exit(f"--contrast {pair}: not two methods with finished runs, A-B (have: {', '.join(sorted(curves))})")
+        a, b = found[0]
+        shared = sorted(k for k in curves[a] if k in curves[b])
+        diffs = [endpoint(curves[a][k], last) - endpoint(curves[b][k], last) for k in shared]
+        m, lo, hi = t_interval(diffs) if diffs else (None, None, None)
+        out.append(dict(pair=pair, a=a, b=b, n=len(diffs), diff=m, lo=lo, hi=hi, p=paired_p(diffs),
+                        mde80=detectable(diffs)))  # fmt: skip
+    adjusted = holm({c["pair"]: c["p"] for c in out})
+    return [c | {"p_holm": adjusted.get(c["pair"])} for c in out]
+
+
+def contrast_lines(curves: dict, pairs: list[str], last: int = 1) -> list[str]:
+    """The planned comparisons' table (contrasts), markdown lines."""
+    lines = [f"Planned comparisons (paired by seed; Holm over these {len(pairs)}):", ""]
+    lines += ["| comparison | n paired | difference, paired 95% t-interval | p (Holm) | detects (80%) |"]
+    lines += ["|---|---|---|---|---|"]
+    for c in contrasts(curves, pairs, last):
+        d = fmt_ci((c["diff"], c["lo"], c["hi"]), "+") if c["n"] else "–"
+        pv = f"{c['p']:.3f} ({c['p_holm']:.3f})" if c["p"] is not None else "–"
+        mde = f"{c['mde80']:.3f}" if c["mde80"] is not None else "–"
+        lines.append(f"| {c['a']} − {c['b']} | {c['n']} | {d} | {pv} | {mde} |")
+    return lines
 
 
 MECHANISMS = {  # metric -> what it shows (docs/benchmarks.md explains each method's result with them)
@@ -698,6 +749,9 @@ def main() -> None:
         "results folder never overwrites the docs' figures)",
     )
     p.add_argument("--pool-commits", action="store_true", help="report runs made at different commits together")
+    p.add_argument("--last", type=int, default=1, help="each seed's endpoint: the mean of its last N evaluations")
+    p.add_argument("--contrast", nargs="*", default=[], help="planned comparisons A-B (e.g. control-grpo "
+                   "control-placebo): paired differences of the endpoints, p and Holm over them")  # fmt: skip
     p.add_argument(
         "--json",
         action="store_true",

@@ -96,6 +96,10 @@ class BaseArgs:
     """arith: operands are drawn from [1, this]"""
     code_timeout: float = 5.0
     """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
+    code_sandbox: Literal["bwrap", "audit-hook"] = "bwrap"
+    """code task: bwrap runs each program in bubblewrap's namespaces (apt-get install bubblewrap; docs/code_task.md);
+    audit-hook accepts the weaker in-process sandbox, a Python audit hook and rlimits without OS isolation: NOT a
+    security boundary (a program that gets past the hook can write where you can, outlive the run, read your files)"""
     max_prompt_length: int = 1024
     """prompts longer than this (tokens) are skipped and counted"""
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_MODEL
 
+from rlvr_utils import sandbox
+
 QUICK = [
     "--total-steps",
     "2",
@@ -203,11 +205,12 @@ DATA = {  # a small data file of each task's format (8 training rows, 2 held out
 REWARD = "def f(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
 DATA_FILES = ["data_tasks", "model_checks"]  # every data flag's (a hub dataset is looked up as a --model would be)
 REWARD_FNS = ["custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]  # TRL's reward-call layer
+CODE_SANDBOX = [] if sandbox.isolation_problem() is None else ["--code-sandbox", "audit-hook"]  # where no bwrap starts
 FOLLOW = [  # (script, flags, the files the line names)
     ("grpo.py", ["--task", "gsm8k", "--data-path", "gsm.jsonl"], [*DATA_FILES, "rewards", "datafiles"]),
     ("grpo.py", ["--task", "math", "--data-path", "math.jsonl"], [*DATA_FILES, "rewards", "datafiles"]),
-    ("grpo.py", ["--task", "code", "--data-path", "code.jsonl"],
-     [*DATA_FILES, "sandbox", "sandbox_harness", "datafiles"]),
+    ("grpo.py", ["--task", "code", "--data-path", "code.jsonl", *CODE_SANDBOX],
+     [*DATA_FILES, "sandbox", "sandbox_bwrap", "sandbox_harness", "datafiles"]),
     ("grpo.py", ["--task", "custom", "--data-path", "rows.jsonl", "--reward-fn", "r.py:f"],
      [*DATA_FILES, "datafiles", *REWARD_FNS]),
     ("grpo.py", ["--reward-fn", "r.py:f"], [*DATA_FILES, "datafiles", *REWARD_FNS]),

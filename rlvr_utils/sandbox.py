@@ -20,9 +20,9 @@ import os
 import re
 import select
 import signal
+import site
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -108,7 +108,7 @@ class IsolationError(RuntimeError):
 # python -I -S 25 ms); the harness puts the interpreter's site-packages on sys.path itself (SITE), so the program
 # imports what is installed as before
 PYTHON = (sys.executable, "-I", "-S", "-c", HARNESS)
-SITE = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
+SITE = [p for p in site.getsitepackages() if os.path.isdir(p)]  # a venv's (and its base's, when it includes them)
 
 
 @dataclasses.dataclass

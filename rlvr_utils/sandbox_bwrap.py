@@ -78,7 +78,8 @@ def command(disk_mb: int = 64) -> tuple[str, ...]:
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
-    made = {"/"}
+    cmd += ["--dev", "/dev", "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp"]  # before the binds:
+    made = {"/", "/tmp"}  # a venv under /tmp (CI's) is bound onto the tmpfs, not hidden by it
     for d in python_dirs():
         parents = [p for p in Path(d).parents if str(p) not in made][::-1]
         for p in parents:  # bwrap makes missing parents 0700: no one else could pass
@@ -88,7 +89,7 @@ def command(disk_mb: int = 64) -> tuple[str, ...]:
         made.add(d)
     if os.path.exists("/etc/ld.so.cache"):
         cmd += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    cmd += ["--dev", "/dev", "--perms", "1777", "--size", str(disk_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    cmd += ["--chdir", "/tmp"]
     env = dict(PATH="/usr/bin:/bin", HOME="/tmp", TMPDIR="/tmp", LANG="C.UTF-8")
     cmd += ["--clearenv", *[a for k, v in env.items() for a in ("--setenv", k, v)], "--"]
     return tuple(cmd)
@@ -132,6 +133,8 @@ def problem() -> str | None:
     why = lines[-1].strip()
     if "Unknown option" in why:
         hint = f"bubblewrap {'.'.join(map(str, version()))} is too old: 0.8 or newer (Debian 12, Ubuntu 24.04)"
+    elif "execvp" in why:
+        hint = f"the sandbox shows /usr and the interpreter's prefixes, and {sys.executable} is not under them"
     elif why.startswith("bwrap:") and os.geteuid() != 0:
         hint = USERNS
     elif not why.startswith("bwrap:"):

@@ -108,11 +108,11 @@ def harden(p):
     """Leave the network, drop root (to nobody; under bwrap to a user of this sandbox's own), apply the rlimits,
     install the audit hook. Returns (network isolated, uid). Under bwrap as root the drop must succeed (an OSError
     ends the run before any verdict)."""
+    import ctypes  # before the hook, which refuses its dlopen: numpy imports it (its calls stay refused)
+
     net = p["isolated"]
     if not net:
         try:
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             net = libc.unshare(0x40000000) == 0 or libc.unshare(0x50000000) == 0  # CLONE_NEWNET, +CLONE_NEWUSER
         except Exception:

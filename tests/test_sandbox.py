@@ -214,6 +214,15 @@ def test_the_allowed_events_let_ordinary_programs_pass(box):
     assert sandbox.run_code_tests(program, ADD_TEST, "add", sandbox=box).reward == 1.0
 
 
+def test_the_program_and_its_tests_import_what_is_installed(box):
+    """site-packages (the interpreter's, a venv's) are on the path of both sides, though their .pth files do not run
+    (python -S): numpy imports, as it did before the OS sandbox (it imports ctypes, which the harness loads first)."""
+    pytest.importorskip("numpy")
+    program = "import numpy as np\ndef add(a, b):\n    return int(np.add(a, b))\n"
+    tests = ["assert add(1, 2) == 3", "import numpy\nassert numpy.arange(3).sum() == 3"]
+    assert sandbox.run_code_tests(program, tests, "add", sandbox=box).reward == 1.0
+
+
 # --- the task ----------------------------------------------------------------------------------
 
 

@@ -382,6 +382,9 @@ def check_run_flags(a: dict) -> None:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
     if (n := a["num_eval"]) > 2000:
         print(f"warning: --num-eval {n}: every evaluation generates {n} completions", file=sys.stderr)
+    if (g := a.get("eval_num_generations") or 0) * a["num_eval"] > 2000:  # the same bound on the samples TRL's way
+        many = f"every evaluation generates {g} x --num-eval {a['num_eval']} = {g * a['num_eval']} completions"
+        print(f"warning: --eval-num-generations {g}: {many}", file=sys.stderr)
 
 
 def set_threads(threads: int) -> None:

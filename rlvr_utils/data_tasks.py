@@ -225,7 +225,7 @@ def read_rows_where(path: str, flag: str) -> tuple[list[dict], list[str]]:
     try:
         return datafiles.read_rows(path)
     except (datafiles.DataFileError, FileNotFoundError) as e:
-        usage_error(f"{flag} {e}")
+        usage_error(str(e) if isinstance(e, datafiles.CacheError) else f"{flag} {e}")  # the cache: not the file's fault
 
 
 def check_data(task: str, path: str | None, flag: str) -> None:

@@ -168,6 +168,17 @@ def test_the_readme_gives_the_copy_tiers_as_they_are():
     assert copy_tiers.table() in readme, "README.md's copy tiers are stale: python tools/copy_tiers.py --write"
 
 
+def test_copy_tiers_refuses_an_unknown_flag_and_has_help():
+    """A mistyped --write is refused (it printed the blocks and left the README stale); -h says what it does."""
+    readme = (ROOT / "README.md").read_bytes()
+    tool = [sys.executable, str(ROOT / "tools" / "copy_tiers.py")]
+    out = subprocess.run([*tool, "--wirte"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "" and "unrecognized arguments: --wirte" in out.stderr, out
+    assert (ROOT / "README.md").read_bytes() == readme
+    helped = subprocess.run([*tool, "-h"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "--write" in helped.stdout and "README" in helped.stdout
+
+
 def copy_minimal(script: str, dest: Path) -> Path:
     """The script's minimal copy and the bundled model in `dest`."""
     dest.mkdir(parents=True)

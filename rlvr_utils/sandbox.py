@@ -57,7 +57,7 @@ def code_program(prompt_code: str, completion: str, entry_point: str) -> str:
     return prompt_code + code[:cut]
 
 
-try:  # the harness program, run with python -I -c
+try:  # the harness program, run with python -I -S -c
     HARNESS = (Path(__file__).resolve().parent / "sandbox_harness.py").read_text()
 except FileNotFoundError:  # a copy of the minimal core with sandbox.py alone
     usage_error(
@@ -149,7 +149,7 @@ def _start(request: dict, fds: tuple[int, ...], stdout, sandbox: str, disk_mb: i
     finally:
         if info is not None:
             os.close(info[1])
-    return proc, info and info[0]
+    return proc, None if info is None else info[0]
 
 
 def _kill(box: _Sandbox) -> None:

@@ -1,5 +1,5 @@
 """The sandbox harness: the program `sandbox.run_code_tests` starts twice for each program it verifies, as
-`python -I -c <this file's text>`, each copy in a sandbox of its own (bubblewrap's namespaces; with
+`python -I -S -c <this file's text>`, each copy in a sandbox of its own (bubblewrap's namespaces; with
 `--code-sandbox audit-hook`, only the audit hook and rlimits below):
 
 - role "program" runs the model's code, then answers the calls that the tests make of its top-level names (call,
@@ -14,12 +14,12 @@ is data that the tests compare. An object whose `==` is always true stays a refe
 nothing but itself (the always-equal reward hack); exit codes, printed text and writes to any file descriptor the
 program holds reach no one who counts passes.
 
-Both read one JSON request from stdin, then: leave the network (bwrap already did; else a new network namespace
-where the kernel allows it), drop root (under bwrap to a user id of the sandbox's own, else to `nobody`), apply the
-rlimits, and install an audit hook that allows
-a list of events and refuses every other (fork/exec/subprocess, sockets, ctypes, writes outside the working
-directory, /proc, ...). Under bwrap the hook and the rlimits are a second layer; without it they are the only one,
-and a program that gets past the hook (native code, an interpreter bug, an unaudited call) is out.
+Both read one JSON request from stdin, then: put site-packages on the path, leave the network (bwrap already did;
+else a new network namespace where the kernel allows it), drop root (under bwrap to a user id of the sandbox's own,
+else to `nobody`), apply the rlimits, and install an audit hook that allows a list of events and refuses every other
+(fork/exec/subprocess, sockets, ctypes, writes outside the working directory, /proc, ...). Under bwrap the hook and
+the rlimits are a second layer; without it they are the only one, and a program that gets past the hook (native
+code, an interpreter bug, an unaudited call) is out.
 """
 
 import builtins
@@ -193,7 +193,8 @@ def audit_hook(work):
 
 
 def serve_program(p):
-    """The program's side: run it, send its top-level names, then answer each request until the tests hang up."""
+    """The program's side: run it, send the top-level names the tests ask for, then answer each request until the
+    tests hang up."""
     requests, replies, refs = os.fdopen(p["requests"], "rb"), p["replies"], []
 
     def ref(x):
@@ -203,21 +204,23 @@ def serve_program(p):
     g = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(p["program"], "<solution>", "exec"), g)
-        names = []
-        for k, v in list(g.items()):
-            if k.startswith("__"):
-                continue
-            if type(v) is type(sys):
-                names.append([k, "module", v.__name__])
-            else:
-                try:
-                    names.append([k, "value", encode(v, ref)])
-                except (ValueError, RecursionError):
-                    names.append([k, "value", ref(v)])
-        send(replies, ["names", names])
     except BaseException as e:
         send(replies, ["error", type(e).__name__])
         return
+    wanted = json.loads(requests.readline() or "[]")  # the first request: ["names", the names the tests use]
+    names = []
+    for k in wanted[1] if len(wanted) == 2 and type(wanted[1]) is list else ():
+        if k not in g or k.startswith("__"):
+            continue
+        v = g[k]
+        if type(v) is type(sys):
+            names.append([k, "module", v.__name__])
+        else:
+            try:
+                names.append([k, "value", encode(v, ref)])
+            except (ValueError, RecursionError):
+                names.append([k, "value", ref(v)])
+    send(replies, ["names", names])
     args = decoder(refs.__getitem__)
     for line in requests:
         try:
@@ -294,6 +297,8 @@ def run_tests(p, out):
 
     def ask(*request):
         send(requests, list(request))
+        if request[0] == "names":  # the first answer, whole
+            return read()
         kind, *rest = read()
         if kind == "value" and len(rest) == 1:
             return rest[0]
@@ -307,23 +312,23 @@ def run_tests(p, out):
                 pass
         raise error
 
-    try:
-        kind, *rest = read()
-    except ProgramError:
-        return
-    if kind != "names" or len(rest) != 1 or type(rest[0]) is not list:
-        return  # the program raised (or never finished): no test passes
     code = []
     for i, text in enumerate([p["setup"], *p["tests"]]):
         try:
             code.append(compile(text, "<test %d>" % (i - 1) if i else "<test setup>", "exec"))
         except BaseException:  # a test that does not compile fails (the setup: every test)
             code.append(None)
-    used, todo = set(), [c for c in code if c is not None]
+    used, todo = {p["entry_point"]} - {None}, [c for c in code if c is not None]
     while todo:  # the global names the tests use, in nested functions too
         c = todo.pop()
         used.update(c.co_names)
         todo += [k for k in c.co_consts if type(k) is type(c)]
+    try:
+        kind, *rest = ask("names", sorted(used))
+    except (ProgramError, OSError):
+        return
+    if kind != "names" or len(rest) != 1 or type(rest[0]) is not list:
+        return  # the program raised (or never finished): no test passes
     t, values = {"__name__": "__main__", "__builtins__": builtins}, {}
     for item in rest[0]:
         if type(item) is not list or len(item) != 3 or type(item[0]) is not str:
@@ -378,6 +383,6 @@ def main():
         run_tests(p, out)
 
 
-if __name__ == "__main__":  # python -I -c <this file>
+if __name__ == "__main__":  # python -I -S -c <this file>
     main()
     os._exit(0)

@@ -143,7 +143,10 @@ def problem() -> str | None:
             f"the programs run as a user of their own, who must be able to read its Python ({sys.executable}): {where}"
         )
     else:
-        hint = "run it where namespaces are allowed (in Docker: --security-opt seccomp=unconfined, or --privileged)"
+        hint = (
+            "as root, bubblewrap needs CAP_SYS_ADMIN to make namespaces (in Docker: --cap-add SYS_ADMIN --security-opt "
+            "seccomp=unconfined, or --privileged), or run as a user where user namespaces are on"
+        )
     return f"{head}, which cannot start here ({why}): {hint}; {WEAKER}"
 
 

@@ -5,6 +5,7 @@ running. Where bubblewrap cannot start, these tests are skipped, saying why; the
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -277,6 +278,10 @@ def test_a_missing_bubblewrap_is_one_line_naming_it_and_how_to_install_it(tmp_pa
         assert out.returncode == 0 and len(line.splitlines()) == 1, out
         assert want in line and "--code-sandbox audit-hook" in line, line
     assert sandbox.isolation_problem("audit-hook") is None
+    if os.geteuid() == 0 and shutil.which("setpriv") and PROBLEM is None:  # root in a container without CAP_SYS_ADMIN
+        no_admin = ["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c", ask]
+        line = subprocess.run(no_admin, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert "Creating new namespace failed" in line and "CAP_SYS_ADMIN" in line and "audit-hook" in line, line
 
 
 def test_the_code_task_refuses_to_start_without_isolation_unless_the_weaker_sandbox_is_accepted(tmp_path):

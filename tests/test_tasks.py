@@ -218,6 +218,8 @@ def test_scripts_run_on_the_code_task(script, extra, tmp_path):
         *extra,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    weak = "warning: --code-sandbox audit-hook: programs run without OS isolation"
+    assert (weak in out.stderr) == ("audit-hook" in extra), out.stderr[-2000:]  # the weaker sandbox says what it is
     rows = read_metrics(tmp_path / "runs")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(0.0 <= r.get("reward", 0.0) <= 1.0 for r in rows)

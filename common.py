@@ -376,7 +376,7 @@ def evaluate(
 # ----------------------------------------------------------------------------------------------
 TASK_FLAGS = (  # what tasks.load_task takes
     "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value "
-    "arith_max_operand code_timeout reward_fn reward_weights reward_timeout success_threshold"
+    "arith_max_operand code_timeout code_sandbox reward_fn reward_weights reward_timeout success_threshold"
 ).split()
 
 

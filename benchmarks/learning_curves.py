@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -189,26 +190,103 @@ def cmd_run(a) -> None:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
-def load(setting: str, results: Path, quiet: bool = False) -> dict:
-    """name -> seed -> list of (step, generated tokens so far, eval accuracy) of the finished runs (`quiet`: the
-    unfinished ones are left out without a word, for a JSON-only stdout)."""
-    curves = {}
-    for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
+SEED_FILE = re.compile(r"seed(\d+)\.jsonl")  # a seed's rows; anything else in a method's folder is not a seed
+NUMBERS = ("step", "eval/accuracy", "reset/generated_tokens", "num_tokens")  # what the report computes with
+
+
+def say(message: str, quiet: bool | None = False) -> None:
+    """One line about a results file the report leaves out or reads in part: on stdout, on stderr when `quiet`
+    (--json: stdout is JSON), not at all when None (a second reading of files already reported)."""
+    if quiet is not None:
+        print(message, file=sys.stderr if quiet else sys.stdout)
+
+
+def seed_files(setting: str, results: Path, quiet: bool | None = False) -> dict:
+    """method -> seed -> its seed<k>.jsonl. Only seed<digits>.jsonl are seeds (a backup copy seed1.bak.jsonl is not;
+    said); a method folder that is the same files as another's through a link is left out (said)."""
+    out, seen = {}, {}  # seen: the real folder, and (device, inode) of each seed file -> the method that has it
+    root = results / setting
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        if d.resolve() in seen:
+            say(f"skipped {d}: the same folder as {seen[d.resolve()]} (a link); a method is counted once", quiet)
+            continue
+        seen[d.resolve()] = d.name
+        files = {}
         for f in sorted(d.glob("seed*.jsonl")):
-            tokens, points = 0.0, []
-            rows = read_metrics(f)
-            if (
-                not rows or "eval/accuracy" not in rows[-1]
-            ):  # a run that stopped early (run_one writes only finished ones)
-                if not quiet:
-                    print(f"skipped {f}: it does not end with an evaluation")
+            m = SEED_FILE.fullmatch(f.name)
+            if m is None:
+                say(f"skipped {f}: not a seed's file (only seed<digits>.jsonl are)", quiet)
+            else:
+                files[int(m.group(1))] = f
+        ids = {(f.stat().st_dev, f.stat().st_ino) for f in files.values()}  # hard links, or links to each file
+        same = sorted({seen[i] for i in ids if i in seen})
+        if same:
+            say(f"skipped {d}: the same files as {', '.join(same)} (a link); a method is counted once", quiet)
+            continue
+        seen |= dict.fromkeys(ids, d.name)
+        out[d.name] = files
+    return out
+
+
+def seed_rows(f: Path, quiet: bool | None = False) -> list[dict] | None:
+    """A seed's rows, or None (said, in one line) when the report cannot use them: a line that is not JSON (a cut last
+    line is dropped with a warning, as checkpoints.read_rows does), a row that is not an object with an integer step, a
+    value it computes with that is not a number, an evaluation that is NaN, or no evaluation at the end."""
+    try:
+        lines = [line for line in f.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        return say(f"skipped {f}: cannot read it ({getattr(e, 'strerror', None) or e})", quiet)
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            if i < len(lines):
+                return say(f"skipped {f}: line {i} is not JSON", quiet)
+            say(f"warning: {f}:{i}: a partial last line (the run was killed while writing it) is dropped", quiet)
+            continue
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            return say(f"skipped {f}: line {i} is not a metrics row (a JSON object with an integer step)", quiet)
+        bad = next((k for k in NUMBERS if k in row and type(row[k]) not in (int, float)), None)  # bool: not one
+        if bad is not None:
+            return say(f"skipped {f}: line {i} (step {row['step']}): {bad} is {row[bad]!r}, not a number", quiet)
+        if "eval/accuracy" in row and not math.isfinite(row["eval/accuracy"]):
+            what = f"eval/accuracy is {row['eval/accuracy']} at step {row['step']}"
+            return say(f"skipped {f}: {what} (an evaluation that failed; left out, not averaged)", quiet)
+        rows.append(row)
+    if not rows or "eval/accuracy" not in rows[-1]:  # a run that stopped early (run_one writes only finished ones)
+        return say(f"skipped {f}: it does not end with an evaluation", quiet)
+    return rows
+
+
+def load(setting: str, results: Path, quiet: bool = False) -> dict:
+    """name -> seed -> list of (step, generated tokens so far, eval accuracy) of the finished runs whose rows the
+    report can use (seed_files, seed_rows: each file left out is one line; `quiet`: on stderr, for a JSON stdout)."""
+    curves = {}
+    for name, files in seed_files(setting, results, quiet).items():
+        for seed, f in files.items():
+            rows = seed_rows(f, quiet)
+            if rows is None:
                 continue
+            tokens, points = 0.0, []
             for r in rows:
                 tokens += r.get("reset/generated_tokens", r.get("num_tokens", 0))
                 if "eval/accuracy" in r:
                     points.append((r["step"], tokens, r["eval/accuracy"]))
-            curves.setdefault(d.name, {})[int(f.stem[4:])] = points
+            curves.setdefault(name, {})[seed] = points
     return curves
+
+
+def read_json(path: Path, quiet: bool | None = False) -> dict:
+    """A provenance file (seed<k>.run.json, meta.json) as a dict; {} when it is no JSON object (said)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        say(f"warning: {path}: not a JSON object; the commit it would name is unknown", quiet)
+        return {}
+    return value
 
 
 def t_two_sided(t: float, df: int) -> float:
@@ -432,17 +510,19 @@ def versus_control(by_seed: dict, grpo: dict, control: dict, last: int = 1) -> d
                 share=share[0], share_lo=share[1], share_hi=share[2])  # fmt: skip
 
 
-def commits_of(setting: str, results: Path) -> dict:
-    """method -> the commits its finished seeds were run at (each seed's .run.json; older results: the method's
-    meta.json, which every `run` call rewrote, so it names the last one)."""
+def commits_of(setting: str, results: Path, curves: dict, quiet: bool | None = False) -> dict:
+    """method -> the commits its seeds in `curves` were run at (each seed's .run.json; older results: the method's
+    meta.json, which every `run` call rewrote, so it names the last one; a file that is no JSON: 'unknown (file)')."""
     out = {}
-    for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
-        meta = d / "meta.json"
-        fallback = json.loads(meta.read_text()).get("commit", "unknown") if meta.exists() else "unknown"
-        for f in sorted(d.glob("seed*.jsonl")):
+    for name, files in seed_files(setting, results, quiet=None).items():
+        meta = results / setting / name / "meta.json"
+        fallback = read_json(meta, quiet).get("commit", f"unknown ({meta.name})") if meta.exists() else "unknown"
+        for seed, f in files.items():
+            if seed not in curves.get(name, {}):
+                continue
             run = run_path(f)
-            commit = json.loads(run.read_text())["commit"] if run.exists() else f"{fallback} (meta.json)"
-            out.setdefault(d.name, set()).add(commit)
+            commit = read_json(run, quiet).get("commit", f"unknown ({run.name})") if run.exists() else None
+            out.setdefault(name, set()).add(str(commit) if commit is not None else f"{fallback} (meta.json)")
     return out
 
 
@@ -465,7 +545,7 @@ def cmd_report(a) -> None:
         ends = sorted({pts[-1][0] for pts in curves[m].values()})
         if len(ends) > 1:
             sys.exit(f"{m}: its seeds end at different steps {ends}; rerun or remove the short ones")
-    commits = commits_of(a.setting, Path(a.results))
+    commits = commits_of(a.setting, Path(a.results), curves, quiet=a.json)
     every = sorted(set().union(*commits.values())) if commits else []
     if len(every) > 1 and not a.pool_commits:
         why = "pooling them compares code as well as methods: rerun at one commit, or pass --pool-commits"
@@ -635,14 +715,15 @@ def mechanisms(a, methods, out: Path) -> None:
     """The logged metrics that explain each result, first and last 10 steps (mean over seeds), appended to the report,
     and the share of unsolved groups over training, per method, as a plot beside the accuracy plot."""
     per = {}  # method -> metric -> step -> [values over seeds]
+    files = seed_files(a.setting, Path(a.results), quiet=None)
     for m in methods:
-        for f in sorted((Path(a.results) / a.setting / m).glob("seed*.jsonl")):
-            rows = read_metrics(f)
-            if not rows or "eval/accuracy" not in rows[-1]:  # unfinished: left out as in the results table
+        for f in files.get(m, {}).values():
+            rows = seed_rows(f, quiet=None)
+            if rows is None:  # left out of the results table too (said there)
                 continue
             for r in rows:
                 for k in MECHANISMS:
-                    if k in r and r["step"] > 0:
+                    if k in r and r["step"] > 0 and type(r[k]) in (int, float) and math.isfinite(r[k]):
                         per.setdefault(m, {}).setdefault(k, {}).setdefault(r["step"], []).append(r[k])
     if not per:  # runs from before these metrics were logged
         return

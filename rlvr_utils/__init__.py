@@ -24,8 +24,9 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
   datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line
   rewards          GSM8K and MATH answers (math-verify)
-  sandbox          the code task's sandboxed test runner (not a security boundary)
-  sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, the program and its tests
+  sandbox          the code task's test runner: each program in one sandbox, its tests in another, the verdict theirs
+  sandbox_bwrap    bubblewrap for it: one sandbox's command line, whether it can start here, ending it and all it began
+  sandbox_harness  the program each sandbox starts (python -I -S -c): the program's side, the tests' side, an audit hook
   custom           --task custom and --reward-fn: your rows, loading reward functions, RewardModel
   reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None and NaN, failures
   reward_isolation  what one reward call may change or leave behind: its own copies, torch's state, alarms, forks
@@ -47,7 +48,7 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
 """
 
 # what each extra imports besides the core: runtime.extra names all a copy lacks in one line (tests/test_layout.py)
-REQUIRES = {"data_tasks": ("model_checks",), "sandbox": ("sandbox_harness",)}  # the harness: read as text
+REQUIRES = {"data_tasks": ("model_checks",), "sandbox": ("sandbox_bwrap", "sandbox_harness")}  # the harness: as text
 REQUIRES |= {"model_card": ("saving",), "sharded": ("saving",)}  # writing a checkpoint or a folder
 REQUIRES["reward_calls"] = ("reward_isolation", "reward_logs", "watchdog")  # --reward-fn: TRL's reward calls
 REQUIRES["custom"] = ("reward_calls", *REQUIRES["reward_calls"])

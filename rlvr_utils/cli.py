@@ -96,6 +96,10 @@ class BaseArgs:
     """arith: operands are drawn from [1, this]"""
     code_timeout: float = 5.0
     """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
+    code_sandbox: Literal["bwrap", "audit-hook"] = "bwrap"
+    """code task: bwrap runs each program in bubblewrap's namespaces (apt-get install bubblewrap; docs/code_task.md);
+    audit-hook accepts the weaker in-process sandbox, a Python audit hook and rlimits without OS isolation: NOT a
+    security boundary (a program that gets past the hook can write where you can, outlive the run, read your files)"""
     max_prompt_length: int = 1024
     """prompts longer than this (tokens) are skipped and counted"""
 
@@ -378,6 +382,9 @@ def check_run_flags(a: dict) -> None:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
     if (n := a["num_eval"]) > 2000:
         print(f"warning: --num-eval {n}: every evaluation generates {n} completions", file=sys.stderr)
+    if (g := a.get("eval_num_generations") or 0) * a["num_eval"] > 2000:  # the same bound on the samples TRL's way
+        many = f"every evaluation generates {g} x --num-eval {a['num_eval']} = {g * a['num_eval']} completions"
+        print(f"warning: --eval-num-generations {g}: {many}", file=sys.stderr)
 
 
 def set_threads(threads: int) -> None:

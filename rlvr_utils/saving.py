@@ -69,10 +69,17 @@ def new_copy(ckpt) -> _atomic_dir:
 def write_state(ckpt, tmp: Path, step: int, state: dict, states: list, **marker) -> None:
     """A copy's files besides the weights (rank 0): trainer.pt, the other ranks' sampling streams `states[1:]`,
     and last the marker {"step": step, **marker} that says the copy is whole."""
-    torch.save(state, tmp / "trainer.pt")
+    _save(state, tmp / "trainer.pt")
     for r in range(1, len(states)):
-        torch.save(states[r], tmp / f"trainer_rank{r}.pt")
+        _save(states[r], tmp / f"trainer_rank{r}.pt")
     (tmp / COMPLETE).write_text(json.dumps({"step": step, **marker}))
+
+
+def _save(obj, path: Path) -> None:
+    """torch.save through a Python file, so that a full disk is the OSError it is (errno ENOSPC: "the disk is full"),
+    not the `unexpected pos` RuntimeError of torch's own writer, which loses the cause."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def failed(ckpt, step: int, e: BaseException) -> NoReturn:

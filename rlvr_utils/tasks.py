@@ -345,7 +345,7 @@ def _arith_task(b: TaskBuilder, seed: int, steps: int, max_value: int, max_opera
 def load_task(
     name: str, tokenizer, seed: int = 0, num_eval: int = 200, data_path: str | None = None,
     eval_data_path: str | None = None, max_prompt_length: int = 1024, arith_steps: int = 4, arith_max_value: int = 99,
-    arith_max_operand: int = 9, arith_num_train: int = 20000, code_timeout: float = 5.0,
+    arith_max_operand: int = 9, arith_num_train: int = 20000, code_timeout: float = 5.0, code_sandbox: str = "bwrap",
     reward_fn: Sequence[str] = (), reward_weights: Sequence[float] = (), reward_timeout: float = 0.0,
     success_threshold: float = 1.0,
 ) -> Task:  # fmt: skip
@@ -353,7 +353,8 @@ def load_task(
 
     arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: the hub dataset or a local file via
     `data_path` (eval from `eval_data_path`, else held out from the same source); code: HumanEval or a local
-    jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in a sandbox for `code_timeout` seconds;
+    jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in `code_sandbox` (sandbox.py) for
+    `code_timeout` seconds;
     custom: `data_path` rows scored by `reward_fn` (custom.py). `reward_fn` given with a built-in task replaces its
     reward (the functions then get the columns `question` and `answer`, the gold); `reward_timeout`: seconds a call
     of one may take (0: no limit); `success_threshold`: what their first evaluation is checked against.
@@ -369,7 +370,7 @@ def load_task(
         )
     else:  # the tasks that read data
         data_tasks = runtime.extra("data_tasks", f"--task {name}")
-        train, evals, reward, batch_fn = data_tasks.build(b, code_timeout)
+        train, evals, reward, batch_fn = data_tasks.build(b, code_timeout, code_sandbox)
     user = None
     if reward_fn:  # the user's reward functions, in TRL's convention
         custom = runtime.extra("custom", "--reward-fn")

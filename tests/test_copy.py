@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_MODEL
 
+from rlvr_utils import sandbox
+
 QUICK = [
     "--total-steps",
     "2",
@@ -166,6 +168,17 @@ def test_the_readme_gives_the_copy_tiers_as_they_are():
     assert copy_tiers.table() in readme, "README.md's copy tiers are stale: python tools/copy_tiers.py --write"
 
 
+def test_copy_tiers_refuses_an_unknown_flag_and_has_help():
+    """A mistyped --write is refused (it printed the blocks and left the README stale); -h says what it does."""
+    readme = (ROOT / "README.md").read_bytes()
+    tool = [sys.executable, str(ROOT / "tools" / "copy_tiers.py")]
+    out = subprocess.run([*tool, "--wirte"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "" and "unrecognized arguments: --wirte" in out.stderr, out
+    assert (ROOT / "README.md").read_bytes() == readme
+    helped = subprocess.run([*tool, "-h"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "--write" in helped.stdout and "README" in helped.stdout
+
+
 def copy_minimal(script: str, dest: Path) -> Path:
     """The script's minimal copy and the bundled model in `dest`."""
     dest.mkdir(parents=True)
@@ -203,11 +216,12 @@ DATA = {  # a small data file of each task's format (8 training rows, 2 held out
 REWARD = "def f(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
 DATA_FILES = ["data_tasks", "model_checks"]  # every data flag's (a hub dataset is looked up as a --model would be)
 REWARD_FNS = ["custom", "reward_calls", "reward_isolation", "reward_logs", "watchdog"]  # TRL's reward-call layer
+CODE_SANDBOX = [] if sandbox.isolation_problem() is None else ["--code-sandbox", "audit-hook"]  # where no bwrap starts
 FOLLOW = [  # (script, flags, the files the line names)
     ("grpo.py", ["--task", "gsm8k", "--data-path", "gsm.jsonl"], [*DATA_FILES, "rewards", "datafiles"]),
     ("grpo.py", ["--task", "math", "--data-path", "math.jsonl"], [*DATA_FILES, "rewards", "datafiles"]),
-    ("grpo.py", ["--task", "code", "--data-path", "code.jsonl"],
-     [*DATA_FILES, "sandbox", "sandbox_harness", "datafiles"]),
+    ("grpo.py", ["--task", "code", "--data-path", "code.jsonl", *CODE_SANDBOX],
+     [*DATA_FILES, "sandbox", "sandbox_bwrap", "sandbox_harness", "datafiles"]),
     ("grpo.py", ["--task", "custom", "--data-path", "rows.jsonl", "--reward-fn", "r.py:f"],
      [*DATA_FILES, "datafiles", *REWARD_FNS]),
     ("grpo.py", ["--reward-fn", "r.py:f"], [*DATA_FILES, "datafiles", *REWARD_FNS]),

@@ -467,8 +467,11 @@ class Run:
         resumed = self.first - 1
         task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, log_extra's file
         config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
-        self.logger = runtime.Logger(self.dir, config, a.track, a.wandb_project, dist.main, resumed)
-        taken = f"run directory {self.dir.name} ({self.name} was taken); " * (self.dir.name != self.name)
+        reported = (*a.report_to, *["wandb"] * a.track)  # --track: the old --report-to wandb
+        logs = (self.dir, config, reported, a.wandb_project, dist.main, resumed)
+        self.logger = runtime.Logger(*logs)  # TensorBoard, metrics.jsonl, --report-to's trackers
+        taken = self.dir.name != self.name  # two runs in the same second: a suffix
+        taken = f"run directory {self.dir.name} ({self.name} was taken); " if taken else ""
         dist.print(f"{taken}{len(task.train)} train / {len(task.eval)} eval prompts; skipped "
                    f"{task.skipped}" + (f"; resumed after step {resumed}" if resumed else ""))  # fmt: skip
         if not resumed:  # a resumed run has its evaluations in its metrics.jsonl already

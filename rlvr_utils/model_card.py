@@ -27,7 +27,7 @@ from rlvr_utils.models import looks_like_path
 from rlvr_utils.runtime import extra
 from rlvr_utils.tasks import HUB_DATASETS
 
-HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
+HIDDEN = tuple("script file_hashes output_dir resume exp_name track wandb_project report_to threads device".split())
 PATH_FLAGS = ("model", "data_path", "eval_data_path")  # a local one is shown by its name
 # the project, named on each card; the tree records no public address for it, so none is invented here: a published
 # copy adds its link to this line

@@ -3,6 +3,7 @@ its values read back through each library's own reader and compared with metrics
 same MLflow run; the flags' mistakes are one line before anything loads. trackio is a dev requirement; MLflow's local
 store needs the full mlflow (slow to install), which .ci/run's TRL environment has: here its tests skip, saying so."""
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -111,3 +112,30 @@ def test_all_names_the_installed_libraries_and_tensorboard_none_name_none(monkey
         "wandb",
         "mlflow",
     ]
+
+
+@pytest.mark.parametrize("mode", [None, "online"])
+def test_wandb_is_offline_unless_wandb_mode_says_otherwise(tmp_path, monkeypatch, mode):
+    """--report-to wandb through accelerate's WandBTracker: offline in the run directory by default; WANDB_MODE, when
+    set, is wandb's to read (no mode is passed). A stand-in wandb module records what it is given."""
+    import types
+
+    calls = {}
+    run = types.SimpleNamespace(log=lambda values, step=None: calls.setdefault("log", []).append((step, values)))
+    run.finish = lambda: calls.setdefault("finish", True)
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # accelerate asks find_spec
+    fake.init = lambda **kwargs: calls.setdefault("init", kwargs) and run
+    fake.config = types.SimpleNamespace(update=lambda values, allow_val_change: calls.setdefault("config", values))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    if mode:
+        monkeypatch.setenv("WANDB_MODE", mode)
+    (tracker,) = trackers.start(("wandb",), tmp_path / "r1", "p", {"seed": 1, "reward_fn": ("a",)}, 0)
+    tracker.log({"reward": 0.5}, step=3)
+    tracker.finish()
+    init = calls["init"]
+    assert init["project"] == "p" and init["name"] == init["id"] == "r1" and init["resume"] == "allow"
+    assert init["dir"] == str(tmp_path / "r1") and init.get("mode") == (None if mode else "offline")
+    assert calls["config"] == {"seed": 1, "reward_fn": "('a',)"} and calls["log"] == [(3, {"reward": 0.5})]
+    assert calls["finish"]

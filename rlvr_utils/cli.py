@@ -1,9 +1,9 @@
 """The command line every script shares: `BaseArgs` (every shared flag, with its --help text) and `parse`: tyro, then
 every check before anything loads (a flag out of range, a missing model directory, a flag whose extra module this copy
-lacks, `--track` without wandb; the data flags' checks are data_tasks.py's, --resume's resume.py's; the script's own
-`validate`). Each problem ends the run with one line naming the flag or file and what is allowed, exit code 2, before
-any model or data is loaded and before the run directory exists. Choice flags are `Literal` types, so tyro lists and
-checks them.
+lacks, a --report-to library that is not installed; the data flags' checks are data_tasks.py's, --resume's resume.py's,
+--config's config_file.py's; the script's own `validate`). Each problem ends the run with one line naming the flag or
+file and what is allowed, exit code 2, before any model or data is loaded and before the run directory exists. Choice
+flags are `Literal` types, so tyro lists and checks them.
 """
 
 from __future__ import annotations
@@ -212,9 +212,10 @@ class BaseArgs:
 
 
 def parse(args_type, validate=None, ablations: str | None = None):
-    """The command line, checked before anything loads: `tyro.cli(args_type)` (with `ablations`' flags where one is
-    given: runtime.ablated), --resume's flags, the shared checks, then the script's own `validate(args)` and the
-    ablations' (one line each; they return the args). --epsilon-high defaults to --epsilon, --exp-name to the script."""
+    """The command line, checked before anything loads: tyro over `args_type` in --help's groups (flag_groups; with
+    `ablations`' flags where one is given: runtime.ablated; --config's file first: config_file), --resume's flags, the
+    shared checks, then the script's own `validate(args)` and the ablations' (one line each; they return the args).
+    --epsilon-high defaults to --epsilon, --exp-name to the script."""
     words, argv = [], sys.argv[1:]
     if any(w == "--config" or w.startswith("--config=") for w in argv):  # its flags, then the command line's
         args_type, words = extra("config_file", "--config").flags(args_type, ablations, argv, flag_groups.parse)

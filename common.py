@@ -426,6 +426,12 @@ class Run:
         seed_everything((args.seed + self.dist.rank) % 2**32)  # per-rank sampling, the same batches
         self.dir = Path(args.resume).absolute() if args.resume else None  # a reward may chdir
         self.credit = None  # --log-credit's record (rlvr_utils/credit.py)
+        name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"  # its own directory
+        self.name = self.dir.name if self.dir else name  # made in start(), once the task loads
+        where = self.dir or Path(args.output_dir).absolute() / name
+        board = f"tensorboard --logdir {shlex.quote(checkpoints.shown(where.parent))}"  # one word
+        self.dist.print(f"run {self.name}: logs in {checkpoints.shown(where)}/ ({board}); loading "
+                        f"{checkpoints.shown(args.model)} and the {args.task} task")  # fmt: skip
 
     def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
         a, dist = self.args, self.dist
@@ -433,8 +439,7 @@ class Run:
         self.state = state or {}
         models.check_vocab(a.model, model, tokenizer)  # before the run directory exists
         if self.dir is None:  # its own directory, made exclusively on rank 0 (taken: a suffix)
-            name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
-            made = checkpoints.new_run_dir(a.output_dir, name) if dist.main else None
+            made = checkpoints.new_run_dir(a.output_dir, self.name) if dist.main else None
             self.dir = Path(dist.broadcast(str(made) if made else None))
         if dist.main:  # one writer per run directory
             checkpoints.lock_run_dir(self.dir)
@@ -462,11 +467,13 @@ class Run:
         resumed = self.first - 1
         task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, log_extra's file
         config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
-        self.logger = runtime.Logger(self.dir, config, a.track, a.wandb_project, dist.main, resumed)
-        board = f"tensorboard --logdir {shlex.quote(str(self.dir.parent))}"  # pasted: one word
-        dist.print(f"run {self.dir.name}: logs in {self.dir}/ ({board}); {len(task.train)} train / "
-                   f"{len(task.eval)} eval prompts; skipped {task.skipped}"
-                   + (f"; resumed after step {resumed}" if resumed else ""))  # fmt: skip
+        reported = (*a.report_to, *["wandb"] * a.track)  # --track: the old --report-to wandb
+        logs = (self.dir, config, reported, a.wandb_project, dist.main, resumed)
+        self.logger = runtime.Logger(*logs)  # TensorBoard, metrics.jsonl, --report-to's trackers
+        taken = self.dir.name != self.name  # two runs in the same second: a suffix
+        taken = f"run directory {self.dir.name} ({self.name} was taken); " if taken else ""
+        dist.print(f"{taken}{len(task.train)} train / {len(task.eval)} eval prompts; skipped "
+                   f"{task.skipped}" + (f"; resumed after step {resumed}" if resumed else ""))  # fmt: skip
         if not resumed:  # a resumed run has its evaluations in its metrics.jsonl already
             self.logger.log(self.evaluate(), 0)
         self.metrics = self.logger.last_eval
@@ -561,8 +568,9 @@ class Run:
             )
         if stopping:
             self.logger.close()
-            dist.print(f"stopped after step {step}; checkpoint in {self.dir}/checkpoint: continue with "
-                       f"--resume {self.dir}")  # fmt: skip
+            here = checkpoints.shown(self.dir)
+            dist.print(f"stopped after step {step}; checkpoint in {here}/checkpoint: continue with "
+                       f"--resume {shlex.quote(here)}")  # fmt: skip
             dist.close(then_exit=True, code=130)  # torchrun: every rank exits 130 here
             raise SystemExit(130)
 
@@ -574,8 +582,9 @@ class Run:
             out = (self.dir / "model", self.task.eval[0].prompt, vars(self.args))
             saved = card.save_final_model(self.dist, self.model, self.tokenizer, *out)
         acc = self.logger.last_eval["eval/accuracy"]
-        self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")
-        if self.args.save_model:  # after the save: a closed stdout cannot lose the model
-            self.dist.print(f"saved model to {saved}")
+        here = checkpoints.shown(self.dir)
+        self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {here}/metrics.jsonl")
+        if saved is not None:  # after the save (rank 0): a closed stdout cannot lose the model
+            self.dist.print(card.saved_line(saved, vars(self.args)))
         checkpoints.unlock_run_dir(self.dir)  # a clean finish: .lock goes (rank 0 holds it)
         self.dist.close(then_exit=True)  # torchrun: every rank exits 0 here

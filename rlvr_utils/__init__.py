@@ -5,6 +5,7 @@ join its Args only when given (runtime.ablated), and it asks args.ablation_modul
 
 The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
+  flag_groups      the command line in --help's groups (the method's flags first), parsed by tyro, made flat again
   runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
   models           --model loaded (hub id or local directory), dropout off; the bundled default's one check
   tasks            Task and Example, prompts, answers, and the built-in arith task with its first-wrong-step oracle
@@ -18,6 +19,8 @@ A method's own, loaded by its script:
   trace_diagnostics  GRPO-lambda's trace/* metrics and the closed form of its credit multiplier
   ep_diagnostics   EP-GRPO's ep/* metrics (logged; they change nothing in the update)
 The extras, each imported where its flag is handled (runtime.extra names the file a copy lacks):
+  config_file      --config FILE: a YAML, TOML or JSON file of flags (a run's config.json), the command line over it
+  trackers         --report-to wandb / trackio / mlflow (TRL's names): the metrics through accelerate's trackers
   model_checks     a --model you give, checked before it loads: its config, weight files and tokenizer, or the hub
   saving           writing atomic checkpoints (--save-every, Ctrl-C) and Hugging Face folders (--save-model)
   resume           --resume: the run's flags and its checkpoint restored

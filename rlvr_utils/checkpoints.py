@@ -161,6 +161,14 @@ def read_rows(path: Path) -> list[dict]:
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
 
 
+def shown(path: str | os.PathLike) -> str:
+    """A path as the run's lines print it: relative to the working directory where it is under it, else as given."""
+    p = Path(path)
+    with contextlib.suppress(ValueError, OSError):
+        return str(p.relative_to(Path.cwd())) if p.is_absolute() else str(p)
+    return str(p)
+
+
 def new_run_dir(output_dir: str | os.PathLike, name: str) -> Path:
     """<output_dir>/<name>, created exclusively; when another run holds that name (two runs started in the same second
     with the same task, name and seed), <name>-2, <name>-3, ... A run directory is never shared by two runs."""

@@ -1,17 +1,15 @@
 """The command line every script shares: `BaseArgs` (every shared flag, with its --help text) and `parse`: tyro, then
 every check before anything loads (a flag out of range, a missing model directory, a flag whose extra module this copy
-lacks, `--track` without wandb; the data flags' checks are data_tasks.py's, --resume's resume.py's; the script's own
-`validate`). Each problem ends the run with one line naming the flag or file and what is allowed, exit code 2, before
-any model or data is loaded and before the run directory exists. Choice flags are `Literal` types, so tyro lists and
-checks them.
+lacks, a --report-to library that is not installed; the data flags' checks are data_tasks.py's, --resume's resume.py's,
+--config's config_file.py's; the script's own `validate`). Each problem ends the run with one line naming the flag or
+file and what is allowed, exit code 2, before any model or data is loaded and before the run directory exists. Choice
+flags are `Literal` types, so tyro lists and checks them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import io
 import math
 import os
 import sys
@@ -20,7 +18,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils import checkpoints
+from rlvr_utils import checkpoints, flag_groups
 from rlvr_utils.models import check_default
 from rlvr_utils.runtime import ablated, world_size
 from rlvr_utils.runtime import extra as extra
@@ -43,9 +41,12 @@ class BaseArgs:
     seed: int = 1
     """seed of the experiment (prompts, sampling, initialization)"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard (needs pip install wandb)"""
+    """the old name of --report-to wandb (kept; it says so)"""
     wandb_project: str = "credit-rlvr"
-    """wandb project name (with --track)"""
+    """the project of --report-to wandb and trackio, MLflow's experiment"""
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow", "all", "none"], ...] = ("tensorboard",)
+    """TRL's report_to: also log to these tracker libraries (offline by default where they allow: docs/running.md);
+    all: each one installed; TensorBoard and metrics.jsonl are always written"""
     output_dir: str = "runs"
     """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
     save_model: bool = False
@@ -215,10 +216,14 @@ class BaseArgs:
 
 
 def parse(args_type, validate=None, ablations: str | None = None):
-    """The command line, checked before anything loads: `tyro.cli(args_type)` (with `ablations`' flags where one is
-    given: runtime.ablated), --resume's flags, the shared checks, then the script's own `validate(args)` and the
-    ablations' (one line each; they return the args). --epsilon-high defaults to --epsilon, --exp-name to the script."""
-    args = expand_paths(_tyro(ablated(args_type, ablations)))
+    """The command line, checked before anything loads: tyro over `args_type` in --help's groups (flag_groups; with
+    `ablations`' flags where one is given: runtime.ablated; --config's file first: config_file), --resume's flags, the
+    shared checks, then the script's own `validate(args)` and the ablations' (one line each; they return the args).
+    --epsilon-high defaults to --epsilon, --exp-name to the script."""
+    words, argv = [], sys.argv[1:]
+    if any(w == "--config" or w.startswith("--config=") for w in argv):  # its flags, then the command line's
+        args_type, words = extra("config_file", "--config").flags(args_type, ablations, argv, flag_groups.parse)
+    args = expand_paths(flag_groups.parse(ablated(args_type, ablations), words + argv))
     if args.resume:  # the run's own flags (its config.json), checked against these; it saves as it goes
         args = extra("resume", "--resume", ("saving", "--resume")).resume_args(args, type(args), ablations)
     args = dataclasses.replace(args, save_model=args.save_model or args.save_adapter)  # --save-adapter: the save too
@@ -239,20 +244,6 @@ def expand_paths(args):
             need(os.path.exists(p), f"--{k.replace('_', '-')} {p}: {Path(p).parts[0]} names no user to expand")
             paths[k] = os.path.abspath(p)
     return dataclasses.replace(args, **paths)
-
-
-def _tyro(args_type):
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            return tyro.cli(args_type)
-    except SystemExit as e:
-        text = captured.getvalue()
-        if e.code in (0, None):
-            sys.stderr.write(text)
-            raise
-        inner = [line.strip().strip("│").strip() for line in text.splitlines() if line.strip().startswith("│")]
-        usage_error(" ".join(x for x in inner if x and not x.startswith(("─", "For full helptext"))) or text.strip())
 
 
 def need_ranges(args, **ranges: str) -> None:
@@ -340,8 +331,8 @@ def check_common(args) -> None:
     for f in ("lora_alpha", "lora_dropout", "lora_target_modules", "save_adapter"):  # LoRA's own: alone they do nothing
         why = "without it every weight trains: there is no adapter to act on"
         need(a["lora_rank"] or a[f] in (None, 0, (), False), f"--{f.replace('_', '-')} needs --lora-rank ({why})")
-    wandb = "--track logs to Weights & Biases, which is not installed: pip install wandb (then wandb login)"
-    need(not a["track"] or importlib.util.find_spec("wandb") is not None, f"{wandb}, or leave out --track")
+    if ("trackers", "--report-to") in needed:  # its libraries installed, and accelerate; --track's warning
+        extra("trackers", "--report-to").check(a["report_to"], a["track"])
     check_run_flags(a)
 
 
@@ -354,6 +345,7 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [(m, "--reward-fn") for m in ("data_tasks", "datafiles", "custom")] if a["reward_fn"] else []
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
+    out += [("trackers", "--report-to")] if a["track"] or set(a["report_to"]) - {"tensorboard", "none"} else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
     out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []

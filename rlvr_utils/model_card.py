@@ -27,7 +27,7 @@ from rlvr_utils.models import looks_like_path
 from rlvr_utils.runtime import extra
 from rlvr_utils.tasks import HUB_DATASETS
 
-HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
+HIDDEN = tuple("script file_hashes output_dir resume exp_name track wandb_project report_to threads device".split())
 PATH_FLAGS = ("model", "data_path", "eval_data_path")  # a local one is shown by its name
 # the project, named on each card; the tree records no public address for it, so none is invented here: a published
 # copy adds its link to this line
@@ -81,6 +81,24 @@ def base_as_given(model: str) -> str:
     if (hub := hub_id(model)) is not None:
         return hub
     return BUNDLED if Path(model).expanduser().resolve() == Path(DEFAULT_MODEL).resolve() else model
+
+
+def hub_like(model: str) -> bool:
+    """Whether an adapter's base as given (`base_as_given`) is a local path that the hub would read as a hub id
+    (`assets/tiny-arith`: ORG/NAME), another model than the one it was trained on."""
+    given = base_as_given(model)
+    return hub_id(model) is None and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", given) is not None
+
+
+def saved_line(path, flags_now: dict) -> str:
+    """The line that ends a run with --save-model: where the folder went and, for an adapter whose base is a local path
+    the hub would take for a hub id, that it is one."""
+    line = f"saved model to {checkpoints.shown(path)}"
+    if flags_now.get("save_adapter") and hub_like(flags_now["model"]):
+        given = base_as_given(flags_now["model"])
+        line += (f" (an adapter: its base_model {given} is a local path, which the hub would read as the hub id "
+                 f"{given}; set it to the base's hub id before you share the adapter)")  # fmt: skip
+    return line
 
 
 def versions(adapter: bool) -> list[str]:
@@ -189,12 +207,16 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
     license = base_license(base)
     data = portable("data_path", config.get("data_path") or "")
     hub_data = data if task == "custom" and data and not local(config["data_path"]) else None
+    rank, adapter = config.get("lora_rank") or 0, bool(config.get("save_adapter"))
+    given = base_as_given(base) if adapter and base else None  # an adapter: its base as PEFT's cards name it
+    given = None if given is None or Path(given).is_absolute() else given  # never a path of this machine
+    tags = ["credit-rlvr", "rlvr", "reinforcement-learning", Path(script).stem.replace("_", "-")]
     card = ModelCardData(
-        base_model=hub_id(base) if base else None,  # a hub id or nothing: the hub reads it as one
-        library_name="transformers",
+        base_model=given if adapter else hub_id(base) if base else None,  # merged: a hub id or nothing
+        library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
         license=license or "other",
-        tags=["credit-rlvr", "rlvr", "reinforcement-learning", Path(script).stem.replace("_", "-")],
+        tags=tags + (["lora", "transformers"] + [f"base_model:adapter:{given}"] * bool(given) if adapter else []),
         datasets=[hub_data or HUB_DATASETS[task][0]] if hub_data or (task in HUB_DATASETS and not data) else None,
     )
     rewarded = [f"`{s}`" for s in portable("reward_fn", config.get("reward_fn") or [])]
@@ -230,16 +252,18 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
         )
     else:
         lines.append("No evaluation was logged.")
-    rank, adapter = config.get("lora_rank") or 0, bool(config.get("save_adapter"))
     loader = "AutoPeftModelForCausalLM" if adapter else "AutoModelForCausalLM"
     if rank:  # --lora-rank: what the folder holds
         what = "a LoRA adapter, loaded over its base" if adapter else "the model with its LoRA adapters merged"
         lines += ["", f"Trained with LoRA (rank {rank}); this folder holds {what}."]
-        given = base_as_given(base)
         if adapter and hub_id(base) is None:  # adapter_config.json names a local base as the user gave it
-            where = "in a clone of credit-rlvr" if given == BUNDLED else f"`{name}` as given to --model"
+            where = "in a clone of credit-rlvr" if base_as_given(base) == BUNDLED else f"`{name}` as given to --model"
             lines[-1] += (f" Its `adapter_config.json` names the base by its local path ({where}): elsewhere, set "
                           "`base_model_name_or_path` to the base's hub id or local copy.")  # fmt: skip
+            if hub_like(base):  # ORG/NAME: the hub would link another model
+                lines[-1] += (f" `base_model: {given}` above is that local path, not a model on the hub, which would "
+                              f"read it as the hub id `{given}`: set both to the base's hub id before you share this "
+                              "adapter.")  # fmt: skip
     lines += ["", "## Use", "", "```python", "from transformers import AutoTokenizer"]
     lines += [f"from {'peft' if adapter else 'transformers'} import {loader}", ""]
     lines += [

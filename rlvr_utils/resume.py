@@ -35,6 +35,7 @@ RUNTIME_FLAGS = (
     "threads",
     "track",
     "wandb_project",
+    "report_to",
     "eval_every",
     "device",
     "dist_timeout",

@@ -148,10 +148,10 @@ def loaded(script: str, *flags: str) -> list[str]:
 
 @pytest.mark.parametrize("script", copy_tiers.SCRIPTS)
 def test_help_loads_the_minimal_copy_and_no_more(script):
-    """`--help` imports exactly the script's minimal copy: at most 10 project files and 3,000 lines."""
+    """`--help` imports exactly the script's minimal copy: at most 11 project files and 3,100 lines."""
     got = loaded(script, "--help")
     assert sorted(got) == sorted(copy_tiers.minimal(script))
-    assert len(got) <= 10 and copy_tiers.lines(got) <= 3000, (len(got), copy_tiers.lines(got))
+    assert len(got) <= 11 and copy_tiers.lines(got) <= 3100, (len(got), copy_tiers.lines(got))
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py")
 CORE = ["common.py"] + [f"rlvr_utils/{m}.py" for m in ("__init__", "cli", "runtime", "models", "tasks", "rollouts")]
-CORE += ["rlvr_utils/logprob_kernels.py", "rlvr_utils/checkpoints.py"]
+CORE += ["rlvr_utils/flag_groups.py", "rlvr_utils/logprob_kernels.py", "rlvr_utils/checkpoints.py"]
 OWN = {  # the module a method's default run loads besides the core
     "sc_grpo.py": "rlvr_utils/teacher.py",
     "srpo.py": "rlvr_utils/chains.py",

@@ -567,9 +567,9 @@ def cmd_report(a) -> None:
         "held-out problems; mean over seeds with its 95% Student-t interval over seeds (n - 1 degrees of freedom); "
         "the difference from GRPO is paired by seed (the seeds both finished: n paired) with the t-interval of the "
         "per-seed differences; min ratio: the lowest, over those seeds, of the method's final / GRPO's final on the "
-        "same seed (a collapse on one seed shows there); evals − GRPO: the per-seed mean, over the evaluations after "
-        "step 0, of the method's accuracy minus GRPO's, paired by seed (less hostage to one evaluation than the final)"
-        ".",
+        "same seed (a collapse on one seed shows there); mean over evals: over every evaluation, step 0 included; "
+        "evals − GRPO: the per-seed mean, over the evaluations after step 0, of the method's accuracy minus GRPO's, "
+        "paired by seed (less hostage to one evaluation than the final).",
         "",
         f"p: the paired t-test's, two-sided; Holm: adjusted over this table's family of {len(family)} comparisons with "
         "GRPO; detects: the smallest true difference this many seeds detect 80% of the time at 95% (two-sided), "

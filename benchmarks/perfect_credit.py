@@ -1,12 +1,14 @@
 """The positive control of the learning benchmarks: grpo.py with perfect process credit (a benchmark, not a method).
 
-In a failed completion only the first wrong line and what follows get its (negative) GRPO advantage; the correct
-prefix before it gets 0. Correct completions are GRPO's. The built-in arith task knows the first wrong line
+"Perfect process credit" here is first-error credit on failed completions only: in a failed completion only the
+first wrong line and what follows get its (negative) GRPO advantage; the correct prefix before it gets 0. Correct
+completions are GRPO's, a wrong intermediate line in one included. The built-in arith task knows the first wrong line
 (tasks.arith_first_error; a completion that stops early is wrong at its first missing line, so only its stop token is
-blamed). A setting where this control does not beat GRPO cannot reward credit assignment, whatever a method does
-(docs/benchmarks.md, "A positive control"). `--placebo` is its mass-matched placebo (placebo_credit): each failed row
-keeps the control's total |advantage|, spread over all its tokens, so the control minus the placebo measures where
-blame goes apart from how much. Everything else is grpo.py's loop, line for line (tests/test_shared_loop.py).
+blamed; one cut off by the token cap with every line right has nothing to blame: all its tokens get 0). A setting
+where this control does not beat GRPO cannot reward credit assignment, whatever a method does (docs/benchmarks.md, "A
+positive control"). `--placebo` is its mass-matched placebo (placebo_credit): each failed row keeps the control's
+total |advantage|, spread over all its tokens, so the control minus the placebo measures where blame goes apart from
+how much. Everything else is grpo.py's loop, line for line (tests/test_shared_loop.py).
 
     python benchmarks/perfect_credit.py                     # arith only; the other flags are grpo.py's
     python benchmarks/perfect_credit.py --placebo           # the mass-matched placebo (placebo_credit)

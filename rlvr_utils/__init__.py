@@ -7,7 +7,8 @@ The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
   flag_groups      the command line in --help's groups (the method's flags first), parsed by tyro, made flat again
   runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
-  models           --model loaded (hub id or local directory), dropout off; the bundled default's one check
+  models           --model loaded (hub id or local directory), dropout off; the bundled default's one check; its
+                   positions and attention window; `generate` with the run's flags alone
   tasks            Task and Example, prompts, answers, and the built-in arith task with its first-wrong-step oracle
   rollouts         the Rollouts batch and its generation: the static decoder (a preallocated KV cache, the model's
                    own weights), HF generate (--engine hf), or the vLLM engine when attached

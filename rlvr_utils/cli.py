@@ -72,7 +72,7 @@ class BaseArgs:
     custom (your rows, each with a `prompt`, scored by --reward-fn)"""
     data_path: str | None = None
     """local training data instead of the hub dataset: a .jsonl/.json (also .gz), .csv, .tsv, .parquet or .arrow file
-    or a directory of them (JSON rows read as written); custom: also a hub dataset id"""
+    or a directory of them (read by `datasets.load_dataset`, as a TRL user reads them); custom: a hub dataset id too"""
     reward_fn: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """PATH.py:NAME or package.module:NAME: a reward in TRL's convention, NAME(prompts, completions, completion_ids,
     trainer_state, **columns) -> one float (or None) per completion, async def too; repeat the flag for several (they

@@ -2,7 +2,7 @@
 ModelCardData so that the hub reads its metadata: base_model (the base's hub id, where it has one), library_name,
 the pipeline, tags with the method, the license (the base model's where its card names one, else `other` with a line
 telling the user to set it), the datasets of the hub tasks; then the method and its paper to cite, the run's flags, its
-evaluations, an example prompt, a link to this project and the library versions it trained with. Read from the run
+evaluations, an example prompt, this project's name and the library versions it trained with. Read from the run
 directory (config.json, metrics.jsonl) so that it says what the run did; local paths (the model, data files, reward
 files) are reduced to their names, so no path of the training machine goes to the hub. `save_final_model` writes the
 model and its card (Run.finish); an adapter names its base as the user gave it (`base_as_given`).

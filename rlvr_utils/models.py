@@ -1,9 +1,10 @@
 """The policy: --model loaded with `from_pretrained` (hub id or local directory), clear errors, dropout off; its context
-window bounds the prompts kept. A --model you give is checked before it loads by rlvr_utils/model_checks.py (an extra:
-the bundled default needs only `check_default`)."""
+window bounds the prompts kept; its attention window; `generate` with the run's flags alone. A --model you give is
+checked before it loads by rlvr_utils/model_checks.py (an extra: the bundled default needs only `check_default`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,19 +31,54 @@ def check_default(model: str) -> None:
 
 
 def model_positions(model: str) -> int | None:
-    """A local model directory's context window (config.json's max_position_embeddings), None when unknown."""
-    if not looks_like_path(model):
-        return None
+    """The positions a prompt and its completion may fill (None: unknown), from a local or cached hub config.json:
+    max_position_embeddings, a longrope model's original length. Past them transformers rescales the rotary frequencies
+    to each call's length (dynamic NTK, longrope): no engine's tokens are then what the loss's fresh forward scores."""
     try:
-        n = json.loads((Path(model).expanduser() / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+        if looks_like_path(model):
+            path = Path(model).expanduser() / "config.json"
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = Path(try_to_load_from_cache(model, "config.json"))  # not cached: a TypeError, not a str
+        config = json.loads(path.read_text())
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers 5 / 4's name
+        n = config.get("max_position_embeddings")
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            n = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings") or n
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     return n if isinstance(n, int) and n > 0 else None
 
 
+def attention_window(config) -> int | None:
+    """How far back a windowed layer attends (None: no layer has a window): sliding_window where a layer uses it:
+    Mistral's every layer, Qwen2/3's under use_sliding_window from max_window_layers on, `sliding_attention` types."""
+    types = getattr(config, "layer_types", None)  # transformers 5 (Qwen2/3 derive it from use_sliding_window)
+    older = getattr(config, "use_sliding_window", True)  # Mistral has no switch: a window it sets is used
+    older = older and getattr(config, "max_window_layers", 0) < config.num_hidden_layers
+    windowed = "sliding_attention" in types if types is not None else older
+    return getattr(config, "sliding_window", None) if windowed else None
+
+
+@contextlib.contextmanager
+def run_flags_only(model):
+    """`model.generate` with the run's flags alone: it fills what a call leaves out from the checkpoint's
+    generation_config.json (Qwen2.5-Instruct's repetition_penalty 1.05, ...), logits processors the loss does not
+    score. During the call the config is blank, every processor off; then the checkpoint's again (docs/trl.md)."""
+    from transformers import GenerationConfig
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT generates with the base's
+    saved, lm.generation_config = lm.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        lm.generation_config = saved
+
+
 def prompt_limit(model: str, max_prompt_length: int, max_new_tokens: int) -> int:
     """The longest prompt (tokens) the task keeps: --max-prompt-length, lowered so that a prompt and a whole completion
-    fit the model's positions (a local model's config.json); said when the flag was set above that. --max-new-tokens
+    fit the model's positions (`model_positions`); said when the flag was set above that. --max-new-tokens
     that leaves no room at all: one line."""
     positions = model_positions(model)
     if not positions or max_prompt_length + max_new_tokens <= positions:
@@ -53,7 +89,7 @@ def prompt_limit(model: str, max_prompt_length: int, max_new_tokens: int) -> int
     if max_prompt_length != 1024:  # the flag was set (1024: BaseArgs' default)
         print(
             f"note: --max-prompt-length {max_prompt_length} + --max-new-tokens {max_new_tokens} exceed --model's "
-            f"{positions} positions: prompts over {limit} tokens are skipped",
+            f"{positions} positions (model_positions): prompts over {limit} tokens are skipped",
             file=sys.stderr,
         )
     return limit

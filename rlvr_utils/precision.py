@@ -1,0 +1,128 @@
+"""Mixed precision, an extra (loaded where --dtype bfloat16 is handled; --dtype auto is bfloat16 on a GPU): fp32 master
+weights and fp32 AdamW state under bf16 compute, as TRL (fp32 weights under bf16 autocast) and FSDP2's
+MixedPrecisionPolicy (fp32 sharded parameters, bf16 copies to compute with) keep them. bf16 holds 8 significant bits:
+an update below about |w| * 2**-9 rounds away, so AdamW on bf16 weights at --learning-rate 1e-6 leaves almost all of
+them as they were (docs/scaling.md: Precision, with the measurements).
+
+  MixedPrecision  each trained weight's two storages; its Parameter holds one of them at a time:
+                  - its bf16 compute copy, for every forward and backward (the update, the old and reference log-probs,
+                    SC-GRPO's teacher), generation (the static decoder, generate) and vLLM's weight sync. Each
+                    micro-batch's bf16 gradient is added into an fp32 one as the backward makes it, then freed;
+                  - its fp32 master, from the last micro-batch's backward to the end of the optimizer step
+                    (`gradients_ready`, from Dist.micro_batches: the clip and AdamW see fp32 weights and gradients, so
+                    AdamW's state is fp32), and while a checkpoint or the model is written or read (`masters()`).
+                  After each optimizer step the compute copies are the masters rounded to nearest, written in place (a
+                  CUDA graph of the decoder keeps their addresses). Under torchrun the fp32 gradients are all-reduced
+                  (distributed.py; DDP would reduce bf16 buckets); --fsdp keeps fp32 shards and FSDP2's
+                  MixedPrecisionPolicy makes the bf16 copies (no MixedPrecision object then).
+  kahan_adamw     --pure-bf16 kahan: optimi's AdamW on the bf16 weights themselves, with Kahan summation
+
+Why bf16 copies and not autocast over the fp32 weights (TRL's way): the copies compute exactly what a bf16 model does
+(the sampler's weights are the trainer's, every no-gradient pass is plain bf16), without a cast per forward, and on
+this project's CPU the step measured at least as fast (docs/scaling.md: Precision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+
+class MixedPrecision:
+    """fp32 masters of `model`'s fp32 parameters, whose Parameters are made to hold bf16 (`dtype`) copies of them (one
+    process, or DDP's ranks). The object is `model._rlvr_precision`: Dist.micro_batches calls `gradients_ready`,
+    common.Run.start `attach`, checkpoints and --save-model take `masters()`. Memory: 4 bytes per parameter for the
+    master, 2 for the copy, 4 for the fp32 gradient (from the first backward of a step to its end) and 8 for AdamW's
+    fp32 moments: 18, against 8 for bf16 weights under a plain AdamW (--pure-bf16 plain)."""
+
+    def __init__(self, model, dtype: torch.dtype = torch.bfloat16):
+        self.dtype, self.params, self.fp32, self.copies = dtype, [], [], []
+        self.grads: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 gradient, summed over the micro-batches
+        self.holding_masters = False
+        for p in model.parameters():
+            if p.dtype != torch.float32:
+                continue
+            self.params.append(p)
+            self.fp32.append(p.data)
+            self.copies.append(p.data.to(dtype))
+            p.data = self.copies[-1]
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._accumulate)
+        model._rlvr_precision = self
+
+    def _accumulate(self, p) -> None:
+        """A bf16 gradient the backward has just made, into the fp32 sum of the step; the bf16 one freed."""
+        total = self.grads.get(id(p))
+        if total is None:
+            self.grads[id(p)] = p.grad.float()
+        else:
+            total.add_(p.grad)
+        p.grad = None
+
+    def gradients_ready(self) -> None:
+        """After the last micro-batch's backward: each Parameter holds its fp32 master, with the fp32 gradient summed
+        over the micro-batches (the clip and the optimizer step read them)."""
+        for p, master in zip(self.params, self.fp32):
+            p.data = master
+            p.grad = self.grads.pop(id(p), None)
+        self.holding_masters = True
+
+    def after_step(self, *_) -> None:
+        """After the optimizer step: the compute copies refreshed from the masters (rounded to nearest, in place),
+        held by the Parameters again; the gradients freed."""
+        with torch.no_grad():
+            for p, master, copy in zip(self.params, self.fp32, self.copies):
+                p.grad = None
+                copy.copy_(master)
+                p.data = copy
+        self.holding_masters = False
+
+    def _before_step(self, optimizer, *_) -> None:
+        if not self.holding_masters:
+            raise RuntimeError(
+                "mixed precision: optimizer.step() before the fp32 gradients were made ready: a loop of its own calls "
+                "model._rlvr_precision.gradients_ready() after its last backward (Dist.micro_batches does)"
+            )
+
+    def attach(self, optimizer) -> None:
+        """Refresh the compute copies after every step of `optimizer` (built over the model's Parameters): registered
+        before vLLM's sync hook (common.Run.start), so the engine loads the new copies."""
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self.after_step)
+
+    def upcast_note(self, weights: dict, run) -> None:
+        """--resume from a checkpoint whose weights are bf16 (a run from before this project kept fp32 masters): one
+        line saying that they, and the AdamW state, are upcast into the masters."""
+        low = sorted({str(v.dtype).removeprefix("torch.") for v in weights.values() if v.dtype != torch.float32})
+        if low:
+            print(f"note: --resume {run}: the checkpoint's weights are {', '.join(low)} (written before fp32 master "
+                  "weights): upcast to the float32 masters, its AdamW state with them", file=sys.stderr)  # fmt: skip
+
+    @contextlib.contextmanager
+    def masters(self):
+        """The fp32 masters in the Parameters for the block (a checkpoint written or read, the model saved, EP-GRPO's
+        moving anchor following the policy); then the compute copies again, refreshed from them (a resume has
+        loaded new ones)."""
+        if self.holding_masters:
+            yield
+            return
+        for p, master in zip(self.params, self.fp32):
+            p.data = master
+        self.holding_masters = True
+        try:
+            yield
+        finally:
+            self.after_step()
+
+
+def kahan_adamw(params, args):
+    """--pure-bf16 kahan: optimi's AdamW over the bf16 weights with Kahan summation (a bf16 compensation buffer per
+    weight carries what the rounding of each update lost into the next), with torch's AdamW defaults (betas 0.9,
+    0.999, eps 1e-8; optimi's own are 0.9, 0.99 and 1e-6) and --learning-rate, --weight-decay (decoupled, as torch's).
+    optimi: https://optimi.benjaminwarner.dev (pip install torch-optimi)."""
+    import optimi
+
+    lr, decay = args.learning_rate, args.weight_decay
+    return optimi.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=decay, kahan_sum=True)

@@ -58,9 +58,8 @@ def with_lora(model, args):
 
 
 def reference(model, args):
-    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts
-    in the dtype the run computes in (mixed precision: bf16 weights, its passes bf16's), or under
-    LoRA the same model with its adapters off (no copy: lora.AdaptersOff)."""
+    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts, in
+    --dtype (bf16's passes), or under LoRA the same model with its adapters off (lora.AdaptersOff)."""
     if args.lora_rank:
         return runtime.extra("lora", "--lora-rank").AdaptersOff(model)
     dtype = models.compute_dtype(args.dtype, next(model.parameters()).device)

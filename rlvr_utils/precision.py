@@ -15,6 +15,7 @@ them as they were (docs/scaling.md: Precision, with the measurements).
                   CUDA graph of the decoder keeps their addresses). Under torchrun the fp32 gradients are all-reduced
                   (distributed.py; DDP would reduce bf16 buckets); --fsdp keeps fp32 shards and FSDP2's
                   MixedPrecisionPolicy makes the bf16 copies (no MixedPrecision object then).
+  check           the bf16 flags, before anything loads: this CPU's bf16 kernels, --pure-bf16, --save-dtype
   kahan_adamw     --pure-bf16 kahan: optimi's AdamW on the bf16 weights themselves, with Kahan summation
 
 Why bf16 copies and not autocast over the fp32 weights (TRL's way): the copies compute exactly what a bf16 model does
@@ -25,9 +26,13 @@ this project's CPU the step measured at least as fast (docs/scaling.md: Precisio
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 
 import torch
+
+from rlvr_utils.models import compute_dtype
+from rlvr_utils.runtime import need, pick_device
 
 
 class MixedPrecision:
@@ -115,6 +120,32 @@ class MixedPrecision:
             yield
         finally:
             self.after_step()
+
+
+def cpu_bf16() -> bool:
+    """Whether torch runs bf16 on this CPU in oneDNN's bf16 kernels (x86: AVX-512; arm: its bf16 instructions), rather
+    than in its generic fallback."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(supported()) if supported is not None else torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def check(a: dict) -> None:
+    """--dtype bfloat16 on this CPU, --pure-bf16 and --save-dtype, before anything loads (cli.check_common): one line
+    naming the flags."""
+    device = pick_device(a["device"])
+    no_bf16 = "this CPU has no bf16 kernels in torch (oneDNN's need AVX-512, or an ARM CPU's bf16 instructions)"
+    ok = a["dtype"] != "bfloat16" or device.type == "cuda" or cpu_bf16()
+    need(ok, f"--dtype bfloat16 --device {a['device']}: {no_bf16}: use --dtype float32, or a GPU")
+    pure, float32 = a["pure_bf16"], compute_dtype(a["dtype"], device) == torch.float32
+    what = f"--pure-bf16 {pure} trains bf16 weights: it needs --dtype bfloat16"
+    need(pure == "off" or not float32, f"{what} (--dtype {a['dtype']} computes in float32 here)")
+    lora = "the adapters train in fp32 (PEFT) over the frozen bf16 base"
+    need(pure == "off" or not a["lora_rank"], f"{what} in full fine-tuning: under --lora-rank {lora}")
+    optimi = "--pure-bf16 kahan uses optimi's AdamW, which is not installed: pip install torch-optimi"
+    need(pure != "kahan" or importlib.util.find_spec("optimi") is not None, f"{optimi} (or --pure-bf16 plain)")
+    save, what = a["save_dtype"], "the dtype of the saved model"
+    need(save == "auto" or a["save_model"], f"--save-dtype {save} needs --save-model ({what})")
+    need(save == "auto" or not a["save_adapter"], f"--save-dtype {save}: --save-adapter saves the adapter as trained")
 
 
 def kahan_adamw(params, args):

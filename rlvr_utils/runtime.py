@@ -99,9 +99,8 @@ class Dist:
         return tokens / self.world, seqs / self.world
 
     def micro_batches(self, train_model, micro: list):
-        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened).
-        After the last one's backward, mixed precision's fp32 masters take the weights' place, with the fp32 gradients,
-        for the clip and the optimizer step (precision.py)."""
+        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened);
+        then mixed precision's fp32 masters and gradients in the weights for the clip and the step (precision.py)."""
         yield from micro
         if (mixed := getattr(train_model, "_rlvr_precision", None)) is not None:
             mixed.gradients_ready()

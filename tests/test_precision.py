@@ -163,8 +163,8 @@ def test_bad_precision_flags_get_one_line_before_anything_loads(monkeypatch, cap
     assert "pip install torch-optimi" in err
 
 
-QUICK = ["--total-steps", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "24"]
-QUICK += ["--num-eval", "4", "--eval-every", "0", "--threads", "1", "--dtype", "bfloat16", "--learning-rate", "1e-6"]
+QUICK = ["--total-steps", "2", "--num-eval", "4", "--eval-every", "0", "--threads", "1"]  # 8 prompts x 8: mixed groups
+QUICK += ["--dtype", "bfloat16", "--learning-rate", "1e-6"]
 SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py", "benchmarks/perfect_credit.py"]
 
 

@@ -45,7 +45,7 @@ class MixedPrecision:
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16):
         self.dtype, self.params, self.fp32, self.copies = dtype, [], [], []
         self.grads: dict[int, torch.Tensor] = {}  # id(param) -> its fp32 gradient, summed over the micro-batches
-        self.holding_masters = False
+        self.stepping, self.held = False, 0  # from gradients_ready to the step's end; masters() blocks open
         for p in model.parameters():
             if p.dtype != torch.float32:
                 continue
@@ -66,26 +66,38 @@ class MixedPrecision:
             total.add_(p.grad)
         p.grad = None
 
-    def gradients_ready(self) -> None:
-        """After the last micro-batch's backward: each Parameter holds its fp32 master, with the fp32 gradient summed
-        over the micro-batches (the clip and the optimizer step read them)."""
+    def _hold_masters(self) -> None:
         for p, master in zip(self.params, self.fp32):
             p.data = master
-            p.grad = self.grads.pop(id(p), None)
-        self.holding_masters = True
 
-    def after_step(self, *_) -> None:
-        """After the optimizer step: the compute copies refreshed from the masters (rounded to nearest, in place),
-        held by the Parameters again; the gradients freed."""
+    def _hold_copies(self) -> None:
+        """The compute copies refreshed from the masters (rounded to nearest, in place) and in the Parameters."""
         with torch.no_grad():
             for p, master, copy in zip(self.params, self.fp32, self.copies):
                 p.grad = None
                 copy.copy_(master)
                 p.data = copy
-        self.holding_masters = False
+
+    def gradients_ready(self) -> None:
+        """After the last micro-batch's backward: each Parameter holds its fp32 master, with the fp32 gradient summed
+        over the micro-batches (the clip and the optimizer step read them)."""
+        self._hold_masters()
+        for p in self.params:
+            p.grad = self.grads.pop(id(p), None)
+        self.stepping = True
+
+    def after_step(self, *_) -> None:
+        """After the optimizer step: the gradients freed and the compute copies refreshed and held again, unless a
+        masters() block is open (torch.distributed.checkpoint's set-up steps inside one): then when it closes."""
+        self.stepping = False
+        if self.held:
+            for p in self.params:
+                p.grad = None
+        else:
+            self._hold_copies()
 
     def _before_step(self, optimizer, *_) -> None:
-        if not self.holding_masters:
+        if not (self.stepping or self.held):
             raise RuntimeError(
                 "mixed precision: optimizer.step() before the fp32 gradients were made ready: a loop of its own calls "
                 "model._rlvr_precision.gradients_ready() after its last backward (Dist.micro_batches does)"
@@ -109,17 +121,17 @@ class MixedPrecision:
     def masters(self):
         """The fp32 masters in the Parameters for the block (a checkpoint written or read, the model saved, EP-GRPO's
         moving anchor following the policy); then the compute copies again, refreshed from them (a resume has
-        loaded new ones)."""
-        if self.holding_masters:
-            yield
-            return
-        for p, master in zip(self.params, self.fp32):
-            p.data = master
-        self.holding_masters = True
+        loaded new ones). Reentrant; inside a step (between gradients_ready and its end) the masters stay."""
+        outer = not (self.held or self.stepping)
+        if outer:
+            self._hold_masters()
+        self.held += 1
         try:
             yield
         finally:
-            self.after_step()
+            self.held -= 1
+            if outer:
+                self._hold_copies()
 
 
 def cpu_bf16() -> bool:

@@ -102,6 +102,35 @@ def test_compute_copies_keep_their_storage_and_masters_hold_for_checkpoints(tmp_
     assert all(torch.equal(p, (state[k] + 1).to(torch.bfloat16)) for k, p in model.named_parameters())
 
 
+def test_a_sharded_checkpoint_loads_into_the_fp32_masters(tmp_path):
+    """An --fsdp run's checkpoint (torch.distributed.checkpoint: fp32 weights and AdamW state) resumed in one process
+    under mixed precision (sharded.restore, inside masters()): DCP's set-up takes a zero-learning-rate optimizer step
+    there, after which the Parameters must still hold the masters, so the masters get the checkpoint's weights and the
+    copies are those rounded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from rlvr_utils import sharded
+
+    src = model_with_random_norms(5)
+    trained = torch.optim.AdamW(src.parameters(), lr=1e-3)
+    loss_of(src, torch.randint(0, 61, (2, 8))).backward()
+    trained.step()
+    msd, osd = get_state_dict(src, trained)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "sharded"))
+    model = model_with_random_norms(6)
+    mixed = precision.MixedPrecision(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mixed.attach(optimizer)
+    with checkpoints.masters_of(model):
+        sharded.restore(tmp_path / "sharded", model, optimizer, tmp_path)
+    with mixed.masters():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), src.parameters()))
+    assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(model.parameters(), src.parameters()))
+    want, got = trained.state_dict()["state"], optimizer.state_dict()["state"]
+    assert all(torch.equal(want[i][k], got[i][k]) for i in want for k in want[i])
+
+
 def test_an_fp32_model_cast_to_bf16_computes_as_the_model_loaded_in_bf16():
     """cast_weights (the reference's copy, the compute copies) casts the parameters only: the rotary frequencies stay
     fp32, as from_pretrained(dtype=bfloat16) leaves them, so the logits are the same bits."""
@@ -153,12 +182,12 @@ def test_bad_precision_flags_get_one_line_before_anything_loads(monkeypatch, cap
     err = bad(monkeypatch, capsys, "--pure-bf16", "plain", "--dtype", "bfloat16", "--lora-rank", "4")
     assert "--lora-rank" in err
     assert "--save-dtype bfloat16 needs --save-model" in bad(monkeypatch, capsys, "--save-dtype", "bfloat16")
-    monkeypatch.setattr(models, "cpu_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_bf16", lambda: False)
     err = bad(monkeypatch, capsys, "--dtype", "bfloat16", "--device", "cpu")
     assert err.startswith("error: --dtype bfloat16 --device cpu: this CPU has no bf16") and "--dtype float32" in err
-    real = models.importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda n, *a: None if n == "optimi" else real(n, *a))
-    monkeypatch.setattr(models, "cpu_bf16", lambda: True)
+    real = precision.importlib.util.find_spec
+    monkeypatch.setattr(precision.importlib.util, "find_spec", lambda n, *a: None if n == "optimi" else real(n, *a))
+    monkeypatch.setattr(precision, "cpu_bf16", lambda: True)
     err = bad(monkeypatch, capsys, "--dtype", "bfloat16", "--pure-bf16", "kahan")
     assert "pip install torch-optimi" in err
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 
 import torch
@@ -110,12 +111,7 @@ class MixedPrecision:
         optimizer.register_step_post_hook(self.after_step)
 
     def upcast_note(self, weights: dict, run) -> None:
-        """--resume from a checkpoint whose weights are bf16 (a run from before this project kept fp32 masters): one
-        line saying that they, and the AdamW state, are upcast into the masters."""
-        low = sorted({str(v.dtype).removeprefix("torch.") for v in weights.values() if v.dtype != torch.float32})
-        if low:
-            print(f"note: --resume {run}: the checkpoint's weights are {', '.join(low)} (written before fp32 master "
-                  "weights): upcast to the float32 masters, its AdamW state with them", file=sys.stderr)  # fmt: skip
+        upcast_note({v.dtype for v in weights.values()}, run)
 
     @contextlib.contextmanager
     def masters(self):
@@ -132,6 +128,15 @@ class MixedPrecision:
             self.held -= 1
             if outer:
                 self._hold_copies()
+
+
+def upcast_note(dtypes, run) -> None:
+    """--resume of a mixed-precision run from a checkpoint whose weights are bf16 (written before this project kept fp32
+    masters; `dtypes`: its weights'): one line saying that they, and the AdamW state, are upcast into the masters."""
+    low = sorted({str(d).removeprefix("torch.") for d in dtypes if d != torch.float32})
+    if low and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 says it
+        print(f"note: --resume {run}: the checkpoint's weights are {', '.join(low)} (written before fp32 master "
+              "weights): upcast to the float32 masters, its AdamW state with them", file=sys.stderr)  # fmt: skip
 
 
 def cpu_bf16() -> bool:

@@ -255,7 +255,7 @@ def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | No
     state = _load(ckpt.path / "trainer.pt", run)
     if state.get("sharded"):  # an FSDP run's: DCP reshards onto this run's ranks (or one process)
         sharded = runtime.extra("sharded", "--resume of an --fsdp run")
-        sharded.restore(ckpt.path / "sharded", model, optimizer, run)
+        sharded.restore(ckpt.path / "sharded", model, optimizer, run, getattr(ckpt.dist, "mixed", None))
     else:
         files = sorted((ckpt.path / "model").glob("*.safetensors"))
         if not files:

@@ -149,6 +149,24 @@ def test_bf16_compute_trains_fp32_masters_on_two_ranks_and_its_checkpoints_move(
         assert steps_logged(run) == [0, 1, 2]
 
 
+def test_an_fsdp_checkpoint_of_bf16_shards_resumes_into_fp32_ones_with_one_line(tmp_path):
+    """Shards written before fp32 masters (bf16 weights and AdamW state: here --pure-bf16 plain's, its config.json
+    without the flag, as such a run's is) resume under FSDP's mixed precision, upcast, with one line (rank 0's)."""
+    flags = ["--fsdp", "--dtype", "bfloat16", "--pure-bf16", "plain", "--save-every", "1"]
+    r = launch(tmp_path / "a", "grpo.py", *SMALL, "--total-steps", "1", *flags, "--output-dir", str(tmp_path / "runs"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = run_dir(tmp_path / "runs")
+    config = json.loads((run / "config.json").read_text())
+    del config["pure_bf16"], config["save_dtype"]
+    (run / "config.json").write_text(json.dumps(config))
+    r = launch(tmp_path / "b", "grpo.py", "--resume", str(run), "--total-steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    notes = [line for line in r.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1 and notes[0].count("note:") == 1 and "upcast to the float32 masters" in notes[0], notes
+    assert {t.dtype for t in torch.load(tmp_path / "b" / "world2_rank0.pt")["params"].values()} == {torch.float32}
+    assert steps_logged(run) == [0, 1, 2]
+
+
 def test_global_token_normalization_is_what_makes_them_equal(one_process, tmp_path):
     """The same comparison fails when each rank normalizes by its own token count (the assertion above can fail)."""
     r = launch(

@@ -1,5 +1,6 @@
-"""Benchmark: one update step (token log-probs forward and backward over micro-batches, the clip, AdamW) under the ways
-to train with bf16 compute, side by side in one process, rounds alternating the variants:
+"""Benchmark: one update step (token log-probs forward and backward over micro-batches, the clip, AdamW) and one
+generation (the static decoder) under the ways to train with bf16 compute, side by side in one process, rounds
+alternating the variants:
 
   bf16 weights       AdamW on the bf16 weights themselves (the code before mixed precision; --pure-bf16 plain)
   bf16 copies        fp32 masters, the model computing on bf16 copies of them (rlvr_utils/precision.py: what
@@ -9,8 +10,10 @@ to train with bf16 compute, side by side in one process, rounds alternating the 
   fp32               float32 throughout (--dtype float32, the CPU default)
 
 on a random-init Qwen2 of the bundled model's shape (--shape tiny) or a wider one at the real vocabulary (--shape
-wide: hidden 256, 4 layers, 151,936 tokens), --rows sequences of --prompt + --completion tokens, --micro micro-batches.
-Prints a markdown table (median seconds per step, x bf16 weights); writes benchmarks/out/precision_speed_<shape>.json.
+wide: hidden 256, 4 layers, 151,936 tokens), --rows sequences of --prompt + --completion tokens, --micro micro-batches;
+generation: --rows prompts, --completion new tokens each (sampled, no stop token). Times are this process's CPU seconds
+(one thread: what the step computes, and little of what other processes on the machine do) and wall seconds. Prints a
+markdown table (medians, x bf16 weights); writes benchmarks/out/precision_speed_<shape>.json.
 
     python benchmarks/precision_speed.py --shape tiny
     python benchmarks/precision_speed.py --shape wide --rounds 5
@@ -33,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import logprob_kernels, models, precision  # noqa: E402
+from rlvr_utils import logprob_kernels, models, precision, rollouts  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, vocab_size=99),
@@ -66,7 +69,6 @@ def make(variant: str, base):
 
 
 def step(model, optimizer, forward, batches, T: int) -> float:
-    t = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     for ids in batches:
         with forward():
@@ -76,7 +78,20 @@ def step(model, optimizer, forward, batches, T: int) -> float:
         mixed.gradients_ready()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    return time.perf_counter() - t
+
+
+def generate(model, prompts, new_tokens: int) -> None:
+    """The static decoder's sampling, as a rollout runs it (fp32 + autocast: generation would read a bf16 copy)."""
+    torch.manual_seed(0)
+    mask = torch.ones_like(prompts)
+    rollouts.StaticDecoder(model).generate(prompts, mask, new_tokens, 1.0, 1.0, 0, True, [-1], 0)
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) of fn(*args)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn(*args)
+    return time.process_time() - cpu, time.perf_counter() - wall
 
 
 def main() -> None:
@@ -100,15 +115,25 @@ def main() -> None:
     ids = torch.randint(1, shape["vocab_size"], (a.rows, a.prompt + a.completion), generator=torch.Generator())
     batches = list(ids.split(-(-a.rows // a.micro)))
     variants = {v: make(v, base) for v in ("bf16 weights", "bf16 copies", "fp32 + autocast", "fp32")}
-    times = {v: [] for v in variants}
+    prompts = ids[:, : a.prompt]
+    times = {v: {"step": [], "generation": []} for v in variants}
     for r in range(a.rounds + 1):  # round 0 warms every variant up and is dropped
         for v in list(variants) if r % 2 == 0 else list(reversed(variants)):
-            s = step(*variants[v], batches, a.completion)
+            s = timed(step, *variants[v], batches, a.completion)
+            g = timed(generate, variants[v][0], prompts, a.completion) if v != "fp32 + autocast" else None
             if r:
-                times[v].append(s)
-    med = {v: statistics.median(t) for v, t in times.items()}
-    lines = ["| variant | s per step (median) | × bf16 weights |", "|---|---|---|"]
-    lines += [f"| {v} | {m:.3f} | {m / med['bf16 weights']:.2f} |" for v, m in med.items()]
+                times[v]["step"].append(s)
+                times[v]["generation"].append(g)
+    med = {v: {k: [statistics.median(x[i] for x in t[k]) if t[k][0] else None for i in (0, 1)] for k in t}
+           for v, t in times.items()}  # fmt: skip
+    ms = 1e3 / (a.rows * a.completion)  # generation: ms per generated token
+    ref = med["bf16 weights"]
+    lines = ["| variant | update step, CPU s | × | wall s | generation, CPU ms/token | × | wall ms/token |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for v, m in med.items():
+        (sc, sw), (gc, gw) = m["step"], m["generation"]
+        gen = f"{gc * ms:.3f} | {gc / ref['generation'][0]:.2f} | {gw * ms:.3f}" if gc else "(a bf16 copy's) | | "
+        lines.append(f"| {v} | {sc:.3f} | {sc / ref['step'][0]:.2f} | {sw:.3f} | {gen} |")
     print("\n".join(lines))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -330,7 +330,7 @@ def check_common(args) -> None:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
     if a["lora_rank"]:  # peft, torchrun, a rank beyond the adapted layers of --model's config
         extra("lora", "--lora-rank").check(a)
-    if ("precision", "--dtype bfloat16") in needed:  # bf16 on this CPU, --pure-bf16, --save-dtype
+    if any(m == "precision" for m, _ in needed):  # bf16 on this CPU, --pure-bf16, --save-dtype
         extra("precision", "--dtype bfloat16").check(a)
     if a["task"] == "arith":
         train, evals = arith_problems(
@@ -361,7 +361,7 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
     bf16 = a["dtype"] == "bfloat16" or mixed_precision(a) or a["pure_bf16"] != "off" or a["save_dtype"] != "auto"
-    out += [("precision", "--dtype bfloat16")] if bf16 else []  # fp32 masters; the checks of bf16's flags
+    out += [("precision", "--dtype bfloat16 (auto on a GPU), --pure-bf16 or --save-dtype")] if bf16 else []
     out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []

@@ -62,7 +62,7 @@ def reference(model, args):
     --dtype (bf16's passes), or under LoRA the same model with its adapters off (lora.AdaptersOff)."""
     if args.lora_rank:
         return runtime.extra("lora", "--lora-rank").AdaptersOff(model)
-    dtype = models.compute_dtype(args.dtype, next(model.parameters()).device)
+    dtype = models.compute_dtype(getattr(args, "dtype", "auto"), next(model.parameters()).device)
     return models.cast_weights(copy.deepcopy(model).eval().requires_grad_(False), dtype)
 
 

@@ -58,11 +58,21 @@ def with_lora(model, args):
 
 
 def reference(model, args):
-    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts,
-    or under LoRA the same model with its adapters off (no copy: lora.AdaptersOff)."""
+    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts, in
+    --dtype (bf16's passes), or under LoRA the same model with its adapters off (lora.AdaptersOff)."""
     if args.lora_rank:
         return runtime.extra("lora", "--lora-rank").AdaptersOff(model)
-    return copy.deepcopy(model).eval().requires_grad_(False)
+    dtype = models.compute_dtype(getattr(args, "dtype", "auto"), next(model.parameters()).device)
+    return models.cast_weights(copy.deepcopy(model).eval().requires_grad_(False), dtype)
+
+
+def adamw(params, args) -> torch.optim.Optimizer:
+    """torch's AdamW over `params` (fused on CUDA; mixed precision: it steps fp32 masters, its state
+    fp32: rlvr_utils/precision.py), or --pure-bf16 kahan's: optimi's, with Kahan summation."""
+    if args.pure_bf16 == "kahan":
+        return runtime.extra("precision", "--pure-bf16 kahan").kahan_adamw(params, args)
+    lr, decay, fused = args.learning_rate, args.weight_decay, bool(params) and params[0].is_cuda
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
 
 
 def seed_everything(seed: int) -> None:
@@ -406,14 +416,15 @@ def load_task(args, tokenizer) -> Task:
 
 class Run:
     """The plumbing of a run, so that a script's loop shows only rollouts, rewards, credit, loss
-    and update:  run = Run(args)  (threads, torchrun: run.dist, run.device, seeding); then the script
-    loads its task and model and builds its optimizer; run.start(model, tokenizer, optimizer, task)
-    (the run directory, prompt batches, --resume, the vLLM engine, logging, the step-0 evaluation);
-    `for step in run.steps():` (a progress bar; each step's clock and peak memory start there);
-    run.lap("generation") (seconds since the last lap: time/generation); run.end_step(...)
-    (metrics, evaluation, logging, checkpoint, Ctrl-C); run.finish() (the final accuracy,
-    --save-model, the process group). `state`: objects (RNGs, models) a checkpoint holds besides
-    the policy, optimizer and data position."""
+    and update:  run = Run(args)  (threads, torchrun: run.dist, run.device, seeding; run.dtype, what
+    the policy loads in: float32 for mixed precision's masters); then the script loads its task and
+    model and builds its optimizer; run.start(model, tokenizer, optimizer, task) (the run directory,
+    prompt batches, --resume, the vLLM engine, logging, the step-0 evaluation); `for step in
+    run.steps():` (a progress bar; each step's clock and peak memory start there); run.lap(
+    "generation") (seconds since the last lap: time/generation); run.end_step(...) (metrics,
+    evaluation, logging, checkpoint, Ctrl-C); run.finish() (the final accuracy, --save-model, the
+    process group). `state`: objects (RNGs, models) a checkpoint holds besides the policy,
+    optimizer and data position."""
 
     def __init__(self, args):
         cli.set_threads(args.threads)
@@ -423,6 +434,8 @@ class Run:
         self.dist, self.device = runtime.init_distributed(
             args.device, flags, n, args.dist_timeout, args.fsdp
         )
+        self.dist.mixed = models.mixed_precision(args, self.device)  # bf16 compute, fp32 masters
+        self.dtype = "float32" if self.dist.mixed else args.dtype  # the policy's weights load so
         seed_everything((args.seed + self.dist.rank) % 2**32)  # per-rank sampling, the same batches
         self.dir = Path(args.resume).absolute() if args.resume else None  # a reward may chdir
         self.credit = None  # --log-credit's record (rlvr_utils/credit.py)
@@ -437,6 +450,8 @@ class Run:
         a, dist = self.args, self.dist
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.state = state or {}
+        if (mixed := getattr(model, "_rlvr_precision", None)) is not None:  # fp32 masters:
+            mixed.attach(optimizer)  # bf16 copies refreshed after each step, before vLLM's sync
         models.check_vocab(a.model, model, tokenizer)  # before the run directory exists
         if self.dir is None:  # its own directory, made exclusively on rank 0 (taken: a suffix)
             made = checkpoints.new_run_dir(a.output_dir, self.name) if dist.main else None
@@ -451,7 +466,9 @@ class Run:
         self.first = 1
         if a.resume:  # the checkpoint into the model, optimizer, prompt stream and RNGs just built
             resume = runtime.extra("resume", "--resume")
-            self.first = resume.restore(self.ckpt, model, optimizer, self.batches, self.state) + 1
+            with checkpoints.masters_of(model, *self.state.values()):  # mixed precision: fp32
+                step = resume.restore(self.ckpt, model, optimizer, self.batches, self.state)
+            self.first = step + 1
         if a.log_credit and dist.main:  # --log-credit: each token's credit, from the gradient
             credit = runtime.extra("credit", "--log-credit")
             self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit)

@@ -23,6 +23,8 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
   config_file      --config FILE: a YAML, TOML or JSON file of flags (a run's config.json), the command line over it
   trackers         --report-to wandb / trackio / mlflow (TRL's names): the metrics through accelerate's trackers
   model_checks     a --model you give, checked before it loads: its config, weight files and tokenizer, or the hub
+  precision        --dtype bfloat16 (auto on a GPU): fp32 master weights and AdamW state, the model computing on bf16
+                   copies of them; --pure-bf16 kahan's AdamW (optimi)
   saving           writing atomic checkpoints (--save-every, Ctrl-C) and Hugging Face folders (--save-model)
   resume           --resume: the run's flags and its checkpoint restored
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import tyro
 
 from rlvr_utils import checkpoints, flag_groups
-from rlvr_utils.models import check_default
+from rlvr_utils.models import check_default, mixed_precision
 from rlvr_utils.runtime import ablated, world_size
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
@@ -60,7 +60,14 @@ class BaseArgs:
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """model dtype: auto is bfloat16 on cuda, float32 on cpu"""
+    """the dtype the model computes in: auto is bfloat16 on cuda, float32 on cpu. bfloat16 trains fp32 master weights
+    and fp32 AdamW state under bf16 compute, as TRL and FSDP's MixedPrecisionPolicy do (18 bytes per parameter)"""
+    pure_bf16: Literal["off", "kahan", "plain"] = "off"
+    """with --dtype bfloat16: AdamW on the bf16 weights, no fp32 masters. kahan: optimi's, with Kahan summation (pip
+    install torch-optimi; 10 bytes per parameter): what rounding drops is carried to the next update, the forward sees
+    rounded weights. plain: torch's (8 bytes): an update below about |w|/512 is lost (at lr 1e-6 nearly every one)"""
+    save_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """the dtype --save-model writes: auto, the weights as they trained (fp32 masters under mixed precision)"""
     threads: int = 0
     """torch CPU threads (0: torch's default, one per core)"""
 
@@ -318,6 +325,8 @@ def check_common(args) -> None:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
     if a["lora_rank"]:  # peft, torchrun, a rank beyond the adapted layers of --model's config
         extra("lora", "--lora-rank").check(a)
+    if any(m == "precision" for m, _ in needed):  # bf16 on this CPU, --pure-bf16, --save-dtype
+        extra("precision", "--dtype bfloat16").check(a)
     if a["task"] == "arith":
         train, evals = arith_problems(
             a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
@@ -347,6 +356,8 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("trackers", "--report-to")] if a["track"] or set(a["report_to"]) - {"tensorboard", "none"} else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
+    bf16 = a["dtype"] == "bfloat16" or mixed_precision(a) or a["pure_bf16"] != "off" or a["save_dtype"] != "auto"
+    out += [("precision", "--dtype bfloat16 (auto on a GPU), --pure-bf16 or --save-dtype")] if bf16 else []
     out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []

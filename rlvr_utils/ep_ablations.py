@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from rlvr_utils import cli
+from rlvr_utils import checkpoints, cli, models, runtime
 
 
 @dataclasses.dataclass
@@ -103,8 +103,16 @@ def wrap(args, method: dict):
 
 def moving_anchor(args, model):
     """--process-anchor ema / lagged (c): a copy of the policy that follows it (follow_policy), delta's anchor in place
-    of the reference; ref: None (the method's)."""
-    return None if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
+    of the reference; ref: None (the method's). Under mixed precision its pass runs in bf16: lagged is a bf16 copy
+    (reset to the policy's own bf16 copies), ema keeps fp32 masters of its average (precision.py), so that (1 - decay)
+    times a small step of the policy is not rounded away."""
+    if args.process_anchor == "ref":
+        return None
+    anchor = copy.deepcopy(model).eval().requires_grad_(False)
+    mixed = models.mixed_precision(args, next(model.parameters()).device)
+    if mixed is not None and args.process_anchor == "ema":
+        runtime.extra("precision", "--dtype bfloat16 (mixed precision)").MixedPrecision(anchor, mixed)
+    return models.cast_weights(anchor, mixed) if mixed is not None else anchor
 
 
 def pooled_threshold(
@@ -183,7 +191,8 @@ def follow_policy(anchor, model, step, args) -> None:
     (1 - decay) * policy (--anchor-ema-decay); lagged: the anchor is reset to the policy every --anchor-lag steps.
     ref (the default, the frozen reference): nothing. args: ep_grpo.py's Args."""
     if args.process_anchor == "ema":
-        for p_anchor, p in zip(anchor.parameters(), model.parameters()):
-            p_anchor.lerp_(p, 1 - args.anchor_ema_decay)
+        with checkpoints.masters_of(anchor, model):  # mixed precision: fp32, the policy's masters
+            for p_anchor, p in zip(anchor.parameters(), model.parameters()):
+                p_anchor.lerp_(p, 1 - args.anchor_ema_decay)
     elif args.process_anchor == "lagged" and step % args.anchor_lag == 0:
         anchor.load_state_dict(model.state_dict())

@@ -11,6 +11,7 @@ model and its card (Run.finish); an adapter names its base as the user gave it (
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import html
 import importlib.metadata
@@ -20,6 +21,8 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+
+import torch
 
 from rlvr_utils import checkpoints, saving
 from rlvr_utils.cli import DEFAULT_MODEL, BaseArgs
@@ -177,10 +180,13 @@ def base_license(base: str) -> str | None:
     return data.license if isinstance(data.license, str) else None
 
 
-def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None = None) -> str | None:
+def model_card(
+    run_dir: Path, example: str | None = None, flags_now: dict | None = None, weights: str | None = None
+) -> str | None:
     """README.md for `<run_dir>/model`, or None when the run directory has no config.json. `example`: a prompt as the
     model saw it in training. `flags_now`: the run's flags as it ends (vars(args)), which a resumed run's runtime flags
-    (--total-steps, --save-adapter, ...) may have changed since config.json was written; None: config.json's."""
+    (--total-steps, --save-adapter, ...) may have changed since config.json was written; None: config.json's.
+    `weights`: what the folder's weights are (their dtype and where it comes from: `weights_line`)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     run_dir = Path(run_dir)
@@ -264,7 +270,8 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
                 lines[-1] += (f" `base_model: {given}` above is that local path, not a model on the hub, which would "
                               f"read it as the hub id `{given}`: set both to the base's hub id before you share this "
                               "adapter.")  # fmt: skip
-    lines += ["", "## Use", "", "```python", "from transformers import AutoTokenizer"]
+    lines += ["", "## Use", "", *([weights, ""] if weights else [])]
+    lines += ["```python", "from transformers import AutoTokenizer"]
     lines += [f"from {'peft' if adapter else 'transformers'} import {loader}", ""]
     lines += [
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
@@ -289,24 +296,45 @@ def _num(v) -> str:
     return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
 
+def weights_line(written: torch.dtype, mixed: bool, save_dtype: str) -> str:
+    """The card's line on the weights: their dtype, and whether they are the fp32 masters of mixed precision (the
+    weights that trained) or a cast of them (--save-dtype)."""
+    trained = "the fp32 master weights the run trained under bf16 compute" if mixed else "the weights the run trained"
+    how = trained if save_dtype == "auto" else f"{trained}, cast by `--save-dtype {save_dtype}`"
+    half = " (`from_pretrained(..., dtype=torch.bfloat16)` loads them in bf16, for inference)"
+    half = half if mixed and written == torch.float32 else ""
+    return f"The weights are {str(written).removeprefix('torch.')}: {how}{half}."
+
+
 def save_final_model(dist, model, tokenizer, path, example: str | None, flags_now: dict) -> Path | None:
     """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
     model card (README.md, `model_card`: `example`, a prompt as the model saw it in training) made from the run
     directory `path` is in and the run's flags as it ends (`flags_now`). Under LoRA the model with its adapters merged,
-    or with --save-adapter the adapter alone. Every rank returns together. A save that cannot be written (a full
-    disk): one line naming the directory, the cause and the checkpoint that is left, exit code 1; no hidden copy is
-    left beside it."""
-    state, path = dist.full_state_dict(model), Path(path)
-    card = model_card(path.parent, example, flags_now) if dist.main else None
+    or with --save-adapter the adapter alone. Mixed precision: the fp32 masters, or with --save-dtype bfloat16 the
+    bf16 copies the run computed with (the masters rounded to nearest). Every rank returns together. A save that
+    cannot be written (a full disk): one line naming the directory, the cause and the checkpoint that is left, exit
+    code 1; no hidden copy is left beside it."""
+    save_dtype = flags_now.get("save_dtype", "auto")
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[save_dtype]
+    with checkpoints.masters_of(model) if dtype != torch.bfloat16 else contextlib.nullcontext():
+        return _save_final_model(dist, model, tokenizer, Path(path), example, flags_now, dtype)
+
+
+def _save_final_model(dist, model, tokenizer, path: Path, example, flags_now: dict, dtype) -> Path | None:
+    state = dist.full_state_dict(model)
+    mixed = getattr(dist, "mixed", None) is not None  # fp32 masters (LoRA has none)
+    written = dtype or next(model.parameters()).dtype
+    weights = weights_line(written, mixed, flags_now.get("save_dtype", "auto"))
+    card = model_card(path.parent, example, flags_now, weights) if dist.main else None
     adapter = bool(flags_now.get("save_adapter"))
     out = None
     if dist.main:
         try:
             if hasattr(model, "peft_config"):  # --lora-rank
                 with extra("lora", "--lora-rank").saved_as(model, adapter, base_as_given(flags_now["model"])) as saved:
-                    out = saving.save_model_atomic(saved, tokenizer, path, None, card)
+                    out = saving.save_model_atomic(saved, tokenizer, path, None, card, dtype)
             else:
-                out = saving.save_model_atomic(model, tokenizer, path, state, card)
+                out = saving.save_model_atomic(model, tokenizer, path, state, card, dtype)
         except Exception as e:
             if not checkpoints.is_io_error(e):
                 raise  # not an I/O failure: a bug keeps its traceback

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlvr_utils.runtime import need, usage_error
+from rlvr_utils.runtime import need, pick_device, usage_error
 
 
 def looks_like_path(name: str) -> bool:
@@ -123,8 +123,34 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gr
     return load_model(name_or_path, device, dtype, gradient_checkpointing), load_tokenizer(name_or_path)
 
 
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """--dtype as a torch dtype: auto is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def mixed_precision(flags, device: torch.device | None = None) -> torch.dtype | None:
+    """The compute dtype when the policy trains fp32 masters under it (precision.py): --dtype bfloat16 (auto on CUDA),
+    full fine-tuning, no --pure-bf16; None under float32, --pure-bf16, LoRA (PEFT's adapters are fp32)."""
+    a = flags if isinstance(flags, dict) else vars(flags)
+    dtype = compute_dtype(a["dtype"], device or pick_device(a["device"]))
+    mixed = dtype != torch.float32 and a.get("pure_bf16", "off") == "off" and not a.get("lora_rank")
+    return dtype if mixed else None
+
+
+def cast_weights(model, dtype: torch.dtype):
+    """`model`'s parameters cast to `dtype` in place, its buffers left (the rotary frequencies stay fp32, as
+    from_pretrained leaves them: the cast model computes bitwise as one loaded in `dtype`)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
-    """`from_pretrained` a causal LM. dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an
+    """`from_pretrained` a causal LM. dtype "auto": bfloat16 on CUDA, float32 on CPU (the scripts pass float32 for
+    mixed precision: the fp32 masters, from which precision.py makes the bf16 copies). A missing local path or an
     unreachable hub id is a clear error that names it. Dropout is off (log-probs must be the sampling distribution's).
     `gradient_checkpointing`: each decoder layer is recomputed in the backward (non-reentrant); the model is then kept
     in train mode, which that needs (generation switches to eval mode and back)."""
@@ -132,12 +158,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gra
 
     looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
     need(not looks_local or Path(name_or_path).expanduser().exists(), f"--model {name_or_path}: no such directory")
-    torch_dtype = {
-        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-    }[dtype]
+    torch_dtype = compute_dtype(dtype, device)
     from transformers.utils import logging as hf_logging
 
     verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()

@@ -75,6 +75,7 @@ class Dist:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # for collectives
     fsdp: bool = False
     uneven: bool = False  # ranks hold different numbers of rows (SRPO's): FSDP evens their passes (distributed.py)
+    mixed: torch.dtype | None = None  # bf16 compute over fp32 masters (models.mixed_precision): `wrap` sets it up
 
     @property
     def main(self) -> bool:
@@ -98,14 +99,19 @@ class Dist:
         return tokens / self.world, seqs / self.world
 
     def micro_batches(self, train_model, micro: list):
-        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened)."""
+        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened);
+        then mixed precision's fp32 masters and gradients in the weights for the clip and the step (precision.py)."""
         yield from micro
+        if (mixed := getattr(train_model, "_rlvr_precision", None)) is not None:
+            mixed.gradients_ready()
 
     def gathered_if_uneven(self, *models):  # FSDP with `uneven` rows: the no-grad passes on the full weights
         return self.gathered(*models) if self.uneven else contextlib.nullcontext()
 
     # what torchrun's ranks do together, and one process does alone: the model itself, no collective, nothing to wait
     def wrap(self, model, ref_model=None):  # the module the loss forward runs through (DDP, FSDP2)
+        if self.mixed is not None:  # the weights compute as bf16 copies of fp32 masters (precision.py)
+            extra("precision", "--dtype bfloat16 (mixed precision)").MixedPrecision(model, self.mixed)
         return model
 
     @contextlib.contextmanager

@@ -91,12 +91,16 @@ def failed(ckpt, step: int, e: BaseException) -> NoReturn:
 
 
 def save_model_atomic(
-    model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None, card: str | None = None
-) -> Path:
+    model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None, card: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:  # fmt: skip
     """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
     over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights.
     `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state); `card`: the
-    README.md written beside them (the model card)."""
+    README.md written beside them (the model card); `dtype`: the floating-point weights cast to it (--save-dtype),
+    which config.json then names."""
+    if dtype is not None:
+        state_dict = cast_state(model.state_dict() if state_dict is None else state_dict, dtype)
     named = state_dict.items() if state_dict is not None else model.named_parameters()
     bad = [n for n, p in named if torch.is_floating_point(p) and not torch.isfinite(p).all()]
     if bad:
@@ -105,10 +109,28 @@ def save_model_atomic(
     path.parent.mkdir(parents=True, exist_ok=True)
     with _atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if dtype is not None:  # save_pretrained names the model's own dtype
+            config = json.loads((tmp / "config.json").read_text())
+            for key in {"dtype", "torch_dtype"} & set(config) or {"dtype"}:  # transformers 5's name, 4.x's
+                config[key] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         if card is not None:
             (tmp / "README.md").write_text(card)
     return path
+
+
+def cast_state(state: dict, dtype: torch.dtype) -> dict:
+    """A state dict with its floating-point tensors cast to `dtype`; tensors that share storage (tied embeddings) stay
+    one tensor."""
+    out, cast = {}, {}
+    for k, v in state.items():
+        if torch.is_floating_point(v) and v.dtype != dtype:
+            key = (v.data_ptr(), v.shape)
+            cast[key] = cast[key] if key in cast else v.to(dtype)
+            v = cast[key]
+        out[k] = v
+    return out
 
 
 class _atomic_dir:

@@ -230,6 +230,8 @@ FOLLOW = [  # (script, flags, the files the line names)
     ("grpo.py", ["--save-every", "1"], ["saving"]),
     ("grpo.py", ["--eval-num-generations", "2"], ["trl_eval"]),
     ("grpo.py", ["--lora-rank", "2"], ["lora"]),
+    ("grpo.py", ["--dtype", "bfloat16"], ["precision"]),  # fp32 masters under bf16 compute
+    ("grpo.py", ["--dtype", "bfloat16", "--pure-bf16", "kahan"], ["precision"]),  # optimi's AdamW
     ("grpo.py", ["--resume", "RUN"], ["resume", "saving"]),  # the run's own --save-every 1
     ("grpo.py", ["--engine", "vllm"], ["engines"]),
     ("sc_grpo.py", ["--divergence", "sampled-logratio"], ["sc_ablations"]),

@@ -94,6 +94,10 @@ class BaseArgs:
     """arith: running values stay in [0, this]"""
     arith_max_operand: int = 9
     """arith: operands are drawn from [1, this]"""
+    arith_variant: Literal["default", "rising"] = "default"
+    """arith: how problems are drawn (tasks.ARITH_VARIANTS); rising: a one-digit start and additions, the first
+    quarter's operands from the upper half, where the bundled tiny-arith goes wrong early (GRPO-λ's premise;
+    docs/benchmarks.md, "Premises")"""
     code_timeout: float = 5.0
     """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
     code_sandbox: Literal["bwrap", "audit-hook"] = "bwrap"
@@ -328,9 +332,8 @@ def check_common(args) -> None:
     if a["lora_rank"]:  # peft, torchrun, a rank beyond the adapted layers of --model's config
         extra("lora", "--lora-rank").check(a)
     if a["task"] == "arith":
-        train, evals = arith_problems(
-            a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
-        )
+        sizes = a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
+        train, evals = arith_problems(a["seed"], 2000, a["num_eval"], *sizes, a["arith_variant"])
         need(
             len(train) >= a["prompts_per_step"] and len(evals) >= 1,
             f"--arith-steps {a['arith_steps']} "

@@ -177,3 +177,10 @@ def test_the_table_names_the_setting_and_what_a_measurement_added():
     row = premises.table([{"meta": meta, "methods": [r]}]).splitlines()[-1]
     assert row.startswith("| long + `--arith-steps 12` | x | ep_grpo | yes | top 20% 0.950")
     assert row.endswith(f"| {premises.GATES['ep_grpo']} |")
+
+
+def test_in_mixed_groups_by_hand():
+    # groups 7 (rows 0-2: one success), 8 (rows 3-4: all failed), 9 (row 5: failed, alone)
+    groups, failed = [7, 7, 7, 8, 8, 9], [True, False, True, True, True, True]
+    assert premises.in_mixed_groups([0, 2, 3, 4, 5], groups, failed) == [0, 2]
+    assert premises.in_mixed_groups([3, 5], groups, failed) == []

@@ -160,6 +160,7 @@ def test_premises_runs_and_prints_one_object_per_method():
     assert all(isinstance(o["pass"], bool) and o["gate"] == premises.GATES[o["method"]] for o in out)
     by = {o["method"]: o for o in out}
     assert 0 <= by["srpo"]["exact"] <= 1 and by["srpo"]["rows"] > 0
+    assert by["grpo_lambda"]["mixed_rows"] <= by["grpo_lambda"]["rows"]  # failed rows of groups with a success
     assert by["ep_grpo"]["process_share"] == pytest.approx(0.0, abs=1e-6)  # the policy is its own reference: P = 0
     assert by["control"]["rows"] == 3 and by["control"]["continuations"] == 2
     assert not by["control"]["pass"]  # 3 rows x 2 continuations are below the gate's sizes, whatever the drop

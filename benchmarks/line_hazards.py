@@ -20,10 +20,11 @@ the chance that a sample leaves the solution on line k once it has written lines
                two-digit lines also by the smaller of a and c (<20, 20-49, >=50).
   best         the largest first-quarter share any problem made of these kinds of lines could have, if a line's error
                rate depended on its quarter and kind only (best_problem: exact, by dynamic programming over the running
-               value; kinds seen on fewer than --min-lines lines are left out), and that problem. A mixture of problems
-               has at most its best problem's share, so no variant drawn from these lines does better, unless its
-               context changes the rates themselves: --sample draws that problem from the policy and measures it as
-               premises.py does (a variant is measured by premises.py, not by this figure).
+               value; kinds seen on fewer than --min-lines lines are left out, and kinds wrong more often than
+               --max-rate, lines the policy cannot write: a variant made of them has no successes), and that
+               problem. A mixture of problems has at most its best problem's share, so no variant drawn from these
+               lines does better, unless its context changes the rates themselves: --sample draws that problem from
+               the policy and measures it as premises.py does (a variant is measured by premises.py, not by this).
 
     python benchmarks/line_hazards.py --setting long --out benchmarks/results/premises/hazards/long.json
     python benchmarks/line_hazards.py --setting rising       # a variant: its predicted share beside the sampled one
@@ -216,6 +217,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1, help="the task's seed (held-out problems)")
     ap.add_argument("--problems", type=int, default=512, help="held-out problems")
     ap.add_argument("--min-lines", type=int, default=30, help="the fewest lines a kind needs to enter the best problem")
+    ap.add_argument("--max-rate", type=float, default=0.5, help="kinds wrong more often are not lines the policy reads")
     ap.add_argument("--sample", type=int, default=384, help="samples of the best problem on the policy (0: none)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the results (JSON, with their provenance) here")
@@ -244,8 +246,8 @@ def main() -> None:
         "kinds": {f"q{q} {k}": [len(v), float(np.mean(v))] for (q, k), v in sorted(cells.items())},
         "answer_rate": float(np.mean(answer)),
         "best": best_problem(
-            {c: float(np.mean(v)) for c, v in cells.items() if len(v) >= o.min_lines}, steps, float(np.mean(answer)),
-            a.arith_max_value, a.arith_max_operand,
+            {c: float(np.mean(v)) for c, v in cells.items() if len(v) >= o.min_lines and np.mean(v) <= o.max_rate},
+            steps, float(np.mean(answer)), a.arith_max_value, a.arith_max_operand,
         ),
     }  # fmt: skip
     if res["best"] is not None and o.sample:

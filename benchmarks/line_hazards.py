@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--setting", choices=list(lc.SETTINGS), default="long")
     ap.add_argument("--flags", default="", help="more script flags, one string (after the setting's)")
     ap.add_argument("--model", default=None, help="the policy (default: the setting's)")
-    ap.add_argument("--seed", type=int, default=1, help="the task's seed (held-out problems)")
+    ap.add_argument("--seed", type=int, default=1, help="the task's seed (held-out problems) and the sampling's")
     ap.add_argument("--problems", type=int, default=512, help="held-out problems")
     ap.add_argument("--min-lines", type=int, default=30, help="the fewest lines a kind needs to enter the best problem")
     ap.add_argument("--max-rate", type=float, default=0.5, help="kinds wrong more often are not lines the policy reads")
@@ -251,6 +251,7 @@ def main() -> None:
         ),
     }  # fmt: skip
     if res["best"] is not None and o.sample:
+        common.seed_everything(o.seed)
         with torch.no_grad():
             res["best"]["sampled"] = sampled_share(model, tok, res["best"]["problem"], o.sample, a)
     res["meta"]["seconds"] = round(time.time() - t0, 1)

@@ -95,9 +95,7 @@ class BaseArgs:
     arith_max_operand: int = 9
     """arith: operands are drawn from [1, this]"""
     arith_variant: Literal["default", "rising"] = "default"
-    """arith: how problems are drawn (tasks.ARITH_VARIANTS); rising: a one-digit start and additions, the first
-    quarter's operands from the upper half, where the bundled tiny-arith goes wrong early (GRPO-λ's premise;
-    docs/benchmarks.md, "Premises")"""
+    """arith: how problems are drawn (rising: tiny-arith goes wrong early, GRPO-λ's premise; arith_variants.py)"""
     code_timeout: float = 5.0
     """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
     code_sandbox: Literal["bwrap", "audit-hook"] = "bwrap"

@@ -15,7 +15,7 @@ the answer line:
     25+9=34
     #### 34
 Running values stay in [0, max_value]: an operation that would leave the range flips its sign. `--arith-variant rising`
-draws the problems otherwise (make_rising_problem); the prompt, solution format, verifier and oracle are the same.
+draws the problems otherwise (the extra arith_variants.py); the prompt, solution format, verifier and oracle stay.
 """
 
 from __future__ import annotations
@@ -239,30 +239,7 @@ def make_arith_problem(rng: random.Random, steps: int = 4, max_value: int = 99, 
     return ArithProblem(start, tuple(ops))
 
 
-def make_rising_problem(rng: random.Random, steps: int = 4, max_value: int = 99, max_operand: int = 9) -> ArithProblem:
-    """Draw one problem of the `rising` variant (--arith-variant rising): a start in [0, 9] and additions, the
-    operations of the solution's first quarter of lines (the lines k with (k - 1) / (steps + 1) < 1/4, the answer line
-    counted, as benchmarks/premises.py counts them) with operands from the upper half [max_operand // 2 + 1,
-    max_operand], the later ones from [1, max_operand]; an addition that would pass max_value subtracts instead.
-
-    Why: GRPO-λ assumes that a chain's early tokens decide its outcome. The bundled policies go wrong late in the
-    default problems (their error rate per line grows along the chain) and most often on lines with a one-digit number;
-    here the first lines carry a one-digit start into two digits and the rest add to two-digit values, so a failed
-    chain goes wrong in its first quarter more often than not (measured: docs/benchmarks.md, "Premises")."""
-    if steps < 1 or max_operand < 1 or max_value < max_operand:
-        raise ValueError(f"bad arith settings: steps={steps}, max_value={max_value}, max_operand={max_operand}")
-    v = rng.randint(0, min(9, max_value))
-    start, ops = v, []
-    for i in range(steps):
-        low = max_operand // 2 + 1 if i < (steps + 4) // 4 else 1  # (steps + 4) // 4: the first quarter's lines
-        b = rng.randint(low, max_operand)
-        op = "+" if v + b <= max_value else "-"
-        v = v + b if op == "+" else v - b
-        ops.append((op, b))
-    return ArithProblem(start, tuple(ops))
-
-
-ARITH_VARIANTS = {"default": make_arith_problem, "rising": make_rising_problem}  # --arith-variant: the generator
+ARITH_VARIANTS = ("default", "rising")  # --arith-variant: make_arith_problem's draws, or arith_variants.<name>
 
 
 def parse_arith_problem(text: str) -> ArithProblem:
@@ -326,10 +303,13 @@ def arith_problems(
     variant: str = "default",
 ) -> tuple[list[ArithProblem], list[ArithProblem]]:  # fmt: skip
     """Seeded train and eval problems, disjoint: eval problems (distinct) come from their own stream, and train
-    draws that equal an eval problem are dropped. `variant`: the generator, a key of ARITH_VARIANTS."""
+    draws that equal an eval problem are dropped. `variant`: the generator, one of ARITH_VARIANTS."""
     rng, eval_rng = random.Random(seed), random.Random(10_000_019 + seed)
     kw = dict(steps=steps, max_value=max_value, max_operand=max_operand)
-    make = ARITH_VARIANTS[variant]
+    make = make_arith_problem
+    if variant != "default":  # another way to draw them (--arith-variant; arith_variants.py)
+        draw = getattr(runtime.extra("arith_variants", f"--arith-variant {variant}"), variant)
+        make = lambda r, **k: ArithProblem(*draw(r, **k))  # noqa: E731
     evals = list({p.text: p for p in (make(eval_rng, **kw) for _ in range(num_eval))}.values())
     held = {p.text for p in evals}
     train = [p for p in (make(rng, **kw) for _ in range(num_train)) if p.text not in held]

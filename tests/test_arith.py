@@ -4,7 +4,11 @@ import random
 
 import pytest
 
-from rlvr_utils import tasks
+from rlvr_utils import arith_variants, tasks
+
+
+def rising(rng, *a, **kw):
+    return tasks.ArithProblem(*arith_variants.rising(rng, *a, **kw))
 
 
 def test_arith_problem_and_solution():
@@ -64,14 +68,14 @@ def test_arith_first_error_is_consistent_with_reward():
 
 def test_rising_variant_draws_what_its_docstring_says():
     """--arith-variant rising: a start in [0, 9], additions, the first quarter's operands from [5, 9]; an addition past
-    max_value subtracts. The first quarter's lines, counted by brute force as premises.py's first_quarter counts them."""
+    max_value subtracts. The first quarter counted by brute force, as premises.py's first_quarter counts it."""
     rng = random.Random(3)
     for steps in (1, 3, 4, 6, 7, 12, 16):
         lines = steps + 1  # the operations and the answer line
         quarter = sum((k - 1) / lines < 0.25 for k in range(1, lines + 1))
         low_seen = False
         for _ in range(300):
-            p = tasks.make_rising_problem(rng, steps=steps)
+            p = rising(rng, steps=steps)
             assert 0 <= p.start <= 9 and len(p.ops) == steps
             v = p.start
             for i, (op, b) in enumerate(p.ops):
@@ -81,11 +85,9 @@ def test_rising_variant_draws_what_its_docstring_says():
                 v = v + b if op == "+" else v - b
                 assert 0 <= v <= 99
         assert low_seen or steps == quarter  # the operand after the quarter is drawn from [1, 9]
-    assert [tasks.make_rising_problem(random.Random(5), 6) for _ in range(2)] == [
-        tasks.make_rising_problem(random.Random(5), 6)
-    ] * 2
+    assert [rising(random.Random(5), 6) for _ in range(2)] == [rising(random.Random(5), 6)] * 2
     with pytest.raises(ValueError):
-        tasks.make_rising_problem(rng, steps=0)
+        rising(rng, steps=0)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +117,7 @@ def test_rising_problem_oracle_on_drawn_problems():
     rng = random.Random(2)
     flipped = 0
     for _ in range(300):
-        p = tasks.make_rising_problem(rng, steps=6, max_value=30)
+        p = rising(rng, steps=6, max_value=30)
         flipped += any(op == "-" for op, _ in p.ops)
         assert tasks.arith_first_error(p.text, p.solution()) is None
         lines = p.solution().split("\n")
@@ -142,10 +144,10 @@ def test_arith_variant_flag_reaches_the_task(monkeypatch, capsys):
     a name it does not know is one line, exit code 2."""
     import sys
 
-    import common
-    import grpo
     from conftest import TINY_MODEL
 
+    import common
+    import grpo
     from rlvr_utils import cli
 
     tok = common.load_tokenizer(TINY_MODEL)
@@ -159,7 +161,8 @@ def test_arith_variant_flag_reaches_the_task(monkeypatch, capsys):
     assert [e.prompt for e in made["default"]] == [tasks.arith_prompt(p) for p in want]
     rising = [tasks.parse_arith_problem(e.question) for e in made["rising"]]
     assert all(p.start <= 9 and all(op == "+" for op, _ in p.ops) for p in rising)
-    assert all(e.prompt == tasks.arith_prompt(p) for e, p in zip(made["rising"], rising))  # the format it was trained on
+    # the prompt the policy was trained on, as the default's
+    assert all(e.prompt == tasks.arith_prompt(p) for e, p in zip(made["rising"], rising))
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--arith-variant", "falling"])
     with pytest.raises(SystemExit) as e:
         cli.parse(grpo.Args)

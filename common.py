@@ -385,8 +385,8 @@ def evaluate(
 # 5. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
 # ----------------------------------------------------------------------------------------------
 TASK_FLAGS = (  # what tasks.load_task takes
-    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value "
-    "arith_max_operand code_timeout code_sandbox reward_fn reward_weights reward_timeout success_threshold"
+    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value arith_max_operand "
+    "arith_variant code_timeout code_sandbox reward_fn reward_weights reward_timeout success_threshold"
 ).split()
 
 

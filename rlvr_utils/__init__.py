@@ -27,6 +27,7 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
                    copies of them; --pure-bf16 kahan's AdamW (optimi)
   saving           writing atomic checkpoints (--save-every, Ctrl-C) and Hugging Face folders (--save-model)
   resume           --resume: the run's flags and its checkpoint restored
+  arith_variants   --arith-variant: other ways to draw the arith task's problems (rising: GRPO-λ's premise)
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
   datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line
   rewards          GSM8K and MATH answers (math-verify)

@@ -234,6 +234,7 @@ FOLLOW = [  # (script, flags, the files the line names)
     ("grpo.py", ["--dtype", "bfloat16", "--pure-bf16", "kahan"], ["precision"]),  # optimi's AdamW
     ("grpo.py", ["--resume", "RUN"], ["resume", "saving"]),  # the run's own --save-every 1
     ("grpo.py", ["--engine", "vllm"], ["engines"]),
+    ("grpo.py", ["--arith-variant", "rising"], ["arith_variants"]),
     ("sc_grpo.py", ["--divergence", "sampled-logratio"], ["sc_ablations"]),
     ("ep_grpo.py", ["--gate", "hard"], ["ep_ablations"]),
     ("srpo.py", ["--clip"], ["srpo_ablations"]),

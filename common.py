@@ -453,6 +453,7 @@ class Run:
         if (mixed := getattr(model, "_rlvr_precision", None)) is not None:  # fp32 masters:
             mixed.attach(optimizer)  # bf16 copies refreshed after each step, before vLLM's sync
         models.check_vocab(a.model, model, tokenizer)  # before the run directory exists
+        self.stop = runtime.GracefulStop()  # a stop asked while loading, its StopNow lost: here
         if self.dir is None:  # its own directory, made exclusively on rank 0 (taken: a suffix)
             made = checkpoints.new_run_dir(a.output_dir, self.name) if dist.main else None
             self.dir = Path(dist.broadcast(str(made) if made else None))
@@ -462,7 +463,6 @@ class Run:
             lambda: prompt_batches(task.train, a.prompts_per_step, a.seed)
         )
         self.ckpt = checkpoints.Checkpointer(self.dir, a.save_every, dist)
-        self.stop = runtime.GracefulStop()
         self.first = 1
         if a.resume:  # the checkpoint into the model, optimizer, prompt stream and RNGs just built
             resume = runtime.extra("resume", "--resume")

@@ -148,10 +148,9 @@ def loaded(script: str, *flags: str) -> list[str]:
 
 @pytest.mark.parametrize("script", copy_tiers.SCRIPTS)
 def test_help_loads_the_minimal_copy_and_no_more(script):
-    """`--help` imports exactly the script's minimal copy: at most 11 project files and 3,100 lines."""
+    """`--help` imports exactly the script's minimal copy (its size is in the README's table, not capped)."""
     got = loaded(script, "--help")
     assert sorted(got) == sorted(copy_tiers.minimal(script))
-    assert len(got) <= 11 and copy_tiers.lines(got) <= 3100, (len(got), copy_tiers.lines(got))
 
 
 @pytest.mark.slow

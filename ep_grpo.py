@@ -113,7 +113,14 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
     group_ids (default: blocks of group_size). flags: what it reads (Flags; default: Args' values),
     checked when parsed. scores: d's verifier scores [B] (the rewards before any overlong shaping;
     default: rewards). return_parts: also the pieces (outcome, gate, process, windows, ...). Its
-    ablations' other forms wrap it (rlvr_utils/ep_ablations.py)."""
+    ablations' other forms wrap it (rlvr_utils/ep_ablations.py).
+
+    >>> H, zero, on = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.zeros(2, 2), torch.ones(2, 2)
+    >>> rewards = torch.tensor([1.0, 0.0])  # one group: A_out = +1, -1; delta = 0, so P = 0
+    >>> ep_advantages(H, zero, zero, on, rewards, 2)  # the gate: 1.2 at a pivot, 0.8 elsewhere
+    tensor([[ 1.2000,  0.8000],
+            [-0.8000, -1.2000]])
+    """
     f = flags if flags is not None else Flags.of(Args())
     B, dev, valid, m, H = mask.shape[0], entropy.device, mask.bool(), mask.float(), entropy.float()
     gid = torch.arange(B) // group_size if group_ids is None else group_ids.cpu()

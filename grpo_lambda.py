@@ -92,7 +92,13 @@ def grpo_lambda_token_loss(
     logp, old_logp: [B, T] log-probs of the completion tokens (nats); adv: [B, T] clamped advantage
     (the critic-free TD error). ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
     loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A). Returns (loss [B, T], the ratio the clip acts
-    on [B, T], the traced log-ratio z [B, T]). The ϵ-weight variant: rlvr_utils/lambda_ablations.py."""
+    on [B, T], the traced log-ratio z [B, T]). The ϵ-weight variant: rlvr_utils/lambda_ablations.py.
+
+    >>> logp, ones = torch.zeros(1, 3, requires_grad=True), torch.ones(1, 3)  # on-policy, A = 1
+    >>> out = grpo_lambda_token_loss(logp, logp.detach(), ones, ones, 0.5, style="recent")
+    >>> torch.autograd.grad(out[0].sum(), logp)[0]  # -c_k: 1 + .5 + .25, 1 + .5, 1 (both: -3)
+    tensor([[-1.7500, -1.5000, -1.0000]])
+    """
     z = trace_log_ratio(logp - old_logp, mask, lam, gamma, style)  # Eq. 2
     ratio = torch.exp(z.clamp(-max_log_ratio, max_log_ratio))  # ρ̃_t
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)

@@ -142,8 +142,9 @@ def test_ep_grpo_defaults():
 
 
 @pytest.mark.parametrize("module,fn", [(ep_grpo, ep_grpo.ep_advantages)])
-def test_function_defaults_match_the_command_line(module, fn):
-    """A reader who copies the function gets the script's defaults."""
+def test_function_defaults_match_the_command_line(module, fn, monkeypatch):
+    """A reader who copies the function gets the script's defaults: its own, and its config's (EPConfig())."""
     d = defaults(module)
     sig = signature_defaults(fn)
     assert {k: v for k, v in sig.items() if k in d and v != d[k]} == {}
+    assert sig["cfg"] == ep_grpo.EPConfig() == ep_grpo.EPConfig.of(parsed_defaults(module, monkeypatch))

@@ -152,7 +152,7 @@ def test_ep_grpo_in_trl_gives_ep_advantages(tmp_path):
             )
             ref = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attn, T)[0]
         rewards = _rewards(trainer, out, inputs)
-        return ep_advantages(entropy, logp, ref, out["completion_mask"], rewards, G, flags=trainer.flags)
+        return ep_advantages(entropy, logp, ref, out["completion_mask"], rewards, G, cfg=trainer.cfg)
 
     made, seen = _spy_hook(trainer, reference), _spy_loss(trainer)
     _train(trainer)

@@ -235,7 +235,14 @@ def group_advantages(
     unbiased (Bessel, as TRL and verl; `unbiased=False`: the population std), then
     (r - mean) / (std + eps), eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0
     (never NaN). A NaN reward (every --reward-fn returned None) is left out of its group's mean
-    and std (and the batch's) and gets 0, as in TRL. Returns [N] float32."""
+    and std (and the batch's) and gets 0, as in TRL. Returns [N] float32.
+
+    >>> rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # two groups of 2, each of mean 0.5
+    >>> rewards[:2].std()  # a group's std (unbiased)
+    tensor(0.7071)
+    >>> group_advantages(rewards, 2)  # (r - mean) / (std + 1e-4)
+    tensor([ 0.7070, -0.7070, -0.7070,  0.7070])
+    """
     r = rewards.float()
     N = r.shape[0]
     if group_ids is None:

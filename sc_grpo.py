@@ -113,7 +113,13 @@ def weights_and_advantages(
     kl, active, adv [n, T]: D, the weighted tokens, the rows' token advantages; role [n] (Role);
     group_ids [n]. Returns the weights [n, T] (1 on PLAIN rows, else f = kl_weights(kl, active)),
     the advantages [n, T] (DIVERSITY rows + alpha * zscore of s_i = mean f over their weighted
-    tokens; REFERENCE rows: 0) and f; `unbiased`: the GRPO advantage's std convention."""
+    tokens; REFERENCE rows: 0) and f; `unbiased`: the GRPO advantage's std convention.
+
+    >>> D, on = torch.tensor([[0.0, 1.0, 3.0]]), torch.ones(1, 3)  # D per token; c = P75 of D = 2
+    >>> role, group = torch.tensor([Role.WEIGHTED]), torch.tensor([0])
+    >>> weights_and_advantages(D, on, role, group, on)[0]  # the weights f = D / (D + c)
+    tensor([[0.0000, 0.3333, 0.6000]])
+    """
     f = kl_weights(kl, active, percentile, c_min)  # c from these rows' weighted tokens
     weights = torch.where((role == Role.PLAIN)[:, None], 1.0, f)  # [n, T]
     adv = adv.clone()

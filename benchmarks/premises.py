@@ -380,8 +380,8 @@ def measure_ep_grpo(model, tok, rows: Rows, a, reference=None) -> dict:
         f["above_batch_pivot"] = float((H[idx, j] >= batch_pivot).float().mean())  # the gate's own pivot (the batch's)
     if reference is not None:  # the process signal against the starting policy
         ref_logp = common.token_logprobs(reference, ro.input_ids, ro.attention_mask, T, a.temperature)[0]
-        flags = ep_grpo.Flags.of(a)
-        _, parts = ep_grpo.ep_advantages(H, logp, ref_logp, mask, rows.scores, a.num_generations, ro.group_ids, flags,
+        cfg = ep_grpo.EPConfig.of(a)
+        _, parts = ep_grpo.ep_advantages(H, logp, ref_logp, mask, rows.scores, a.num_generations, ro.group_ids, cfg,
                                          rows.scores, return_parts=True)  # fmt: skip
         m = mask.float()
         outcome = (parts["gate"] * parts["outcome"][:, None]).abs() * m

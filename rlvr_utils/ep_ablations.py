@@ -62,15 +62,16 @@ def wrap(args, method: dict):
     """ep_grpo.ep_advantages (same arguments) under the ablation flags `args` holds: the method's advantages and
     parts, then each flag's other form in place of the method's: the threshold (--pivot-scope, --gate zsig), the
     gate's weights (--gate), the process signal (--process-granularity), the combination (--anchor-form,
-    --advantage-form). method: ep_grpo.py's functions by name (ep_advantages, entropy_gate, mean_one, row_quantile,
-    cell_zscore; the package does not import a script)."""
+    --advantage-form). method: ep_grpo.py's functions and records by name (ep_advantages, entropy_gate, mean_one,
+    row_quantile, cell_zscore, EPConfig, EPCredit; the package does not import a script)."""
     quantile, zscore = method["row_quantile"], method["cell_zscore"]
 
-    def advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, flags=None, scores=None,
+    def advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, cfg=None, scores=None,
                    return_parts=False):  # fmt: skip
-        A, p = method["ep_advantages"](entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids, flags,
+        cfg = method["EPConfig"]() if cfg is None else cfg  # its default: the flags' (ep_grpo.EPConfig)
+        A, p = method["ep_advantages"](entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids, cfg,
                                        scores, return_parts=True)  # fmt: skip
-        f, H, m, inv, r = flags, entropy.float(), mask.float(), p["group_index"], rewards.float().to(mask.device)
+        f, H, m, inv, r = cfg, entropy.float(), mask.float(), p["group_index"], rewards.float().to(mask.device)
         cut, scored, n_win = (f.process_clip, f.process_std_min), mask * ~r.isnan()[:, None], f.num_buckets
         pivot, temp = p["pivot"], f.gate_temp
         if args.pivot_scope != "batch" or args.gate == "zsig":  # a pool per group or response; zsig's mean and std
@@ -96,7 +97,7 @@ def wrap(args, method: dict):
         if not return_parts:
             return A
         cells = dict(cell_members=n_cell.view(p["cell_members"].shape), cell_ok=ok.view(p["cell_ok"].shape))
-        return A, p | dict(gate=g_hat, process=P, pivot=pivot) | cells
+        return method["EPCredit"](A, p | dict(gate=g_hat, process=P, pivot=pivot) | cells)
 
     return advantages
 

@@ -113,9 +113,10 @@ def test_grpo_lambda_in_trl_gives_the_closed_form_credit(tmp_path):
     logp = torch.randn(mask.shape, dtype=torch.float32, requires_grad=True)  # on-policy the ratio is 1 at any logp
     trainer.model.eval()  # the loss's normalizer: the batch's tokens
     g = torch.autograd.grad(trainer.lambda_loss(logp, inputs), logp)[0]
-    A = clamp_negative_advantages(inputs["advantages"], trainer.adv_floor)[:, None].expand_as(g)
+    A = clamp_negative_advantages(inputs["advantages"], trainer.cfg.adv_floor)[:, None].expand_as(g)
     credit = -g * inputs["num_items_in_batch"] / torch.where(A != 0, A, 1.0)
-    c = trace_diagnostics.trace_multipliers(mask.sum(1), trainer.lam, trainer.gamma, trainer.style, T=mask.shape[1])
+    cfg = trainer.cfg
+    c = trace_diagnostics.trace_multipliers(mask.sum(1), cfg.lam, cfg.gamma, cfg.style, T=mask.shape[1])
     rows = mask & (A != 0)
     assert rows.any() and (c[rows] > 1.5).any()  # early tokens carry many times GRPO's credit
     torch.testing.assert_close(credit[rows], c[rows], rtol=1e-5, atol=1e-5)
@@ -151,7 +152,7 @@ def test_ep_grpo_in_trl_gives_ep_advantages(tmp_path):
             )
             ref = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attn, T)[0]
         rewards = _rewards(trainer, out, inputs)
-        return ep_advantages(entropy, logp, ref, out["completion_mask"], rewards, G, flags=trainer.flags)
+        return ep_advantages(entropy, logp, ref, out["completion_mask"], rewards, G, cfg=trainer.cfg)
 
     made, seen = _spy_hook(trainer, reference), _spy_loss(trainer)
     _train(trainer)

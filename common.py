@@ -58,11 +58,21 @@ def with_lora(model, args):
 
 
 def reference(model, args):
-    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts,
-    or under LoRA the same model with its adapters off (no copy: lora.AdaptersOff)."""
+    """The frozen reference policy (the KL term, EP-GRPO's delta): a copy of `model` as it starts, in
+    --dtype (bf16's passes), or under LoRA the same model with its adapters off (lora.AdaptersOff)."""
     if args.lora_rank:
         return runtime.extra("lora", "--lora-rank").AdaptersOff(model)
-    return copy.deepcopy(model).eval().requires_grad_(False)
+    dtype = models.compute_dtype(getattr(args, "dtype", "auto"), next(model.parameters()).device)
+    return models.cast_weights(copy.deepcopy(model).eval().requires_grad_(False), dtype)
+
+
+def adamw(params, args) -> torch.optim.Optimizer:
+    """torch's AdamW over `params` (fused on CUDA; mixed precision: it steps fp32 masters, its state
+    fp32: rlvr_utils/precision.py), or --pure-bf16 kahan's: optimi's, with Kahan summation."""
+    if args.pure_bf16 == "kahan":
+        return runtime.extra("precision", "--pure-bf16 kahan").kahan_adamw(params, args)
+    lr, decay, fused = args.learning_rate, args.weight_decay, bool(params) and params[0].is_cuda
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
 
 
 def seed_everything(seed: int) -> None:
@@ -225,7 +235,14 @@ def group_advantages(
     unbiased (Bessel, as TRL and verl; `unbiased=False`: the population std), then
     (r - mean) / (std + eps), eps = 1e-4 as TRL. A group whose rewards are all equal gets exactly 0
     (never NaN). A NaN reward (every --reward-fn returned None) is left out of its group's mean
-    and std (and the batch's) and gets 0, as in TRL. Returns [N] float32."""
+    and std (and the batch's) and gets 0, as in TRL. Returns [N] float32.
+
+    >>> rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # two groups of 2, each of mean 0.5
+    >>> rewards[:2].std()  # a group's std (unbiased)
+    tensor(0.7071)
+    >>> group_advantages(rewards, 2)  # (r - mean) / (std + 1e-4)
+    tensor([ 0.7070, -0.7070, -0.7070,  0.7070])
+    """
     r = rewards.float()
     N = r.shape[0]
     if group_ids is None:
@@ -375,8 +392,8 @@ def evaluate(
 # 5. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
 # ----------------------------------------------------------------------------------------------
 TASK_FLAGS = (  # what tasks.load_task takes
-    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value "
-    "arith_max_operand code_timeout reward_fn reward_weights reward_timeout success_threshold"
+    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value arith_max_operand "
+    "arith_variant code_timeout code_sandbox reward_fn reward_weights reward_timeout success_threshold"
 ).split()
 
 
@@ -406,14 +423,15 @@ def load_task(args, tokenizer) -> Task:
 
 class Run:
     """The plumbing of a run, so that a script's loop shows only rollouts, rewards, credit, loss
-    and update:  run = Run(args)  (threads, torchrun: run.dist, run.device, seeding); then the script
-    loads its task and model and builds its optimizer; run.start(model, tokenizer, optimizer, task)
-    (the run directory, prompt batches, --resume, the vLLM engine, logging, the step-0 evaluation);
-    `for step in run.steps():` (a progress bar; each step's clock and peak memory start there);
-    run.lap("generation") (seconds since the last lap: time/generation); run.end_step(...)
-    (metrics, evaluation, logging, checkpoint, Ctrl-C); run.finish() (the final accuracy,
-    --save-model, the process group). `state`: objects (RNGs, models) a checkpoint holds besides
-    the policy, optimizer and data position."""
+    and update:  run = Run(args)  (threads, torchrun: run.dist, run.device, seeding; run.dtype, what
+    the policy loads in: float32 for mixed precision's masters); then the script loads its task and
+    model and builds its optimizer; run.start(model, tokenizer, optimizer, task) (the run directory,
+    prompt batches, --resume, the vLLM engine, logging, the step-0 evaluation); `for step in
+    run.steps():` (a progress bar; each step's clock and peak memory start there); run.lap(
+    "generation") (seconds since the last lap: time/generation); run.end_step(...) (metrics,
+    evaluation, logging, checkpoint, Ctrl-C); run.finish() (the final accuracy, --save-model, the
+    process group). `state`: objects (RNGs, models) a checkpoint holds besides the policy,
+    optimizer and data position."""
 
     def __init__(self, args):
         cli.set_threads(args.threads)
@@ -423,18 +441,28 @@ class Run:
         self.dist, self.device = runtime.init_distributed(
             args.device, flags, n, args.dist_timeout, args.fsdp
         )
+        self.dist.mixed = models.mixed_precision(args, self.device)  # bf16 compute, fp32 masters
+        self.dtype = "float32" if self.dist.mixed else args.dtype  # the policy's weights load so
         seed_everything((args.seed + self.dist.rank) % 2**32)  # per-rank sampling, the same batches
         self.dir = Path(args.resume).absolute() if args.resume else None  # a reward may chdir
         self.credit = None  # --log-credit's record (rlvr_utils/credit.py)
+        name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"  # its own directory
+        self.name = self.dir.name if self.dir else name  # made in start(), once the task loads
+        where = self.dir or Path(args.output_dir).absolute() / name
+        board = f"tensorboard --logdir {shlex.quote(checkpoints.shown(where.parent))}"  # one word
+        self.dist.print(f"run {self.name}: logs in {checkpoints.shown(where)}/ ({board}); loading "
+                        f"{checkpoints.shown(args.model)} and the {args.task} task")  # fmt: skip
 
     def start(self, model, tokenizer, optimizer, task, state: dict | None = None) -> None:
         a, dist = self.args, self.dist
         self.model, self.tokenizer, self.optimizer, self.task = model, tokenizer, optimizer, task
         self.state = state or {}
+        if (mixed := getattr(model, "_rlvr_precision", None)) is not None:  # fp32 masters:
+            mixed.attach(optimizer)  # bf16 copies refreshed after each step, before vLLM's sync
         models.check_vocab(a.model, model, tokenizer)  # before the run directory exists
+        self.stop = runtime.GracefulStop()  # a stop asked while loading, its StopNow lost: here
         if self.dir is None:  # its own directory, made exclusively on rank 0 (taken: a suffix)
-            name = f"{a.task}__{a.exp_name}__{a.seed}__{int(time.time())}"
-            made = checkpoints.new_run_dir(a.output_dir, name) if dist.main else None
+            made = checkpoints.new_run_dir(a.output_dir, self.name) if dist.main else None
             self.dir = Path(dist.broadcast(str(made) if made else None))
         if dist.main:  # one writer per run directory
             checkpoints.lock_run_dir(self.dir)
@@ -442,11 +470,12 @@ class Run:
             lambda: prompt_batches(task.train, a.prompts_per_step, a.seed)
         )
         self.ckpt = checkpoints.Checkpointer(self.dir, a.save_every, dist)
-        self.stop = runtime.GracefulStop()
         self.first = 1
         if a.resume:  # the checkpoint into the model, optimizer, prompt stream and RNGs just built
             resume = runtime.extra("resume", "--resume")
-            self.first = resume.restore(self.ckpt, model, optimizer, self.batches, self.state) + 1
+            with checkpoints.masters_of(model, *self.state.values()):  # mixed precision: fp32
+                step = resume.restore(self.ckpt, model, optimizer, self.batches, self.state)
+            self.first = step + 1
         if a.log_credit and dist.main:  # --log-credit: each token's credit, from the gradient
             credit = runtime.extra("credit", "--log-credit")
             self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit)
@@ -462,11 +491,13 @@ class Run:
         resumed = self.first - 1
         task.begin(self.dir, dist.rank, resumed, a)  # --reward-fn: trainer_state, log_extra's file
         config = {**vars(a), "script": Path(sys.argv[0]).name, "file_hashes": hashes}
-        self.logger = runtime.Logger(self.dir, config, a.track, a.wandb_project, dist.main, resumed)
-        board = f"tensorboard --logdir {shlex.quote(str(self.dir.parent))}"  # pasted: one word
-        dist.print(f"run {self.dir.name}: logs in {self.dir}/ ({board}); {len(task.train)} train / "
-                   f"{len(task.eval)} eval prompts; skipped {task.skipped}"
-                   + (f"; resumed after step {resumed}" if resumed else ""))  # fmt: skip
+        reported = (*a.report_to, *["wandb"] * a.track)  # --track: the old --report-to wandb
+        logs = (self.dir, config, reported, a.wandb_project, dist.main, resumed)
+        self.logger = runtime.Logger(*logs)  # TensorBoard, metrics.jsonl, --report-to's trackers
+        taken = self.dir.name != self.name  # two runs in the same second: a suffix
+        taken = f"run directory {self.dir.name} ({self.name} was taken); " if taken else ""
+        dist.print(f"{taken}{len(task.train)} train / {len(task.eval)} eval prompts; skipped "
+                   f"{task.skipped}" + (f"; resumed after step {resumed}" if resumed else ""))  # fmt: skip
         if not resumed:  # a resumed run has its evaluations in its metrics.jsonl already
             self.logger.log(self.evaluate(), 0)
         self.metrics = self.logger.last_eval
@@ -561,8 +592,9 @@ class Run:
             )
         if stopping:
             self.logger.close()
-            dist.print(f"stopped after step {step}; checkpoint in {self.dir}/checkpoint: continue with "
-                       f"--resume {self.dir}")  # fmt: skip
+            here = checkpoints.shown(self.dir)
+            dist.print(f"stopped after step {step}; checkpoint in {here}/checkpoint: continue with "
+                       f"--resume {shlex.quote(here)}")  # fmt: skip
             dist.close(then_exit=True, code=130)  # torchrun: every rank exits 130 here
             raise SystemExit(130)
 
@@ -574,8 +606,9 @@ class Run:
             out = (self.dir / "model", self.task.eval[0].prompt, vars(self.args))
             saved = card.save_final_model(self.dist, self.model, self.tokenizer, *out)
         acc = self.logger.last_eval["eval/accuracy"]
-        self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {self.dir}/metrics.jsonl")
-        if self.args.save_model:  # after the save: a closed stdout cannot lose the model
-            self.dist.print(f"saved model to {saved}")
+        here = checkpoints.shown(self.dir)
+        self.dist.print(f"final eval accuracy {acc:.3f}; metrics in {here}/metrics.jsonl")
+        if saved is not None:  # after the save (rank 0): a closed stdout cannot lose the model
+            self.dist.print(card.saved_line(saved, vars(self.args)))
         checkpoints.unlock_run_dir(self.dir)  # a clean finish: .lock goes (rank 0 holds it)
         self.dist.close(then_exit=True)  # torchrun: every rank exits 0 here

@@ -20,6 +20,7 @@ With --gate-alpha 0 --process-coef 0 --outcome-std unbiased it is grpo.py --beta
 --loss-agg token-mean.
 """
 
+import collections
 import dataclasses
 from typing import Literal
 
@@ -78,43 +79,53 @@ class Args(cli.BaseArgs):
 
 
 @dataclasses.dataclass(frozen=True)
-class Flags:
-    """The flags ep_advantages reads, by name: the method's own (Args: their defaults and --help)
-    and two shared ones. Flags.of(args) takes a run's."""
+class EPConfig:
+    """The settings ep_advantages reads, by name, at the flags' defaults: the method's own (Args
+    repeats them as flags: their --help) and two shared ones. EPConfig.of(args) takes a run's."""
 
-    outcome_std: str
-    scale_rewards: str
-    success_threshold: float
-    pivot_quantile: float
-    gate_alpha: float
-    gate_temp: float
-    gate_norm: str
-    process_polarity: str
-    process_coef: float
-    process_coef_zero_var: float | None
-    process_clip: float
-    process_std_min: float
-    progress: str
-    num_buckets: int
+    outcome_std: str = "population"
+    scale_rewards: str = "group"
+    success_threshold: float = 1.0
+    pivot_quantile: float = 0.8
+    gate_alpha: float = 1.0
+    gate_temp: float = 0.1
+    gate_norm: str = "response"
+    process_polarity: str = "outcome"
+    process_coef: float = 0.2
+    process_coef_zero_var: float | None = None
+    process_clip: float = 3.0
+    process_std_min: float = 1e-3
+    progress: str = "entropy"
+    num_buckets: int = 10
 
     @classmethod
-    def of(cls, args) -> "Flags":
+    def of(cls, args) -> "EPConfig":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+EPCredit = collections.namedtuple("EPCredit", "advantages parts")  # [B, T], a dict of the pieces
 
 
 # ALGO LOGIC: EP-GRPO's credit assignment (the authors' Eq. 18-25 as reported second-hand,
 # docs/ep_grpo.md, each equation), pure tensor functions: the token advantage first, its parts below
 def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None,
-                  flags: Flags | None = None, scores=None, return_parts=False):  # fmt: skip
+                  cfg: EPConfig = EPConfig(), scores=None, return_parts=False):  # fmt: skip
     """EP-GRPO token advantages A [B, T] = g_hat * (A_out + lambda_g * d * P), 0 at pads.
 
     entropy: [B, T] rollout entropy (nats); logp_old, logp_ref: [B, T] log-probs of the sampled
     tokens under pi_old and the reference; mask: [B, T]; rewards: [B]; groups: rows sharing
-    group_ids (default: blocks of group_size). flags: what it reads (Flags; default: Args' values),
-    checked when parsed. scores: d's verifier scores [B] (the rewards before any overlong shaping;
-    default: rewards). return_parts: also the pieces (outcome, gate, process, windows, ...). Its
-    ablations' other forms wrap it (rlvr_utils/ep_ablations.py)."""
-    f = flags if flags is not None else Flags.of(Args())
+    group_ids (default: blocks of group_size). cfg: what it reads (EPConfig; default: the flags'
+    defaults), checked when parsed. scores: d's verifier scores [B] (the rewards before any
+    overlong shaping; default: rewards). return_parts: EPCredit(A, the pieces: outcome, gate,
+    process, windows, ...). Its ablations' other forms wrap it (rlvr_utils/ep_ablations.py).
+
+    >>> H, zero, on = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.zeros(2, 2), torch.ones(2, 2)
+    >>> rewards = torch.tensor([1.0, 0.0])  # one group: A_out = +1, -1; delta = 0, so P = 0
+    >>> ep_advantages(H, zero, zero, on, rewards, 2)  # the gate: 1.2 at a pivot, 0.8 elsewhere
+    tensor([[ 1.2000,  0.8000],
+            [-0.8000, -1.2000]])
+    """
+    f = cfg
     B, dev, valid, m, H = mask.shape[0], entropy.device, mask.bool(), mask.float(), entropy.float()
     gid = torch.arange(B) // group_size if group_ids is None else group_ids.cpu()
     _, inv = torch.unique(gid, return_inverse=True)
@@ -157,7 +168,8 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
     parts |= dict(
         group_index=inv, zero_entropy=zero_entropy, cell_members=cell_members, cell_ok=cell_ok
     )
-    return A, parts | dict(polarity=polarity, delta=delta, above_threshold=solved, coef=lam)
+    parts |= dict(polarity=polarity, delta=delta, above_threshold=solved, coef=lam)
+    return EPCredit(A, parts)
 
 
 def entropy_gate(entropy, mask, pivot, alpha=1.0, temp=0.1, norm="response"):
@@ -236,23 +248,22 @@ if __name__ == "__main__":
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
-    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     ablation = args.ablation_module  # its flags given: rlvr_utils/ep_ablations.py (docs/ep_grpo.md)
     anchor = ablation.moving_anchor(args, model) if ablation else None  # ablation: a moving anchor
     need_ref = anchor is None or args.beta > 0  # ALGO LOGIC: delta needs it
     ref_model = common.reference(model, args) if need_ref else None  # LoRA: adapters off
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2; bf16: fp32 masters (precision.py)
     anchor = ref_model if anchor is None else anchor  # ALGO LOGIC: delta = log pi_old - log pi_ref
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
+    optimizer = common.adamw(params, args)  # mixed precision: it steps the fp32 masters
     run.start(
         model, tokenizer, optimizer, task, state={} if anchor is ref_model else {"anchor": anchor}
     )
     dist = run.dist
     G = args.num_generations
-    flags = Flags.of(args)  # ALGO LOGIC: what ep_advantages reads; ablations: their forms wrap it
+    cfg = EPConfig.of(args)  # ALGO LOGIC: what ep_advantages reads; ablations: their forms wrap it
     credit = ep_advantages if ablation is None else ablation.wrap(args, globals())  # by name
 
     for step in run.steps():
@@ -294,7 +305,7 @@ if __name__ == "__main__":
             rewards,
             G,
             gid,
-            flags,
+            cfg,
             scores,
             return_parts=True,
         )

@@ -33,13 +33,12 @@ if __name__ == "__main__":
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
-    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2; bf16: fp32 masters (precision.py)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
+    optimizer = common.adamw(params, args)  # mixed precision: it steps the fp32 masters
     run.start(model, tokenizer, optimizer, task)  # batches, --resume, vLLM, logs, step-0 eval
     dist = run.dist
     G = args.num_generations

@@ -21,6 +21,7 @@ Differences from grpo.py:
     python grpo_lambda.py --trace-style recent --lam 0.95   # the classic accumulating trace
 """
 
+import collections
 import dataclasses
 from typing import Literal
 
@@ -83,20 +84,50 @@ def trace_log_ratio(log_ratio, mask, lam: float, gamma=1.0, style="both", chunk=
     return torch.where(valid, z, 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class LambdaConfig:
+    """GRPO-λ's settings (paper §3.2, Eq. 2) at the flags' defaults: Args repeats them as flags
+    (their --help), LambdaConfig.of(args) takes a run's."""
+
+    lam: float = 0.99
+    gamma: float = 1.0
+    style: str = "both"  # or "recent"
+    adv_floor: float | None = -0.1  # the clamp of negative advantages (--adv-clamp); None: none
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    max_log_ratio: float = 20.0  # (project default)
+
+    @classmethod
+    def of(cls, args) -> "LambdaConfig":
+        floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)
+        eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        clip = (args.epsilon, eps_high, args.max_log_ratio)
+        return cls(args.lam, args.gamma, args.trace_style, floor, *clip)
+
+
+LambdaLoss = collections.namedtuple("LambdaLoss", "loss ratio z")  # each [B, T]
+
+
 def grpo_lambda_token_loss(
-    logp, old_logp, adv, mask, lam: float, gamma=1.0, style="both", epsilon=0.2, epsilon_high=0.2,
-    max_log_ratio=20.0,
-):  # fmt: skip
+    logp, old_logp, adv, mask, cfg: LambdaConfig = LambdaConfig()
+) -> LambdaLoss:
     """GRPO-λ's per-token policy loss [B, T] before aggregation and KL (paper §3.2, Eq. 2;
     docs/grpo_lambda.md), ϵ-trace: the traced ratio inside GRPO's clipped surrogate.
     logp, old_logp: [B, T] log-probs of the completion tokens (nats); adv: [B, T] clamped advantage
     (the critic-free TD error). ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
-    loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A). Returns (loss [B, T], the ratio the clip acts
-    on [B, T], the traced log-ratio z [B, T]). The ϵ-weight variant: rlvr_utils/lambda_ablations.py."""
-    z = trace_log_ratio(logp - old_logp, mask, lam, gamma, style)  # Eq. 2
-    ratio = torch.exp(z.clamp(-max_log_ratio, max_log_ratio))  # ρ̃_t
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    return -torch.min(ratio * adv, clipped * adv), ratio, z
+    loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A). Returns LambdaLoss(loss [B, T], the ratio the
+    clip acts on [B, T], the traced log-ratio z [B, T]). cfg: λ, γ, the style, ε (LambdaConfig).
+    The ϵ-weight variant: rlvr_utils/lambda_ablations.py.
+
+    >>> logp, A = torch.zeros(1, 3, requires_grad=True), torch.ones(1, 3)  # on-policy; mask = A = 1
+    >>> out = grpo_lambda_token_loss(logp, logp.detach(), A, A, LambdaConfig(0.5, style="recent"))
+    >>> torch.autograd.grad(out.loss.sum(), logp)[0]  # -c_k: 1 + .5 + .25, 1 + .5, 1 (both: -3)
+    tensor([[-1.7500, -1.5000, -1.0000]])
+    """
+    z = trace_log_ratio(logp - old_logp, mask, cfg.lam, cfg.gamma, cfg.style)  # Eq. 2
+    ratio = torch.exp(z.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))  # ρ̃_t
+    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+    return LambdaLoss(-torch.min(ratio * adv, clipped * adv), ratio, z)
 
 
 def clamp_negative_advantages(adv: torch.Tensor, floor: float | None) -> torch.Tensor:
@@ -165,23 +196,16 @@ if __name__ == "__main__":
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
-    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2; bf16: fp32 masters (precision.py)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
+    optimizer = common.adamw(params, args)  # mixed precision: it steps the fp32 masters
     run.start(model, tokenizer, optimizer, task)  # batches, --resume, vLLM, logs, step-0 eval
     dist = run.dist
     G = args.num_generations
-    adv_floor = None if args.adv_clamp.lower() == "none" else float(args.adv_clamp)  # ALGO LOGIC
-    trace = dict(
-        lam=args.lam, gamma=args.gamma, style=args.trace_style
-    )  # ALGO LOGIC: Eq. 2's flags
-    trace |= dict(
-        epsilon=args.epsilon, epsilon_high=args.epsilon_high, max_log_ratio=args.max_log_ratio
-    )
+    cfg = LambdaConfig.of(args)  # ALGO LOGIC: Eq. 2's flags and the clamp's floor
     token_loss = grpo_lambda_token_loss  # ALGO LOGIC: ϵ-trace
     ablation = (
         args.ablation_module
@@ -209,7 +233,7 @@ if __name__ == "__main__":
         advantages = dist.over_global_batch(
             common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid
         )  # [N]
-        advantages = clamp_negative_advantages(advantages, adv_floor)  # [N]
+        advantages = clamp_negative_advantages(advantages, cfg.adv_floor)  # [N]
         run.credit_signals(advantage=advantages)  # LOGS: credit / advantage: the multiplier c_k
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
 
@@ -244,7 +268,7 @@ if __name__ == "__main__":
                     old = old_logp[mb] if old_logp is not None else logp.detach()
                     # ALGO LOGIC: PPO-clipped surrogate of the traced ratio exp(z_t) (Eq. 2)
                     A = token_adv[mb]
-                    per_token_loss, ratio, z = token_loss(logp, old, A, m, **trace)
+                    per_token_loss, ratio, z = token_loss(logp, old, A, m, cfg)
                     trace_log.add(per_token_loss, logp, A, m, z, it == 0)  # LOGS: trace/*
                     # vLLM rollouts: importance weights toward the engine's sampling (HF: 1)
                     engine_w = common.engine_correction(ro, mb, old, m, args, stats, it)

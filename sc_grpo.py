@@ -113,7 +113,13 @@ def weights_and_advantages(
     kl, active, adv [n, T]: D, the weighted tokens, the rows' token advantages; role [n] (Role);
     group_ids [n]. Returns the weights [n, T] (1 on PLAIN rows, else f = kl_weights(kl, active)),
     the advantages [n, T] (DIVERSITY rows + alpha * zscore of s_i = mean f over their weighted
-    tokens; REFERENCE rows: 0) and f; `unbiased`: the GRPO advantage's std convention."""
+    tokens; REFERENCE rows: 0) and f; `unbiased`: the GRPO advantage's std convention.
+
+    >>> D, on = torch.tensor([[0.0, 1.0, 3.0]]), torch.ones(1, 3)  # D per token; c = P75 of D = 2
+    >>> role, group = torch.tensor([Role.WEIGHTED]), torch.tensor([0])
+    >>> weights_and_advantages(D, on, role, group, on)[0]  # the weights f = D / (D + c)
+    tensor([[0.0000, 0.3333, 0.6000]])
+    """
     f = kl_weights(kl, active, percentile, c_min)  # c from these rows' weighted tokens
     weights = torch.where((role == Role.PLAIN)[:, None], 1.0, f)  # [n, T]
     adv = adv.clone()
@@ -289,13 +295,12 @@ if __name__ == "__main__":
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
-    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2; bf16: fp32 masters (precision.py)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
+    optimizer = common.adamw(params, args)  # mixed precision: it steps the fp32 masters
     routing = torch.Generator().manual_seed(args.seed)  # ALGO LOGIC: its own RNG, checkpointed
     run.start(model, tokenizer, optimizer, task, state={"routing": routing})
     dist = run.dist

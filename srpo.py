@@ -89,7 +89,14 @@ def reset_index(mode: str, num_thoughts: int, rng=None, reply=None, oracle_step=
 
 
 def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> torch.Tensor:
-    """completion_mask [B, T] restricted to t >= suffix_start[b] (the trained suffix U_i)."""
+    """completion_mask [B, T] restricted to t >= suffix_start[b] (the trained suffix U_i).
+
+    >>> completion_mask = torch.ones(2, 4)
+    >>> suffix_start = torch.tensor([0, 2])  # row 1 kept a 2-token prefix from its parent
+    >>> suffix_mask(completion_mask, suffix_start)
+    tensor([[1., 1., 1., 1.],
+            [0., 0., 1., 1.]])
+    """
     T = completion_mask.shape[1]
     after = torch.arange(T, device=completion_mask.device)[None, :] >= suffix_start[:, None]
     return completion_mask * after
@@ -98,7 +105,13 @@ def suffix_mask(completion_mask: torch.Tensor, suffix_start: torch.Tensor) -> to
 def srpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """A_i = (r_i - mean_g r) / std_g r over each normalization group g (the base chains, each
     reset group, the fallback group), with the population std and no epsilon as the official code;
-    0 where a group's rewards are all equal. rewards, group_ids [N] (groups of any size); [N]."""
+    0 where a group's rewards are all equal. rewards, group_ids [N] (groups of any size); [N].
+
+    >>> rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    >>> group_ids = torch.tensor([0, 0, 1, 1])  # group 0: mean .5, std_pop .5; group 1: all equal
+    >>> srpo_advantages(rewards, group_ids)
+    tensor([ 1., -1.,  0.,  0.])
+    """
     return common.group_advantages(rewards, None, eps=0.0, group_ids=group_ids, unbiased=False)
 
 
@@ -477,13 +490,12 @@ if __name__ == "__main__":
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
-    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2; bf16: fp32 masters (precision.py)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
+    optimizer = common.adamw(params, args)  # mixed precision: it steps the fp32 masters
     rng = random.Random(args.seed)  # ALGO LOGIC: RRPO's reset draws (checkpointed as "resets")
     run.start(model, tokenizer, optimizer, task, state={"resets": rng})
     dist = run.dist

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,7 @@ SETTINGS = {
     "headroom": ["--arith-steps", "6", "--arith-max-value", "150", "--max-new-tokens", "80"],
     "hard": ["--arith-steps", "6", "--arith-max-value", "400", "--max-new-tokens", "80"],
     "long": ["--model", "assets/tiny-arith-long", "--arith-steps", "16", "--max-new-tokens", "180"],
+    "rising": ["--arith-steps", "6", "--arith-variant", "rising", "--max-new-tokens", "80"],  # GRPO-λ's premise (#67)
 }
 METHODS = {
     "grpo": ["grpo.py"],
@@ -66,6 +68,8 @@ METHODS = {
     "rrpo": ["srpo.py", "--reset", "random"],
     "srpo_oracle": ["srpo.py", "--reset", "oracle"],
     "control": ["benchmarks/perfect_credit.py"],  # the positive control: perfect process credit (not a method)
+    "placebo": ["benchmarks/perfect_credit.py", "--placebo"],  # its mass-matched placebo: the same |A|, no location
+    "grpo_aa": ["grpo.py", "--micro-batch-size", "8"],  # A/A: GRPO with another update chunking (no rule changes)
 }
 
 
@@ -187,26 +191,103 @@ def cmd_run(a) -> None:
 # ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
-def load(setting: str, results: Path, quiet: bool = False) -> dict:
-    """name -> seed -> list of (step, generated tokens so far, eval accuracy) of the finished runs (`quiet`: the
-    unfinished ones are left out without a word, for a JSON-only stdout)."""
-    curves = {}
-    for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
+SEED_FILE = re.compile(r"seed(\d+)\.jsonl")  # a seed's rows; anything else in a method's folder is not a seed
+NUMBERS = ("step", "eval/accuracy", "reset/generated_tokens", "num_tokens")  # what the report computes with
+
+
+def say(message: str, quiet: bool | None = False) -> None:
+    """One line about a results file the report leaves out or reads in part: on stdout, on stderr when `quiet`
+    (--json: stdout is JSON), not at all when None (a second reading of files already reported)."""
+    if quiet is not None:
+        print(message, file=sys.stderr if quiet else sys.stdout)
+
+
+def seed_files(setting: str, results: Path, quiet: bool | None = False) -> dict:
+    """method -> seed -> its seed<k>.jsonl. Only seed<digits>.jsonl are seeds (a backup copy seed1.bak.jsonl is not;
+    said); a method folder that is the same files as another's through a link is left out (said)."""
+    out, seen = {}, {}  # seen: the real folder, and (device, inode) of each seed file -> the method that has it
+    root = results / setting
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        if d.resolve() in seen:
+            say(f"skipped {d}: the same folder as {seen[d.resolve()]} (a link); a method is counted once", quiet)
+            continue
+        seen[d.resolve()] = d.name
+        files = {}
         for f in sorted(d.glob("seed*.jsonl")):
-            tokens, points = 0.0, []
-            rows = read_metrics(f)
-            if (
-                not rows or "eval/accuracy" not in rows[-1]
-            ):  # a run that stopped early (run_one writes only finished ones)
-                if not quiet:
-                    print(f"skipped {f}: it does not end with an evaluation")
+            m = SEED_FILE.fullmatch(f.name)
+            if m is None:
+                say(f"skipped {f}: not a seed's file (only seed<digits>.jsonl are)", quiet)
+            else:
+                files[int(m.group(1))] = f
+        ids = {(f.stat().st_dev, f.stat().st_ino) for f in files.values()}  # hard links, or links to each file
+        same = sorted({seen[i] for i in ids if i in seen})
+        if same:
+            say(f"skipped {d}: the same files as {', '.join(same)} (a link); a method is counted once", quiet)
+            continue
+        seen |= dict.fromkeys(ids, d.name)
+        out[d.name] = files
+    return out
+
+
+def seed_rows(f: Path, quiet: bool | None = False) -> list[dict] | None:
+    """A seed's rows, or None (said, in one line) when the report cannot use them: a line that is not JSON (a cut last
+    line is dropped with a warning, as checkpoints.read_rows does), a row that is not an object with an integer step, a
+    value it computes with that is not a number, an evaluation that is NaN, or no evaluation at the end."""
+    try:
+        lines = [line for line in f.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        return say(f"skipped {f}: cannot read it ({getattr(e, 'strerror', None) or e})", quiet)
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            if i < len(lines):
+                return say(f"skipped {f}: line {i} is not JSON", quiet)
+            say(f"warning: {f}:{i}: a partial last line (the run was killed while writing it) is dropped", quiet)
+            continue
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            return say(f"skipped {f}: line {i} is not a metrics row (a JSON object with an integer step)", quiet)
+        bad = next((k for k in NUMBERS if k in row and type(row[k]) not in (int, float)), None)  # bool: not one
+        if bad is not None:
+            return say(f"skipped {f}: line {i} (step {row['step']}): {bad} is {row[bad]!r}, not a number", quiet)
+        if "eval/accuracy" in row and not math.isfinite(row["eval/accuracy"]):
+            what = f"eval/accuracy is {row['eval/accuracy']} at step {row['step']}"
+            return say(f"skipped {f}: {what} (an evaluation that failed; left out, not averaged)", quiet)
+        rows.append(row)
+    if not rows or "eval/accuracy" not in rows[-1]:  # a run that stopped early (run_one writes only finished ones)
+        return say(f"skipped {f}: it does not end with an evaluation", quiet)
+    return rows
+
+
+def load(setting: str, results: Path, quiet: bool = False) -> dict:
+    """name -> seed -> list of (step, generated tokens so far, eval accuracy) of the finished runs whose rows the
+    report can use (seed_files, seed_rows: each file left out is one line; `quiet`: on stderr, for a JSON stdout)."""
+    curves = {}
+    for name, files in seed_files(setting, results, quiet).items():
+        for seed, f in files.items():
+            rows = seed_rows(f, quiet)
+            if rows is None:
                 continue
+            tokens, points = 0.0, []
             for r in rows:
                 tokens += r.get("reset/generated_tokens", r.get("num_tokens", 0))
                 if "eval/accuracy" in r:
                     points.append((r["step"], tokens, r["eval/accuracy"]))
-            curves.setdefault(d.name, {})[int(f.stem[4:])] = points
+            curves.setdefault(name, {})[seed] = points
     return curves
+
+
+def read_json(path: Path, quiet: bool | None = False) -> dict:
+    """A provenance file (seed<k>.run.json, meta.json) as a dict; {} when it is no JSON object (said)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        say(f"warning: {path}: not a JSON object; the commit it would name is unknown", quiet)
+        return {}
+    return value
 
 
 def t_two_sided(t: float, df: int) -> float:
@@ -358,7 +439,14 @@ def first_reach(curve, target: float):
     return next(((s, t) for s, t, m, _, _ in curve if m >= target - 1e-9), (None, None))
 
 
-def versus_grpo(by_seed: dict, grpo: dict) -> dict:
+def endpoint(points: list, last: int = 1) -> float:
+    """A run's endpoint: the mean accuracy of its `last` evaluations (1: the final one); points: [(step, tokens,
+    accuracy), ...]."""
+    accs = [p[2] for p in points[-last:]]
+    return sum(accs) / len(accs)
+
+
+def versus_grpo(by_seed: dict, grpo: dict, last: int = 1) -> dict:
     """A method's final greedy accuracy over its seeds and against GRPO's on the same seeds (same seed: same held-out
     problems and first batches, so the paired difference is the sharper test):
       final            mean over its seeds of the final accuracy, with its 95% t-interval (final_lo, final_hi);
@@ -371,14 +459,15 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
                        accuracy - GRPO's), with its 95% paired t-interval (evals_lo, evals_hi): less hostage to one
                        evaluation than diff; evals_n: the seeds among those n that share such an evaluation with GRPO
                        (a seed evaluated at other steps than GRPO's is left out of evals_diff, not counted as 0).
-    grpo: GRPO's curves by seed (seed -> [(step, tokens, accuracy), ...])."""
-    grpo_final = {k: pts[-1][2] for k, pts in grpo.items()}
-    finals = [pts[-1][2] for pts in by_seed.values()]
+    grpo: GRPO's curves by seed (seed -> [(step, tokens, accuracy), ...]). last > 1: "final" is each seed's endpoint,
+    the mean of its last `last` evaluations, which one evaluation's jump cannot swing."""
+    grpo_final = {k: endpoint(pts, last) for k, pts in grpo.items()}
+    finals = [endpoint(pts, last) for pts in by_seed.values()]
     final, final_lo, final_hi = t_interval(finals)
     shared = sorted(k for k in by_seed if k in grpo_final)
-    diffs = [by_seed[k][-1][2] - grpo_final[k] for k in shared]
+    diffs = [endpoint(by_seed[k], last) - grpo_final[k] for k in shared]
     diff, lo, hi = t_interval(diffs) if diffs else (None, None, None)
-    ratios = [by_seed[k][-1][2] / grpo_final[k] for k in shared if grpo_final[k] > 0]
+    ratios = [endpoint(by_seed[k], last) / grpo_final[k] for k in shared if grpo_final[k] > 0]
     per_seed = []
     for k in shared:
         theirs = {step: acc for step, _, acc in grpo[k]}
@@ -405,13 +494,14 @@ def versus_grpo(by_seed: dict, grpo: dict) -> dict:
     )
 
 
-def versus_control(by_seed: dict, grpo: dict, control: dict) -> dict:
+def versus_control(by_seed: dict, grpo: dict, control: dict, last: int = 1) -> dict:
     """A method against the positive control (benchmarks/perfect_credit.py) on the seeds all three finished:
     vs_control  mean of (its final - the control's final), with the paired 95% t-interval (vs_control_lo, _hi);
     share       the share of the control's gain over GRPO that the method recovers, mean(its final - GRPO's) /
                 mean(the control's final - GRPO's), with Fieller's 95% interval (share_lo, share_hi; None when the
-                control's own gain is not shown: the share is then undefined); n_control: the seeds used."""
-    final = lambda curves, k: curves[k][-1][2]  # noqa: E731
+                control's own gain is not shown: the share is then undefined); n_control: the seeds used.
+    Finals are endpoints (versus_grpo's `last`)."""
+    final = lambda curves, k: endpoint(curves[k], last)  # noqa: E731
     shared = sorted(k for k in by_seed if k in grpo and k in control)
     mine = [final(by_seed, k) - final(grpo, k) for k in shared]
     ctrl = [final(control, k) - final(grpo, k) for k in shared]
@@ -421,17 +511,19 @@ def versus_control(by_seed: dict, grpo: dict, control: dict) -> dict:
                 share=share[0], share_lo=share[1], share_hi=share[2])  # fmt: skip
 
 
-def commits_of(setting: str, results: Path) -> dict:
-    """method -> the commits its finished seeds were run at (each seed's .run.json; older results: the method's
-    meta.json, which every `run` call rewrote, so it names the last one)."""
+def commits_of(setting: str, results: Path, curves: dict, quiet: bool | None = False) -> dict:
+    """method -> the commits its seeds in `curves` were run at (each seed's .run.json; older results: the method's
+    meta.json, which every `run` call rewrote, so it names the last one; a file that is no JSON: 'unknown (file)')."""
     out = {}
-    for d in sorted((results / setting).iterdir()) if (results / setting).exists() else []:
-        meta = d / "meta.json"
-        fallback = json.loads(meta.read_text()).get("commit", "unknown") if meta.exists() else "unknown"
-        for f in sorted(d.glob("seed*.jsonl")):
+    for name, files in seed_files(setting, results, quiet=None).items():
+        meta = results / setting / name / "meta.json"
+        fallback = read_json(meta, quiet).get("commit", f"unknown ({meta.name})") if meta.exists() else "unknown"
+        for seed, f in files.items():
+            if seed not in curves.get(name, {}):
+                continue
             run = run_path(f)
-            commit = json.loads(run.read_text())["commit"] if run.exists() else f"{fallback} (meta.json)"
-            out.setdefault(d.name, set()).add(commit)
+            commit = read_json(run, quiet).get("commit", f"unknown ({run.name})") if run.exists() else None
+            out.setdefault(name, set()).add(str(commit) if commit is not None else f"{fallback} (meta.json)")
     return out
 
 
@@ -454,19 +546,19 @@ def cmd_report(a) -> None:
         ends = sorted({pts[-1][0] for pts in curves[m].values()})
         if len(ends) > 1:
             sys.exit(f"{m}: its seeds end at different steps {ends}; rerun or remove the short ones")
-    commits = commits_of(a.setting, Path(a.results))
+    commits = commits_of(a.setting, Path(a.results), curves, quiet=a.json)
     every = sorted(set().union(*commits.values())) if commits else []
     if len(every) > 1 and not a.pool_commits:
         why = "pooling them compares code as well as methods: rerun at one commit, or pass --pool-commits"
         sys.exit(f"{a.setting}: its runs come from {len(every)} commits ({', '.join(every)}); {why}")
     control = curves.get("control")
     family = [m for m in order if m != "grpo"]  # the comparisons with GRPO in this table: Holm's family
-    rows = {m: versus_grpo(curves[m], grpo) for m in order}
+    rows = {m: versus_grpo(curves[m], grpo, a.last) for m in order}
     adjusted = holm({m: rows[m]["p"] for m in family})
     for m in order:
         rows[m] |= {"p_holm": adjusted.get(m), "family": len(family), "commits": sorted(commits.get(m, []))}
         if control is not None and m not in ("grpo", "control"):
-            rows[m] |= versus_control(curves[m], grpo, control)
+            rows[m] |= versus_control(curves[m], grpo, control, a.last)
     if a.json:  # one JSON line per method, nothing written
         for m in order:
             print(json.dumps({"method": m, **rows[m]}))
@@ -476,9 +568,9 @@ def cmd_report(a) -> None:
         "held-out problems; mean over seeds with its 95% Student-t interval over seeds (n - 1 degrees of freedom); "
         "the difference from GRPO is paired by seed (the seeds both finished: n paired) with the t-interval of the "
         "per-seed differences; min ratio: the lowest, over those seeds, of the method's final / GRPO's final on the "
-        "same seed (a collapse on one seed shows there); evals − GRPO: the per-seed mean, over the evaluations after "
-        "step 0, of the method's accuracy minus GRPO's, paired by seed (less hostage to one evaluation than the final)"
-        ".",
+        "same seed (a collapse on one seed shows there); mean over evals: over every evaluation, step 0 included; "
+        "evals − GRPO: the per-seed mean, over the evaluations after step 0, of the method's accuracy minus GRPO's, "
+        "paired by seed (less hostage to one evaluation than the final).",
         "",
         f"p: the paired t-test's, two-sided; Holm: adjusted over this table's family of {len(family)} comparisons with "
         "GRPO; detects: the smallest true difference this many seeds detect 80% of the time at 95% (two-sided), "
@@ -490,7 +582,12 @@ def cmd_report(a) -> None:
             if control is not None
             else ""
         )
-        + f". Commits: {', '.join(every)}.",
+        + f". Commits: {', '.join(every)}."
+        + (
+            f' Endpoint (every "final" here): each seed\'s mean over its last {a.last} evaluations.'
+            if a.last > 1
+            else ""
+        ),
         "",
         "| method | seeds | step 0 | final (step) | final, 95% t-interval | n paired "
         "| final − GRPO, paired 95% t-interval | p (Holm) | detects (80%) | min ratio to GRPO "
@@ -542,6 +639,8 @@ def cmd_report(a) -> None:
         else:
             lines.append(f"- {m}: no difference shown; a gain above {v['hi']:+.3f} and a loss beyond {v['lo']:+.3f} "
                          f"are excluded (it detects {v['mde80']:.3f} 80% of the time)")  # fmt: skip
+    if a.contrast:
+        lines += ["", *contrast_lines(curves, a.contrast, a.last)]
     table = "\n".join(lines)
     print(table)
     out = Path(a.results) / a.setting
@@ -566,6 +665,39 @@ def cmd_report(a) -> None:
     print(f"report: {out / 'report.md'}")
 
 
+def contrasts(curves: dict, pairs: list[str], last: int = 1) -> list[dict]:
+    """Planned comparisons "A-B" (method names): per pair, the mean over the seeds both finished of A's endpoint minus
+    B's (versus_grpo's `last`), its paired 95% t-interval, p (paired_p), the smallest difference it detects 80% of the
+    time, and p Holm-adjusted over the listed pairs (their own family)."""
+    out = []
+    for pair in pairs:
+        cuts = [(pair[:i], pair[i + 1 :]) for i, c in enumerate(pair) if c == "-"]  # a tag may hold a "-" too
+        found = [(a, b) for a, b in cuts if a in curves and b in curves]
+        if not found:
+            sys.exit(f"--contrast {pair}: not two methods with finished runs, A-B (have: {', '.join(sorted(curves))})")
+        a, b = found[0]
+        shared = sorted(k for k in curves[a] if k in curves[b])
+        diffs = [endpoint(curves[a][k], last) - endpoint(curves[b][k], last) for k in shared]
+        m, lo, hi = t_interval(diffs) if diffs else (None, None, None)
+        out.append(dict(pair=pair, a=a, b=b, n=len(diffs), diff=m, lo=lo, hi=hi, p=paired_p(diffs),
+                        mde80=detectable(diffs)))  # fmt: skip
+    adjusted = holm({c["pair"]: c["p"] for c in out})
+    return [c | {"p_holm": adjusted.get(c["pair"])} for c in out]
+
+
+def contrast_lines(curves: dict, pairs: list[str], last: int = 1) -> list[str]:
+    """The planned comparisons' table (contrasts), markdown lines."""
+    lines = [f"Planned comparisons (paired by seed; Holm over these {len(pairs)}):", ""]
+    lines += ["| comparison | n paired | difference, paired 95% t-interval | p (Holm) | detects (80%) |"]
+    lines += ["|---|---|---|---|---|"]
+    for c in contrasts(curves, pairs, last):
+        d = fmt_ci((c["diff"], c["lo"], c["hi"]), "+") if c["n"] else "–"
+        pv = f"{c['p']:.3f} ({c['p_holm']:.3f})" if c["p"] is not None else "–"
+        mde = f"{c['mde80']:.3f}" if c["mde80"] is not None else "–"
+        lines.append(f"| {c['a']} − {c['b']} | {c['n']} | {d} | {pv} | {mde} |")
+    return lines
+
+
 MECHANISMS = {  # metric -> what it shows (docs/benchmarks.md explains each method's result with them)
     "frac_groups_unsolved": "groups with no success (GRPO learns nothing from them)",
     "frac_reward_zero_std": "groups whose rewards are all equal",
@@ -584,14 +716,15 @@ def mechanisms(a, methods, out: Path) -> None:
     """The logged metrics that explain each result, first and last 10 steps (mean over seeds), appended to the report,
     and the share of unsolved groups over training, per method, as a plot beside the accuracy plot."""
     per = {}  # method -> metric -> step -> [values over seeds]
+    files = seed_files(a.setting, Path(a.results), quiet=None)
     for m in methods:
-        for f in sorted((Path(a.results) / a.setting / m).glob("seed*.jsonl")):
-            rows = read_metrics(f)
-            if not rows or "eval/accuracy" not in rows[-1]:  # unfinished: left out as in the results table
+        for f in files.get(m, {}).values():
+            rows = seed_rows(f, quiet=None)
+            if rows is None:  # left out of the results table too (said there)
                 continue
             for r in rows:
                 for k in MECHANISMS:
-                    if k in r and r["step"] > 0:
+                    if k in r and r["step"] > 0 and type(r[k]) in (int, float) and math.isfinite(r[k]):
                         per.setdefault(m, {}).setdefault(k, {}).setdefault(r["step"], []).append(r[k])
     if not per:  # runs from before these metrics were logged
         return
@@ -698,6 +831,9 @@ def main() -> None:
         "results folder never overwrites the docs' figures)",
     )
     p.add_argument("--pool-commits", action="store_true", help="report runs made at different commits together")
+    p.add_argument("--last", type=int, default=1, help="each seed's endpoint: the mean of its last N evaluations")
+    p.add_argument("--contrast", nargs="*", default=[], help="planned comparisons A-B (e.g. control-grpo "
+                   "control-placebo): paired differences of the endpoints, p and Holm over them")  # fmt: skip
     p.add_argument(
         "--json",
         action="store_true",

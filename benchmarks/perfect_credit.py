@@ -1,13 +1,17 @@
 """The positive control of the learning benchmarks: grpo.py with perfect process credit (a benchmark, not a method).
 
-In a failed completion only the first wrong line and what follows get its (negative) GRPO advantage; the correct
-prefix before it gets 0. Correct completions are GRPO's. The built-in arith task knows the first wrong line
+"Perfect process credit" here is first-error credit on failed completions only: in a failed completion only the
+first wrong line and what follows get its (negative) GRPO advantage; the correct prefix before it gets 0. Correct
+completions are GRPO's, a wrong intermediate line in one included. The built-in arith task knows the first wrong line
 (tasks.arith_first_error; a completion that stops early is wrong at its first missing line, so only its stop token is
-blamed). A setting where this control does not beat GRPO cannot reward credit assignment, whatever a method does
-(docs/benchmarks.md, "A positive control"). Everything else is grpo.py's loop, line for line
-(tests/test_shared_loop.py).
+blamed; one cut off by the token cap with every line right has nothing to blame: all its tokens get 0). A setting
+where this control does not beat GRPO cannot reward credit assignment, whatever a method does (docs/benchmarks.md, "A
+positive control"). `--placebo` is its mass-matched placebo (placebo_credit): each failed row keeps the control's
+total |advantage|, spread over all its tokens, so the control minus the placebo measures where blame goes apart from
+how much. Everything else is grpo.py's loop, line for line (tests/test_shared_loop.py).
 
     python benchmarks/perfect_credit.py                     # arith only; the other flags are grpo.py's
+    python benchmarks/perfect_credit.py --placebo           # the mass-matched placebo (placebo_credit)
     python benchmarks/learning_curves.py run --setting long --methods grpo control --seeds 1 2 3
 """
 
@@ -26,6 +30,10 @@ from rlvr_utils import chains, cli, tasks  # noqa: E402
 class Args(cli.BaseArgs):
     """grpo.py's flags; --task arith only (its first wrong line is known)."""
 
+    placebo: bool = False
+    """the mass-matched placebo instead of the control: each failed completion's advantage times the share of its
+    tokens the control blames, on every token (the same total |advantage| per row, no location: placebo_credit)"""
+
 
 def blame_from(tokenizer, example, ids: list[int], text: str) -> int:
     """The index of the first token of `text` (sampled ids `ids`) on or after the start of its first wrong line: the
@@ -40,15 +48,34 @@ def blame_from(tokenizer, example, ids: list[int], text: str) -> int:
     return chains.tokens_before(tokenizer, ids, offsets[k - 1])
 
 
+def failed_rows(ro, success, examples, tokenizer):
+    """Each failed completion: its row, its number of tokens n and blame_from's first blamed token."""
+    for i in torch.nonzero(~success).flatten().tolist():
+        n = int(ro.completion_mask[i].sum())
+        ids = ro.completion_ids[i, :n].tolist()
+        yield i, n, blame_from(tokenizer, examples[int(ro.group_ids[i])], ids, ro.texts[i])
+
+
 def perfect_credit(advantages, ro, success, examples, tokenizer) -> torch.Tensor:
     """[N, T] per-token advantages: GRPO's [N] broadcast, with each failed completion's correct prefix set to 0."""
     T = ro.completion_ids.shape[1]
     token_adv = advantages[:, None].expand(-1, T).clone()
-    for i in torch.nonzero(~success).flatten().tolist():
-        n = int(ro.completion_mask[i].sum())
-        ids = ro.completion_ids[i, :n].tolist()
-        start = blame_from(tokenizer, examples[int(ro.group_ids[i])], ids, ro.texts[i])
+    for i, _, start in failed_rows(ro, success, examples, tokenizer):
         token_adv[i, :start] = 0.0
+    return token_adv
+
+
+def placebo_credit(advantages, ro, success, examples, tokenizer) -> torch.Tensor:
+    """[N, T] per-token advantages of the mass-matched placebo: GRPO's [N] broadcast, each failed completion's scaled
+    on all its tokens by the share the control blames, (n - start) / n (n its tokens, start: blame_from's first blamed
+    token). Each row keeps the control's total |advantage| (perfect_credit zeroes `start` of its n tokens), spread
+    evenly, so the control minus this placebo is where the blame goes, apart from how much of it there is. (A zeroed
+    random span of `start` tokens would match the mass too, but with first wrong lines late in a row, a span that long
+    overlaps the correct prefix by at least 2 start - n tokens: mostly the control itself.)"""
+    T = ro.completion_ids.shape[1]
+    token_adv = advantages[:, None].expand(-1, T).clone()
+    for i, n, start in failed_rows(ro, success, examples, tokenizer):
+        token_adv[i] *= (n - start) / max(n, 1)
     return token_adv
 
 
@@ -60,13 +87,12 @@ if __name__ == "__main__":
     run = common.Run(args)
     tokenizer = common.load_tokenizer(args.model)
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
-    model = common.load_model(args.model, run.device, args.dtype, args.gradient_checkpointing)
+    model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
     ref_model = common.reference(model, args) if args.beta > 0 else None  # LoRA: adapters off
-    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2 under torchrun; else the model
+    train_model = run.dist.wrap(model, ref_model)  # DDP / FSDP2; bf16: fp32 masters (precision.py)
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
-    lr, decay, fused = args.learning_rate, args.weight_decay, run.device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=decay, fused=fused)  # fused: CUDA
+    optimizer = common.adamw(params, args)  # mixed precision: it steps the fp32 masters
     run.start(model, tokenizer, optimizer, task)  # batches, --resume, vLLM, logs, step-0 eval
     dist = run.dist
     G = args.num_generations
@@ -90,11 +116,14 @@ if __name__ == "__main__":
         advantages = dist.over_global_batch(
             common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid
         )  # [N]
-        # CONTROL: perfect process credit (each failed completion's correct prefix gets 0)
+        # CONTROL: perfect process credit (each failed completion's correct prefix gets 0);
+        # --placebo: the same |advantage| per failed row, spread over all its tokens
         success = ro.scores >= args.success_threshold
         token_adv = perfect_credit(advantages, ro, success, by_id, tokenizer).to(run.device)  # [N, T]
         spared = (token_adv == 0) & (advantages[:, None] != 0).to(run.device) & mask.bool()
         sampling["control/spared_token_share"] = float(spared.sum() / mask.sum())
+        if args.placebo:
+            token_adv = placebo_credit(advantages, ro, success, by_id, tokenizer).to(run.device)
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
         #    old log-probs are the current ones, detached; otherwise this pass makes them.

@@ -19,6 +19,8 @@ step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.
     python benchmarks/script_memory.py --root /tmp/other-checkout        # the same run with another checkout's scripts
     python benchmarks/script_memory.py --lora 16                         # and each script again with --lora-rank 16
     python benchmarks/script_memory.py --engines default                 # only the default engine's rows
+    python benchmarks/script_memory.py --dtype bfloat16                  # bf16 compute: fp32 masters (precision.py)
+    python benchmarks/script_memory.py --dtype bfloat16 --pure-bf16 plain   # bf16 weights under a plain AdamW
 
 --lora R: every script runs twice, full fine-tuning and `--lora-rank R` (the adapters train; the reference policy of
 the KL term and EP-GRPO's delta is the same model with its adapters off, no copy); a LoRA row's "x grpo.py" is against
@@ -188,6 +190,8 @@ def main() -> None:
     ap.add_argument(
         "--engines", nargs="+", default=["default", "hf"], choices=["default", "hf"], help="rollout engines"
     )
+    ap.add_argument("--dtype", default=None, help="every script's --dtype (default: theirs, float32 on CPU)")
+    ap.add_argument("--pure-bf16", default=None, help="every script's --pure-bf16 (kahan or plain: no fp32 masters)")
     a = ap.parse_args()
     if a.lora_only and not a.lora:
         ap.error("--lora-only needs --lora R (R > 0)")
@@ -210,6 +214,8 @@ def main() -> None:
         "--seed",
         "1",
     ]
+    flags += ["--dtype", a.dtype] if a.dtype else []
+    flags += ["--pure-bf16", a.pure_bf16] if a.pure_bf16 else []
     res = {"vocab": a.vocab, "device": a.device, "flags": flags, "root": a.root, "lora": a.lora, "scripts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = grow_vocab(Path(a.model), Path(tmp) / "grown", a.vocab)

@@ -8,6 +8,7 @@ beside wall seconds: on a shared machine they move less with other load.
     python benchmarks/speed_vs_base.py --base /tmp/base                       # every script, 10 steps x 3 rounds
     python benchmarks/speed_vs_base.py --base /tmp/base --scripts grpo.py srpo.py --steps 8 --rounds 5
     python benchmarks/speed_vs_base.py --base /tmp/base --default-run --rounds 2   # the 150-step run, ~3 min each
+    python benchmarks/speed_vs_base.py --base /tmp/base --flags=--dtype=bfloat16   # both trees in bf16, a GPU dtype
 
 Writes benchmarks/out/speed_vs_base.json and prints a markdown table.
 """
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the runs (default: torch's)")
     ap.add_argument("--default-run", action="store_true", help="also time the whole default run (grpo.py, 150 steps)")
+    ap.add_argument("--flags", default="", help="flags added to every run of both trees, e.g. --flags=--dtype=bfloat16")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     a = ap.parse_args()
     trees = {"base": Path(a.base).resolve(), "new": ROOT}
@@ -79,13 +81,13 @@ def main() -> None:
         for n in names:
             for t, tree in trees.items() if r % 2 == 0 else reversed(trees.items()):
                 flags = ["--total-steps", str(a.steps), "--eval-every", "0", "--num-eval", "8", "--seed", str(r + 1)]
-                res, cpu_s = timed([n.split()[0], *flags, *SCRIPTS[n]], tree, a.threads)
+                res, cpu_s = timed([n.split()[0], *flags, *SCRIPTS[n], *a.flags.split()], tree, a.threads)
                 rows[(t, n)] += res.steps[a.drop :]
                 cpu[(t, n)].append(cpu_s / a.steps)
                 print(f"round {r + 1}: {t} {n} done", flush=True)
         if a.default_run:
             for t, tree in trees.items() if r % 2 == 0 else reversed(trees.items()):
-                res, cpu_s = timed(["grpo.py", "--seed", str(r + 1)], tree, a.threads)
+                res, cpu_s = timed(["grpo.py", "--seed", str(r + 1), *a.flags.split()], tree, a.threads)
                 walls[t].append({"wall_s": res.wall_s, "cpu_s": cpu_s, "final": res.rows[-1].get("eval/accuracy")})
                 print(f"round {r + 1}: default run {t} {res.wall_s:.0f} s", flush=True)
     table = {}
@@ -104,7 +106,8 @@ def main() -> None:
     result = {
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads {a.threads or 'default'}",
         "commits": {t: commit(tree) for t, tree in trees.items()},
-        "settings": f"{a.steps} steps (first {a.drop} dropped) x {a.rounds} rounds, alternating, script defaults",
+        "settings": f"{a.steps} steps (first {a.drop} dropped) x {a.rounds} rounds, alternating, script defaults"
+        + (f" and {a.flags}" if a.flags else ""),
         "table": table,
     }
     if a.default_run:

@@ -76,6 +76,7 @@ def main() -> None:
     for engine in ("static", "hf"):
         model._rlvr_hf_generate = engine == "hf"
         dec = rollouts.static_decoder(model)
+        torch.manual_seed(0)  # the batch counted below: the same draw under both engines
         ro = common.generate_rollouts(model, tok, prompts, ids, G, NEW)
         steps = ro.completion_ids.shape[1]
         parts = {"rollouts": timed(lambda: common.generate_rollouts(model, tok, prompts, ids, G, NEW), a.rounds)}

@@ -5,8 +5,10 @@ join its Args only when given (runtime.ablated), and it asks args.ablation_modul
 
 The core, what a default run loads (README: Copy one method):
   cli              the command line: BaseArgs (every shared flag), parsing, every check before anything loads
+  flag_groups      the command line in --help's groups (the method's flags first), parsed by tyro, made flat again
   runtime          the one-line usage error, extras, one process's Dist, Ctrl-C, metrics and logs
-  models           --model loaded (hub id or local directory), dropout off; the bundled default's one check
+  models           --model loaded (hub id or local directory), dropout off; the bundled default's one check; its
+                   positions and attention window; `generate` with the run's flags alone
   tasks            Task and Example, prompts, answers, and the built-in arith task with its first-wrong-step oracle
   rollouts         the Rollouts batch and its generation: the static decoder (a preallocated KV cache, the model's
                    own weights), HF generate (--engine hf), or the vLLM engine when attached
@@ -18,14 +20,20 @@ A method's own, loaded by its script:
   trace_diagnostics  GRPO-lambda's trace/* metrics and the closed form of its credit multiplier
   ep_diagnostics   EP-GRPO's ep/* metrics (logged; they change nothing in the update)
 The extras, each imported where its flag is handled (runtime.extra names the file a copy lacks):
+  config_file      --config FILE: a YAML, TOML or JSON file of flags (a run's config.json), the command line over it
+  trackers         --report-to wandb / trackio / mlflow (TRL's names): the metrics through accelerate's trackers
   model_checks     a --model you give, checked before it loads: its config, weight files and tokenizer, or the hub
+  precision        --dtype bfloat16 (auto on a GPU): fp32 master weights and AdamW state, the model computing on bf16
+                   copies of them; --pure-bf16 kahan's AdamW (optimi)
   saving           writing atomic checkpoints (--save-every, Ctrl-C) and Hugging Face folders (--save-model)
   resume           --resume: the run's flags and its checkpoint restored
+  arith_variants   --arith-variant: other ways to draw the arith task's problems (rising: GRPO-λ's premise)
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
   datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line
   rewards          GSM8K and MATH answers (math-verify)
-  sandbox          the code task's sandboxed test runner (not a security boundary)
-  sandbox_harness  the program the sandbox starts (python -I -c): rlimits, an audit hook, the program and its tests
+  sandbox          the code task's test runner: each program in one sandbox, its tests in another, the verdict theirs
+  sandbox_bwrap    bubblewrap for it: one sandbox's command line, whether it can start here, ending it and all it began
+  sandbox_harness  the program each sandbox starts (python -I -S -c): the program's side, the tests' side, an audit hook
   custom           --task custom and --reward-fn: your rows, loading reward functions, RewardModel
   reward_calls     calling --reward-fn functions as TRL's GRPOTrainer does: kwargs, async, None and NaN, failures
   reward_isolation  what one reward call may change or leave behind: its own copies, torch's state, alarms, forks
@@ -47,7 +55,7 @@ The extras, each imported where its flag is handled (runtime.extra names the fil
 """
 
 # what each extra imports besides the core: runtime.extra names all a copy lacks in one line (tests/test_layout.py)
-REQUIRES = {"data_tasks": ("model_checks",), "sandbox": ("sandbox_harness",)}  # the harness: read as text
+REQUIRES = {"data_tasks": ("model_checks",), "sandbox": ("sandbox_bwrap", "sandbox_harness")}  # the harness: as text
 REQUIRES |= {"model_card": ("saving",), "sharded": ("saving",)}  # writing a checkpoint or a folder
 REQUIRES["reward_calls"] = ("reward_isolation", "reward_logs", "watchdog")  # --reward-fn: TRL's reward calls
 REQUIRES["custom"] = ("reward_calls", *REQUIRES["reward_calls"])

@@ -74,6 +74,16 @@ class CountingBatches:
             next(self)
 
 
+def masters_of(*objects) -> contextlib.ExitStack:
+    """One context in which each object with fp32 masters under bf16 compute (its `_rlvr_precision`: the policy,
+    EP-GRPO's ema anchor) holds them, so a checkpoint writes and reads fp32 weights (precision.py)."""
+    stack = contextlib.ExitStack()
+    for obj in objects:
+        if (mixed := getattr(obj, "_rlvr_precision", None)) is not None:
+            stack.enter_context(mixed.masters())
+    return stack
+
+
 class Checkpointer:
     """<run_dir>/checkpoint/: when a save is due (every `every` steps, 0: never), its copies; saving.py writes it.
     `extra`: the script's own stateful objects by name (torch.Generator, random.Random, or anything with
@@ -87,9 +97,11 @@ class Checkpointer:
         return self.every > 0 and (step % self.every == 0 or step == total_steps)
 
     def save(self, step: int, model, tokenizer, optimizer, batches: CountingBatches, extra: dict | None = None) -> Path:
-        """The checkpoint of the state after `step`, by saving.py: an extra that a run which never saves never loads."""
+        """The checkpoint of the state after `step`, by saving.py: an extra that a run which never saves never loads.
+        Mixed precision: the fp32 masters (`masters_of`)."""
         saving = runtime.extra("saving", "a checkpoint (--save-every, Ctrl-C)")
-        return saving.save(self, step, model, tokenizer, optimizer, batches, extra)
+        with masters_of(model, *(extra or {}).values()):
+            return saving.save(self, step, model, tokenizer, optimizer, batches, extra)
 
     @property
     def sharded(self) -> bool:
@@ -159,6 +171,14 @@ def read_rows(path: Path) -> list[dict]:
 
 
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}
+
+
+def shown(path: str | os.PathLike) -> str:
+    """A path as the run's lines print it: relative to the working directory where it is under it, else as given."""
+    p = Path(path)
+    with contextlib.suppress(ValueError, OSError):
+        return str(p.relative_to(Path.cwd())) if p.is_absolute() else str(p)
+    return str(p)
 
 
 def new_run_dir(output_dir: str | os.PathLike, name: str) -> Path:

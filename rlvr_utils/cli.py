@@ -1,17 +1,15 @@
 """The command line every script shares: `BaseArgs` (every shared flag, with its --help text) and `parse`: tyro, then
 every check before anything loads (a flag out of range, a missing model directory, a flag whose extra module this copy
-lacks, `--track` without wandb; the data flags' checks are data_tasks.py's, --resume's resume.py's; the script's own
-`validate`). Each problem ends the run with one line naming the flag or file and what is allowed, exit code 2, before
-any model or data is loaded and before the run directory exists. Choice flags are `Literal` types, so tyro lists and
-checks them.
+lacks, a --report-to library that is not installed; the data flags' checks are data_tasks.py's, --resume's resume.py's,
+--config's config_file.py's; the script's own `validate`). Each problem ends the run with one line naming the flag or
+file and what is allowed, exit code 2, before any model or data is loaded and before the run directory exists. Choice
+flags are `Literal` types, so tyro lists and checks them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import io
 import math
 import os
 import sys
@@ -20,8 +18,8 @@ from typing import Annotated, Literal
 
 import tyro
 
-from rlvr_utils import checkpoints
-from rlvr_utils.models import check_default
+from rlvr_utils import checkpoints, flag_groups
+from rlvr_utils.models import check_default, mixed_precision
 from rlvr_utils.runtime import ablated, world_size
 from rlvr_utils.runtime import extra as extra
 from rlvr_utils.runtime import need as need
@@ -43,9 +41,12 @@ class BaseArgs:
     seed: int = 1
     """seed of the experiment (prompts, sampling, initialization)"""
     track: bool = False
-    """log to Weights & Biases as well as TensorBoard (needs pip install wandb)"""
+    """the old name of --report-to wandb (kept; it says so)"""
     wandb_project: str = "credit-rlvr"
-    """wandb project name (with --track)"""
+    """the project of --report-to wandb and trackio, MLflow's experiment"""
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio", "mlflow", "all", "none"], ...] = ("tensorboard",)
+    """TRL's report_to: also log to these tracker libraries (offline by default where they allow: docs/running.md);
+    all: each one installed; TensorBoard and metrics.jsonl are always written"""
     output_dir: str = "runs"
     """logs, metrics.jsonl and checkpoints go to <output-dir>/<run-name>/"""
     save_model: bool = False
@@ -59,7 +60,14 @@ class BaseArgs:
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """model dtype: auto is bfloat16 on cuda, float32 on cpu"""
+    """the dtype the model computes in: auto is bfloat16 on cuda, float32 on cpu. bfloat16 trains fp32 master weights
+    and fp32 AdamW state under bf16 compute, as TRL and FSDP's MixedPrecisionPolicy do (18 bytes per parameter)"""
+    pure_bf16: Literal["off", "kahan", "plain"] = "off"
+    """with --dtype bfloat16: AdamW on the bf16 weights, no fp32 masters. kahan: optimi's, with Kahan summation (pip
+    install torch-optimi; 10 bytes per parameter): what rounding drops is carried to the next update, the forward sees
+    rounded weights. plain: torch's (8 bytes): an update below about |w|/512 is lost (at lr 1e-6 nearly every one)"""
+    save_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """the dtype --save-model writes: auto, the weights as they trained (fp32 masters under mixed precision)"""
     threads: int = 0
     """torch CPU threads (0: torch's default, one per core)"""
 
@@ -71,7 +79,7 @@ class BaseArgs:
     custom (your rows, each with a `prompt`, scored by --reward-fn)"""
     data_path: str | None = None
     """local training data instead of the hub dataset: a .jsonl/.json (also .gz), .csv, .tsv, .parquet or .arrow file
-    or a directory of them (JSON rows read as written); custom: also a hub dataset id"""
+    or a directory of them (read by `datasets.load_dataset`, as a TRL user reads them); custom: a hub dataset id too"""
     reward_fn: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """PATH.py:NAME or package.module:NAME: a reward in TRL's convention, NAME(prompts, completions, completion_ids,
     trainer_state, **columns) -> one float (or None) per completion, async def too; repeat the flag for several (they
@@ -94,8 +102,14 @@ class BaseArgs:
     """arith: running values stay in [0, this]"""
     arith_max_operand: int = 9
     """arith: operands are drawn from [1, this]"""
+    arith_variant: Literal["default", "rising"] = "default"
+    """arith: how problems are drawn (rising: tiny-arith goes wrong early, GRPO-λ's premise; arith_variants.py)"""
     code_timeout: float = 5.0
     """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
+    code_sandbox: Literal["bwrap", "audit-hook"] = "bwrap"
+    """code task: bwrap runs each program in bubblewrap's namespaces (apt-get install bubblewrap; docs/code_task.md);
+    audit-hook accepts the weaker in-process sandbox, a Python audit hook and rlimits without OS isolation: NOT a
+    security boundary (a program that gets past the hook can write where you can, outlive the run, read your files)"""
     max_prompt_length: int = 1024
     """prompts longer than this (tokens) are skipped and counted"""
 
@@ -211,10 +225,14 @@ class BaseArgs:
 
 
 def parse(args_type, validate=None, ablations: str | None = None):
-    """The command line, checked before anything loads: `tyro.cli(args_type)` (with `ablations`' flags where one is
-    given: runtime.ablated), --resume's flags, the shared checks, then the script's own `validate(args)` and the
-    ablations' (one line each; they return the args). --epsilon-high defaults to --epsilon, --exp-name to the script."""
-    args = expand_paths(_tyro(ablated(args_type, ablations)))
+    """The command line, checked before anything loads: tyro over `args_type` in --help's groups (flag_groups; with
+    `ablations`' flags where one is given: runtime.ablated; --config's file first: config_file), --resume's flags, the
+    shared checks, then the script's own `validate(args)` and the ablations' (one line each; they return the args).
+    --epsilon-high defaults to --epsilon, --exp-name to the script."""
+    words, argv = [], sys.argv[1:]
+    if any(w == "--config" or w.startswith("--config=") for w in argv):  # its flags, then the command line's
+        args_type, words = extra("config_file", "--config").flags(args_type, ablations, argv, flag_groups.parse)
+    args = expand_paths(flag_groups.parse(ablated(args_type, ablations), words + argv))
     if args.resume:  # the run's own flags (its config.json), checked against these; it saves as it goes
         args = extra("resume", "--resume", ("saving", "--resume")).resume_args(args, type(args), ablations)
     args = dataclasses.replace(args, save_model=args.save_model or args.save_adapter)  # --save-adapter: the save too
@@ -235,20 +253,6 @@ def expand_paths(args):
             need(os.path.exists(p), f"--{k.replace('_', '-')} {p}: {Path(p).parts[0]} names no user to expand")
             paths[k] = os.path.abspath(p)
     return dataclasses.replace(args, **paths)
-
-
-def _tyro(args_type):
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            return tyro.cli(args_type)
-    except SystemExit as e:
-        text = captured.getvalue()
-        if e.code in (0, None):
-            sys.stderr.write(text)
-            raise
-        inner = [line.strip().strip("│").strip() for line in text.splitlines() if line.strip().startswith("│")]
-        usage_error(" ".join(x for x in inner if x and not x.startswith(("─", "For full helptext"))) or text.strip())
 
 
 def need_ranges(args, **ranges: str) -> None:
@@ -323,10 +327,11 @@ def check_common(args) -> None:
         extra("data_tasks", "--task, --data-path or --reward-fn").check(a)  # rows, reward functions, the hub
     if a["lora_rank"]:  # peft, torchrun, a rank beyond the adapted layers of --model's config
         extra("lora", "--lora-rank").check(a)
+    if any(m == "precision" for m, _ in needed):  # bf16 on this CPU, --pure-bf16, --save-dtype
+        extra("precision", "--dtype bfloat16").check(a)
     if a["task"] == "arith":
-        train, evals = arith_problems(
-            a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
-        )
+        sizes = a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
+        train, evals = arith_problems(a["seed"], 2000, a["num_eval"], *sizes, a["arith_variant"])
         need(
             len(train) >= a["prompts_per_step"] and len(evals) >= 1,
             f"--arith-steps {a['arith_steps']} "
@@ -336,8 +341,8 @@ def check_common(args) -> None:
     for f in ("lora_alpha", "lora_dropout", "lora_target_modules", "save_adapter"):  # LoRA's own: alone they do nothing
         why = "without it every weight trains: there is no adapter to act on"
         need(a["lora_rank"] or a[f] in (None, 0, (), False), f"--{f.replace('_', '-')} needs --lora-rank ({why})")
-    wandb = "--track logs to Weights & Biases, which is not installed: pip install wandb (then wandb login)"
-    need(not a["track"] or importlib.util.find_spec("wandb") is not None, f"{wandb}, or leave out --track")
+    if ("trackers", "--report-to") in needed:  # its libraries installed, and accelerate; --track's warning
+        extra("trackers", "--report-to").check(a["report_to"], a["track"])
     check_run_flags(a)
 
 
@@ -350,7 +355,10 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [(m, "--reward-fn") for m in ("data_tasks", "datafiles", "custom")] if a["reward_fn"] else []
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
     out += [("credit", "--log-credit")] if a["log_credit"] else []
+    out += [("trackers", "--report-to")] if a["track"] or set(a["report_to"]) - {"tensorboard", "none"} else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
+    bf16 = a["dtype"] == "bfloat16" or mixed_precision(a) or a["pure_bf16"] != "off" or a["save_dtype"] != "auto"
+    out += [("precision", "--dtype bfloat16 (auto on a GPU), --pure-bf16 or --save-dtype")] if bf16 else []
     out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
     out += [("lora", "--lora-rank")] if a.get("lora_rank") else []
@@ -378,6 +386,9 @@ def check_run_flags(a: dict) -> None:
         print("warning: --fsdp shards across torchrun's processes; in one process it does nothing", file=sys.stderr)
     if (n := a["num_eval"]) > 2000:
         print(f"warning: --num-eval {n}: every evaluation generates {n} completions", file=sys.stderr)
+    if (g := a.get("eval_num_generations") or 0) * a["num_eval"] > 2000:  # the same bound on the samples TRL's way
+        many = f"every evaluation generates {g} x --num-eval {a['num_eval']} = {g * a['num_eval']} completions"
+        print(f"warning: --eval-num-generations {g}: {many}", file=sys.stderr)
 
 
 def set_threads(threads: int) -> None:

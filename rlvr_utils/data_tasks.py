@@ -20,12 +20,12 @@ from rlvr_utils.runtime import extra, need, usage_error  # extra: each task's ow
 from rlvr_utils.tasks import HUB_DATASETS, MATH_INSTRUCTION, Example, TaskBuilder, encode_prompt
 
 
-def build(b, code_timeout: float):
+def build(b, code_timeout: float, code_sandbox: str = "bwrap"):
     """(train, eval, reward_fn, batch_reward_fn) of task b.name (gsm8k, math, code or custom); b: tasks' TaskBuilder."""
     if b.name == "code":
         if not code_timeout > 0:
             raise ValueError(f"--code-timeout must be a positive number of seconds, got {code_timeout}")
-        return _code_task(b, code_timeout)
+        return _code_task(b, code_timeout, code_sandbox)
     return _custom_task(b) if b.name == "custom" else _text_task(b)
 
 
@@ -126,11 +126,15 @@ def _text_task(b: TaskBuilder):
     return *from_rows(b, convert), lambda completion, ex: reward(completion, ex.gold), None
 
 
-def _code_task(b: TaskBuilder, timeout: float):
+def _code_task(b: TaskBuilder, timeout: float, code_sandbox: str):
     """HumanEval's format (prompt, test, entry_point) or an MBPP-like one (text or prompt, test_list, optional
-    test_setup_code); reward = fraction of tests passed in the sandbox."""
+    test_setup_code); reward = fraction of tests passed in `code_sandbox` (a ValueError where it cannot start)."""
     b.skipped["no_tests_or_entry_point"] = 0
     sandbox = extra("sandbox", "--task code")
+    if (problem := sandbox.isolation_problem(code_sandbox)) is not None:
+        raise ValueError(problem)
+    if code_sandbox == "audit-hook":
+        print(f"warning: --code-sandbox audit-hook: {sandbox.WEAK}", file=sys.stderr)
 
     def convert(rows, wheres, offset):
         out = []
@@ -176,6 +180,7 @@ def _code_task(b: TaskBuilder, timeout: float):
             [e.meta["entry_point"] for e in examples],
             timeout,
             setups=[e.meta["setup"] for e in examples],
+            sandbox=code_sandbox,
         )
 
     return *from_rows(b, convert), lambda completion, ex: code_batch([completion], [ex])[0], code_batch
@@ -220,7 +225,7 @@ def read_rows_where(path: str, flag: str) -> tuple[list[dict], list[str]]:
     try:
         return datafiles.read_rows(path)
     except (datafiles.DataFileError, FileNotFoundError) as e:
-        usage_error(f"{flag} {e}")
+        usage_error(str(e) if isinstance(e, datafiles.CacheError) else f"{flag} {e}")  # the cache: not the file's fault
 
 
 def check_data(task: str, path: str | None, flag: str) -> None:
@@ -271,7 +276,8 @@ def dataset_cached(name: str) -> bool:
 
 def check(a: dict) -> None:
     """The data flags' checks (cli.parse runs them before anything loads): --reward-fn, --data-path and
-    --eval-data-path rows, rows left for training, and a hub dataset that cannot be fetched."""
+    --eval-data-path rows, rows left for training, a hub dataset that cannot be fetched, and the code task's sandbox
+    (bubblewrap able to start here, or --code-sandbox audit-hook)."""
     check_custom(a)
     check_data(a["task"], a["data_path"], "--data-path")
     check_data(a["task"], a["eval_data_path"], "--eval-data-path")
@@ -280,6 +286,8 @@ def check(a: dict) -> None:
     hub = HUB_DATASETS.get(a["task"], (None,))[0]
     if hub is not None and a["data_path"] is None and not dataset_cached(hub):
         need_hub(f"--task {a['task']} downloads its dataset ({hub})", "--data-path FILE")
+    if a["task"] == "code" and not a["reward_fn"]:  # bwrap installed and able to start, or the weaker sandbox accepted
+        need((problem := extra("sandbox", "--task code").isolation_problem(a["code_sandbox"])) is None, problem)
 
 
 def check_rows_left(a: dict) -> None:

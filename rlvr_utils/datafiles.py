@@ -35,6 +35,11 @@ class DataFileError(ValueError):
     """A data file that cannot be read as rows; the message names the file (and the line)."""
 
 
+class CacheError(DataFileError):
+    """The datasets cache cannot be written (full, read-only, not a directory): the message names the cache, not the
+    data file, which is fine."""
+
+
 def suffix(path: Path) -> str:
     """The data suffix of a file, lower case, under a .gz (`rows.JSONL.gz` -> `.jsonl`); '' when it has none."""
     name = path.name.lower().removesuffix(".gz")
@@ -122,11 +127,30 @@ def _load(files: list[Path], alone: bool = False) -> list[dict] | None:
     try:
         return list(load_dataset(kind, data_files=[str(f) for f in files], split="train", **extra))
     except Exception as e:  # not a parquet file, a ragged CSV, a JSON column datasets cannot type, ...
+        if (cache := _cache_problem(e)) is not None:
+            raise CacheError(cache) from None
         if not alone:
             return None
         first = str(e).splitlines()[0] if str(e) else ""
         why = f"{type(e).__name__}: {first[:150]}"
         raise DataFileError(f"{files[0]}: cannot be read as {suffix(files[0])[1:]} by datasets ({why})") from None
+
+
+def _cache_problem(e: Exception) -> str | None:
+    """`load_dataset` writes each file it reads as Arrow into the datasets cache: a failure there (a full disk, a
+    read-only or missing directory) in one line naming the cache and how to move it, or None for any other error."""
+    from datasets import config
+
+    cache = Path(config.HF_DATASETS_CACHE)
+    name = os.fsdecode(getattr(e, "filename", None) or "")
+    full = re.search(r"No space left on device|Disk quota exceeded|Read-only file system", str(e))
+    if not (name and Path(name).is_relative_to(cache)) and not full:
+        return None
+    why = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+    return (
+        f"the datasets cache {cache} cannot be written ({why}): datasets writes each data file it reads there as "
+        "Arrow; free space there or make it writable, or set HF_DATASETS_CACHE to a directory that is"
+    )
 
 
 def row_name(where: str, i: int) -> str:

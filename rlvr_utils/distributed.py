@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD
-from rlvr_utils.runtime import TORCHRUN, Dist, need, pick_device, usage_error
+from rlvr_utils.runtime import TORCHRUN, Dist, extra, need, pick_device, usage_error
 
 
 def check_env(world: int) -> None:
@@ -86,15 +86,26 @@ class TorchrunDist(Dist):
 
     def wrap(self, model, ref_model=None):
         """The module to run the loss forward through: DDP by default, FSDP2 `fully_shard` (each
-        decoder layer, then the root; the reference too) with `fsdp`. Generation and saving use `model`."""
+        decoder layer, then the root; the reference too) with `fsdp`. Generation and saving use `model`.
+        Mixed precision (`mixed`, the weights loaded in fp32): under FSDP the fp32 shards are the masters and
+        MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) gathers bf16 copies to compute with and reduces the
+        gradients in fp32; without it no DDP module (DDP reduces in the weights' dtype): the model computes on bf16
+        copies (precision.py) and `micro_batches` all-reduces the fp32 gradients."""
         if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            policy = MixedPrecisionPolicy(param_dtype=self.mixed, reduce_dtype=torch.float32) if self.mixed else None
             for m in (model, ref_model) if ref_model is not None else (model,):
+                how = dict(mp_policy=policy) if policy is not None and m is model else {}  # the reference: bf16
                 for layer in getattr(getattr(m, "model", m), "layers", []):
-                    fully_shard(layer)
-                fully_shard(m)
+                    fully_shard(layer, **how)
+                fully_shard(m, **how)
             model._rlvr_gathered = self.gathered  # generation runs on the gathered weights (no collective per token)
+            return model
+        if self.mixed is not None:  # every rank starts from rank 0's weights, as DDP's own broadcast makes them
+            for t in [*model.parameters(), *model.buffers()]:
+                torch.distributed.broadcast(t.data, src=0)
+            extra("precision", "--dtype bfloat16 (mixed precision)").MixedPrecision(model, self.mixed)
             return model
         # broadcast_buffers off: a causal LM's buffers are constants (rotary frequencies), and the broadcast is a
         # collective in every forward, so ranks running different numbers of forwards (SC-GRPO's teacher) would hang
@@ -163,6 +174,13 @@ class TorchrunDist(Dist):
                 yield micro[k]
             else:  # FSDP: an idle pass keeps the collectives matched
                 self.idle_pass(train_model)
+        if (mixed := getattr(train_model, "_rlvr_precision", None)) is not None:  # no DDP: the fp32 gradients here
+            mixed.gradients_ready()
+            grads = [p.grad for p in mixed.params if p.grad is not None]
+            for work in [torch.distributed.all_reduce(g, async_op=True) for g in grads]:
+                work.wait()
+            for g in grads:
+                g.div_(self.world)  # the mean over ranks, as DDP's
 
     def idle_pass(self, train_model) -> None:
         """A forward and backward that changes nothing (its loss times 0), on a dummy row of two tokens through the
@@ -177,7 +195,7 @@ class TorchrunDist(Dist):
         ranks with different numbers of micro-batches (SRPO) still meet once per optimizer step."""
         if self.fsdp:
             train_model.set_requires_gradient_sync(enabled)
-        else:
+        elif self.mixed is None:  # DDP (mixed precision has none: micro_batches reduces)
             train_model.require_backward_grad_sync = enabled
 
     def reduce_metrics(

@@ -178,7 +178,8 @@ def attach_run_engine(model, optimizer, args, dist) -> "VLLMEngine | None":
         lora = runtime.extra("lora", "--lora-rank")
         weights = functools.partial(lora.iter_merged_weights, model)  # one merged layer at a time
     share, seed = args.vllm_gpu_memory_utilization, args.seed + dist.rank
-    return attach_engine("vllm", model, optimizer, args.model, share, seed=seed, weights=weights)
+    dtype = str(dist.mixed).removeprefix("torch.") if dist.mixed else None  # mixed precision: FSDP's shards are fp32
+    return attach_engine("vllm", model, optimizer, args.model, share, seed=seed, weights=weights, dtype=dtype)
 
 
 def attach_engine(
@@ -190,9 +191,11 @@ def attach_engine(
     max_model_len: int | None = None,
     seed: int = 0,
     weights=None,
+    dtype: str | None = None,
 ) -> "VLLMEngine | None":
     """Give `model` a vLLM engine for every `generate_rollouts` call when `engine` is vllm (or auto with vLLM
-    importable and a GPU present), synced after every optimizer step through an optimizer hook. `engine`
+    importable and a GPU present), synced after every optimizer step through an optimizer hook (`dtype`: the engine's,
+    default the model's: float32, else auto). `engine`
     static or hf, or auto without vLLM or a GPU: None (rollouts' static decoder, or Hugging Face `generate` for hf) is
     used. Asking for vllm explicitly
     when it is missing is an error naming the install command (no silent fallback)."""
@@ -205,7 +208,7 @@ def attach_engine(
         path = model_path
     eng = VLLMEngine(
         str(path),
-        "float32" if next(model.parameters()).dtype == torch.float32 else "auto",
+        dtype or ("float32" if next(model.parameters()).dtype == torch.float32 else "auto"),
         gpu_memory_utilization,
         max_model_len or getattr(model.config, "max_position_embeddings", None),
         seed,

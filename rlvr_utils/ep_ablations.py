@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from rlvr_utils import cli
+from rlvr_utils import checkpoints, cli, models, runtime
 
 
 @dataclasses.dataclass
@@ -62,15 +62,16 @@ def wrap(args, method: dict):
     """ep_grpo.ep_advantages (same arguments) under the ablation flags `args` holds: the method's advantages and
     parts, then each flag's other form in place of the method's: the threshold (--pivot-scope, --gate zsig), the
     gate's weights (--gate), the process signal (--process-granularity), the combination (--anchor-form,
-    --advantage-form). method: ep_grpo.py's functions by name (ep_advantages, entropy_gate, mean_one, row_quantile,
-    cell_zscore; the package does not import a script)."""
+    --advantage-form). method: ep_grpo.py's functions and records by name (ep_advantages, entropy_gate, mean_one,
+    row_quantile, cell_zscore, EPConfig, EPCredit; the package does not import a script)."""
     quantile, zscore = method["row_quantile"], method["cell_zscore"]
 
-    def advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, flags=None, scores=None,
+    def advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids=None, cfg=None, scores=None,
                    return_parts=False):  # fmt: skip
-        A, p = method["ep_advantages"](entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids, flags,
+        cfg = method["EPConfig"]() if cfg is None else cfg  # its default: the flags' (ep_grpo.EPConfig)
+        A, p = method["ep_advantages"](entropy, logp_old, logp_ref, mask, rewards, group_size, group_ids, cfg,
                                        scores, return_parts=True)  # fmt: skip
-        f, H, m, inv, r = flags, entropy.float(), mask.float(), p["group_index"], rewards.float().to(mask.device)
+        f, H, m, inv, r = cfg, entropy.float(), mask.float(), p["group_index"], rewards.float().to(mask.device)
         cut, scored, n_win = (f.process_clip, f.process_std_min), mask * ~r.isnan()[:, None], f.num_buckets
         pivot, temp = p["pivot"], f.gate_temp
         if args.pivot_scope != "batch" or args.gate == "zsig":  # a pool per group or response; zsig's mean and std
@@ -96,15 +97,23 @@ def wrap(args, method: dict):
         if not return_parts:
             return A
         cells = dict(cell_members=n_cell.view(p["cell_members"].shape), cell_ok=ok.view(p["cell_ok"].shape))
-        return A, p | dict(gate=g_hat, process=P, pivot=pivot) | cells
+        return method["EPCredit"](A, p | dict(gate=g_hat, process=P, pivot=pivot) | cells)
 
     return advantages
 
 
 def moving_anchor(args, model):
     """--process-anchor ema / lagged (c): a copy of the policy that follows it (follow_policy), delta's anchor in place
-    of the reference; ref: None (the method's)."""
-    return None if args.process_anchor == "ref" else copy.deepcopy(model).eval().requires_grad_(False)
+    of the reference; ref: None (the method's). Under mixed precision its pass runs in bf16: lagged is a bf16 copy
+    (reset to the policy's own bf16 copies), ema keeps fp32 masters of its average (precision.py), so that (1 - decay)
+    times a small step of the policy is not rounded away."""
+    if args.process_anchor == "ref":
+        return None
+    anchor = copy.deepcopy(model).eval().requires_grad_(False)
+    mixed = models.mixed_precision(args, next(model.parameters()).device)
+    if mixed is not None and args.process_anchor == "ema":
+        runtime.extra("precision", "--dtype bfloat16 (mixed precision)").MixedPrecision(anchor, mixed)
+    return models.cast_weights(anchor, mixed) if mixed is not None else anchor
 
 
 def pooled_threshold(
@@ -183,7 +192,8 @@ def follow_policy(anchor, model, step, args) -> None:
     (1 - decay) * policy (--anchor-ema-decay); lagged: the anchor is reset to the policy every --anchor-lag steps.
     ref (the default, the frozen reference): nothing. args: ep_grpo.py's Args."""
     if args.process_anchor == "ema":
-        for p_anchor, p in zip(anchor.parameters(), model.parameters()):
-            p_anchor.lerp_(p, 1 - args.anchor_ema_decay)
+        with checkpoints.masters_of(anchor, model):  # mixed precision: fp32, the policy's masters
+            for p_anchor, p in zip(anchor.parameters(), model.parameters()):
+                p_anchor.lerp_(p, 1 - args.anchor_ema_decay)
     elif args.process_anchor == "lagged" and step % args.anchor_lag == 0:
         anchor.load_state_dict(model.state_dict())

@@ -27,18 +27,19 @@ def token_loss(args, method_loss, trace_log_ratio):
     """grpo_lambda.py's per-token loss under --trace-apply: trace, the method's own (`method_loss`,
     grpo_lambda_token_loss); weight (ϵ-weight): GRPO's clipped loss of the plain ratio times the eligibility
     E_t = Σ_{k≤t} w(t,k)·g(logp_k), g(x) = 1 + sigmoid(x − 1), not detached (the co-author's code; the paper's g is
-    unknown). Same arguments and returns as grpo_lambda_token_loss (z: the trace of the log-ratio, no gradient).
+    unknown). Same arguments (cfg: a LambdaConfig) and returns as grpo_lambda_token_loss (z: the trace of the
+    log-ratio, no gradient).
     trace_log_ratio: grpo_lambda.py's (the package does not import a script)."""
     if args.trace_apply == "trace":
         return method_loss
 
-    def weighted(logp, old_logp, adv, mask, lam, gamma=1.0, style="both", epsilon=0.2, epsilon_high=0.2,
-                 max_log_ratio=20.0):  # fmt: skip
+    def weighted(logp, old_logp, adv, mask, cfg):
+        trace = (mask, cfg.lam, cfg.gamma, cfg.style)
         x = logp - old_logp
-        z = trace_log_ratio(x.detach(), mask, lam, gamma, style)
-        ratio = torch.exp(x.clamp(-max_log_ratio, max_log_ratio))  # GRPO's ratio
-        clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        z = trace_log_ratio(x.detach(), *trace)
+        ratio = torch.exp(x.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))  # GRPO's ratio
+        clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
         loss = -torch.min(ratio * adv, clipped * adv)
-        return loss * trace_log_ratio(1 + torch.sigmoid(logp - 1), mask, lam, gamma, style), ratio, z
+        return loss * trace_log_ratio(1 + torch.sigmoid(logp - 1), *trace), ratio, z
 
     return weighted

@@ -2,7 +2,7 @@
 ModelCardData so that the hub reads its metadata: base_model (the base's hub id, where it has one), library_name,
 the pipeline, tags with the method, the license (the base model's where its card names one, else `other` with a line
 telling the user to set it), the datasets of the hub tasks; then the method and its paper to cite, the run's flags, its
-evaluations, an example prompt, a link to this project and the library versions it trained with. Read from the run
+evaluations, an example prompt, this project's name and the library versions it trained with. Read from the run
 directory (config.json, metrics.jsonl) so that it says what the run did; local paths (the model, data files, reward
 files) are reduced to their names, so no path of the training machine goes to the hub. `save_final_model` writes the
 model and its card (Run.finish); an adapter names its base as the user gave it (`base_as_given`).
@@ -11,6 +11,7 @@ model and its card (Run.finish); an adapter names its base as the user gave it (
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import html
 import importlib.metadata
@@ -21,13 +22,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 from rlvr_utils import checkpoints, saving
 from rlvr_utils.cli import DEFAULT_MODEL, BaseArgs
 from rlvr_utils.models import looks_like_path
 from rlvr_utils.runtime import extra
 from rlvr_utils.tasks import HUB_DATASETS
 
-HIDDEN = ("script", "file_hashes", "output_dir", "resume", "exp_name", "track", "wandb_project", "threads", "device")
+HIDDEN = tuple("script file_hashes output_dir resume exp_name track wandb_project report_to threads device".split())
 PATH_FLAGS = ("model", "data_path", "eval_data_path")  # a local one is shown by its name
 # the project, named on each card; the tree records no public address for it, so none is invented here: a published
 # copy adds its link to this line
@@ -81,6 +84,24 @@ def base_as_given(model: str) -> str:
     if (hub := hub_id(model)) is not None:
         return hub
     return BUNDLED if Path(model).expanduser().resolve() == Path(DEFAULT_MODEL).resolve() else model
+
+
+def hub_like(model: str) -> bool:
+    """Whether an adapter's base as given (`base_as_given`) is a local path that the hub would read as a hub id
+    (`assets/tiny-arith`: ORG/NAME), another model than the one it was trained on."""
+    given = base_as_given(model)
+    return hub_id(model) is None and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", given) is not None
+
+
+def saved_line(path, flags_now: dict) -> str:
+    """The line that ends a run with --save-model: where the folder went and, for an adapter whose base is a local path
+    the hub would take for a hub id, that it is one."""
+    line = f"saved model to {checkpoints.shown(path)}"
+    if flags_now.get("save_adapter") and hub_like(flags_now["model"]):
+        given = base_as_given(flags_now["model"])
+        line += (f" (an adapter: its base_model {given} is a local path, which the hub would read as the hub id "
+                 f"{given}; set it to the base's hub id before you share the adapter)")  # fmt: skip
+    return line
 
 
 def versions(adapter: bool) -> list[str]:
@@ -159,10 +180,13 @@ def base_license(base: str) -> str | None:
     return data.license if isinstance(data.license, str) else None
 
 
-def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None = None) -> str | None:
+def model_card(
+    run_dir: Path, example: str | None = None, flags_now: dict | None = None, weights: str | None = None
+) -> str | None:
     """README.md for `<run_dir>/model`, or None when the run directory has no config.json. `example`: a prompt as the
     model saw it in training. `flags_now`: the run's flags as it ends (vars(args)), which a resumed run's runtime flags
-    (--total-steps, --save-adapter, ...) may have changed since config.json was written; None: config.json's."""
+    (--total-steps, --save-adapter, ...) may have changed since config.json was written; None: config.json's.
+    `weights`: what the folder's weights are (their dtype and where it comes from: `weights_line`)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     run_dir = Path(run_dir)
@@ -189,12 +213,16 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
     license = base_license(base)
     data = portable("data_path", config.get("data_path") or "")
     hub_data = data if task == "custom" and data and not local(config["data_path"]) else None
+    rank, adapter = config.get("lora_rank") or 0, bool(config.get("save_adapter"))
+    given = base_as_given(base) if adapter and base else None  # an adapter: its base as PEFT's cards name it
+    given = None if given is None or Path(given).is_absolute() else given  # never a path of this machine
+    tags = ["credit-rlvr", "rlvr", "reinforcement-learning", Path(script).stem.replace("_", "-")]
     card = ModelCardData(
-        base_model=hub_id(base) if base else None,  # a hub id or nothing: the hub reads it as one
-        library_name="transformers",
+        base_model=given if adapter else hub_id(base) if base else None,  # merged: a hub id or nothing
+        library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
         license=license or "other",
-        tags=["credit-rlvr", "rlvr", "reinforcement-learning", Path(script).stem.replace("_", "-")],
+        tags=tags + (["lora", "transformers"] + [f"base_model:adapter:{given}"] * bool(given) if adapter else []),
         datasets=[hub_data or HUB_DATASETS[task][0]] if hub_data or (task in HUB_DATASETS and not data) else None,
     )
     rewarded = [f"`{s}`" for s in portable("reward_fn", config.get("reward_fn") or [])]
@@ -230,17 +258,20 @@ def model_card(run_dir: Path, example: str | None = None, flags_now: dict | None
         )
     else:
         lines.append("No evaluation was logged.")
-    rank, adapter = config.get("lora_rank") or 0, bool(config.get("save_adapter"))
     loader = "AutoPeftModelForCausalLM" if adapter else "AutoModelForCausalLM"
     if rank:  # --lora-rank: what the folder holds
         what = "a LoRA adapter, loaded over its base" if adapter else "the model with its LoRA adapters merged"
         lines += ["", f"Trained with LoRA (rank {rank}); this folder holds {what}."]
-        given = base_as_given(base)
         if adapter and hub_id(base) is None:  # adapter_config.json names a local base as the user gave it
-            where = "in a clone of credit-rlvr" if given == BUNDLED else f"`{name}` as given to --model"
+            where = "in a clone of credit-rlvr" if base_as_given(base) == BUNDLED else f"`{name}` as given to --model"
             lines[-1] += (f" Its `adapter_config.json` names the base by its local path ({where}): elsewhere, set "
                           "`base_model_name_or_path` to the base's hub id or local copy.")  # fmt: skip
-    lines += ["", "## Use", "", "```python", "from transformers import AutoTokenizer"]
+            if hub_like(base):  # ORG/NAME: the hub would link another model
+                lines[-1] += (f" `base_model: {given}` above is that local path, not a model on the hub, which would "
+                              f"read it as the hub id `{given}`: set both to the base's hub id before you share this "
+                              "adapter.")  # fmt: skip
+    lines += ["", "## Use", "", *([weights, ""] if weights else [])]
+    lines += ["```python", "from transformers import AutoTokenizer"]
     lines += [f"from {'peft' if adapter else 'transformers'} import {loader}", ""]
     lines += [
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
@@ -265,24 +296,45 @@ def _num(v) -> str:
     return f"{v:.3f}" if isinstance(v, (int, float)) else "-"
 
 
+def weights_line(written: torch.dtype, mixed: bool, save_dtype: str) -> str:
+    """The card's line on the weights: their dtype, and whether they are the fp32 masters of mixed precision (the
+    weights that trained) or a cast of them (--save-dtype)."""
+    trained = "the fp32 master weights the run trained under bf16 compute" if mixed else "the weights the run trained"
+    how = trained if save_dtype == "auto" else f"{trained}, cast by `--save-dtype {save_dtype}`"
+    half = " (`from_pretrained(..., dtype=torch.bfloat16)` loads them in bf16, for inference)"
+    half = half if mixed and written == torch.float32 else ""
+    return f"The weights are {str(written).removeprefix('torch.')}: {how}{half}."
+
+
 def save_final_model(dist, model, tokenizer, path, example: str | None, flags_now: dict) -> Path | None:
     """--save-model: `save_model_atomic` on rank 0 (FSDP: the full state dict gathered from every rank first), with a
     model card (README.md, `model_card`: `example`, a prompt as the model saw it in training) made from the run
     directory `path` is in and the run's flags as it ends (`flags_now`). Under LoRA the model with its adapters merged,
-    or with --save-adapter the adapter alone. Every rank returns together. A save that cannot be written (a full
-    disk): one line naming the directory, the cause and the checkpoint that is left, exit code 1; no hidden copy is
-    left beside it."""
-    state, path = dist.full_state_dict(model), Path(path)
-    card = model_card(path.parent, example, flags_now) if dist.main else None
+    or with --save-adapter the adapter alone. Mixed precision: the fp32 masters, or with --save-dtype bfloat16 the
+    bf16 copies the run computed with (the masters rounded to nearest). Every rank returns together. A save that
+    cannot be written (a full disk): one line naming the directory, the cause and the checkpoint that is left, exit
+    code 1; no hidden copy is left beside it."""
+    save_dtype = flags_now.get("save_dtype", "auto")
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[save_dtype]
+    with checkpoints.masters_of(model) if dtype != torch.bfloat16 else contextlib.nullcontext():
+        return _save_final_model(dist, model, tokenizer, Path(path), example, flags_now, dtype)
+
+
+def _save_final_model(dist, model, tokenizer, path: Path, example, flags_now: dict, dtype) -> Path | None:
+    state = dist.full_state_dict(model)
+    mixed = getattr(dist, "mixed", None) is not None  # fp32 masters (LoRA has none)
+    written = dtype or next(model.parameters()).dtype
+    weights = weights_line(written, mixed, flags_now.get("save_dtype", "auto"))
+    card = model_card(path.parent, example, flags_now, weights) if dist.main else None
     adapter = bool(flags_now.get("save_adapter"))
     out = None
     if dist.main:
         try:
             if hasattr(model, "peft_config"):  # --lora-rank
                 with extra("lora", "--lora-rank").saved_as(model, adapter, base_as_given(flags_now["model"])) as saved:
-                    out = saving.save_model_atomic(saved, tokenizer, path, None, card)
+                    out = saving.save_model_atomic(saved, tokenizer, path, None, card, dtype)
             else:
-                out = saving.save_model_atomic(model, tokenizer, path, state, card)
+                out = saving.save_model_atomic(model, tokenizer, path, state, card, dtype)
         except Exception as e:
             if not checkpoints.is_io_error(e):
                 raise  # not an I/O failure: a bug keeps its traceback

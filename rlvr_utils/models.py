@@ -1,9 +1,10 @@
 """The policy: --model loaded with `from_pretrained` (hub id or local directory), clear errors, dropout off; its context
-window bounds the prompts kept. A --model you give is checked before it loads by rlvr_utils/model_checks.py (an extra:
-the bundled default needs only `check_default`)."""
+window bounds the prompts kept; its attention window; `generate` with the run's flags alone. A --model you give is
+checked before it loads by rlvr_utils/model_checks.py (an extra: the bundled default needs only `check_default`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlvr_utils.runtime import need, usage_error
+from rlvr_utils.runtime import need, pick_device, usage_error
 
 
 def looks_like_path(name: str) -> bool:
@@ -30,19 +31,54 @@ def check_default(model: str) -> None:
 
 
 def model_positions(model: str) -> int | None:
-    """A local model directory's context window (config.json's max_position_embeddings), None when unknown."""
-    if not looks_like_path(model):
-        return None
+    """The positions a prompt and its completion may fill (None: unknown), from a local or cached hub config.json:
+    max_position_embeddings, a longrope model's original length. Past them transformers rescales the rotary frequencies
+    to each call's length (dynamic NTK, longrope): no engine's tokens are then what the loss's fresh forward scores."""
     try:
-        n = json.loads((Path(model).expanduser() / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+        if looks_like_path(model):
+            path = Path(model).expanduser() / "config.json"
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = Path(try_to_load_from_cache(model, "config.json"))  # not cached: a TypeError, not a str
+        config = json.loads(path.read_text())
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers 5 / 4's name
+        n = config.get("max_position_embeddings")
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            n = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings") or n
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     return n if isinstance(n, int) and n > 0 else None
 
 
+def attention_window(config) -> int | None:
+    """How far back a windowed layer attends (None: no layer has a window): sliding_window where a layer uses it:
+    Mistral's every layer, Qwen2/3's under use_sliding_window from max_window_layers on, `sliding_attention` types."""
+    types = getattr(config, "layer_types", None)  # transformers 5 (Qwen2/3 derive it from use_sliding_window)
+    older = getattr(config, "use_sliding_window", True)  # Mistral has no switch: a window it sets is used
+    older = older and getattr(config, "max_window_layers", 0) < config.num_hidden_layers
+    windowed = "sliding_attention" in types if types is not None else older
+    return getattr(config, "sliding_window", None) if windowed else None
+
+
+@contextlib.contextmanager
+def run_flags_only(model):
+    """`model.generate` with the run's flags alone: it fills what a call leaves out from the checkpoint's
+    generation_config.json (Qwen2.5-Instruct's repetition_penalty 1.05, ...), logits processors the loss does not
+    score. During the call the config is blank, every processor off; then the checkpoint's again (docs/trl.md)."""
+    from transformers import GenerationConfig
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT generates with the base's
+    saved, lm.generation_config = lm.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        lm.generation_config = saved
+
+
 def prompt_limit(model: str, max_prompt_length: int, max_new_tokens: int) -> int:
     """The longest prompt (tokens) the task keeps: --max-prompt-length, lowered so that a prompt and a whole completion
-    fit the model's positions (a local model's config.json); said when the flag was set above that. --max-new-tokens
+    fit the model's positions (`model_positions`); said when the flag was set above that. --max-new-tokens
     that leaves no room at all: one line."""
     positions = model_positions(model)
     if not positions or max_prompt_length + max_new_tokens <= positions:
@@ -53,7 +89,7 @@ def prompt_limit(model: str, max_prompt_length: int, max_new_tokens: int) -> int
     if max_prompt_length != 1024:  # the flag was set (1024: BaseArgs' default)
         print(
             f"note: --max-prompt-length {max_prompt_length} + --max-new-tokens {max_new_tokens} exceed --model's "
-            f"{positions} positions: prompts over {limit} tokens are skipped",
+            f"{positions} positions (model_positions): prompts over {limit} tokens are skipped",
             file=sys.stderr,
         )
     return limit
@@ -87,8 +123,34 @@ def load_policy(name_or_path: str, device: torch.device, dtype: str = "auto", gr
     return load_model(name_or_path, device, dtype, gradient_checkpointing), load_tokenizer(name_or_path)
 
 
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """--dtype as a torch dtype: auto is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def mixed_precision(flags, device: torch.device | None = None) -> torch.dtype | None:
+    """The compute dtype when the policy trains fp32 masters under it (precision.py): --dtype bfloat16 (auto on CUDA),
+    full fine-tuning, no --pure-bf16; None under float32, --pure-bf16, LoRA (PEFT's adapters are fp32)."""
+    a = flags if isinstance(flags, dict) else vars(flags)
+    dtype = compute_dtype(a["dtype"], device or pick_device(a["device"]))
+    mixed = dtype != torch.float32 and a.get("pure_bf16", "off") == "off" and not a.get("lora_rank")
+    return dtype if mixed else None
+
+
+def cast_weights(model, dtype: torch.dtype):
+    """`model`'s parameters cast to `dtype` in place, its buffers left (the rotary frequencies stay fp32, as
+    from_pretrained leaves them: the cast model computes bitwise as one loaded in `dtype`)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gradient_checkpointing: bool = False):
-    """`from_pretrained` a causal LM. dtype "auto": bfloat16 on CUDA, float32 on CPU. A missing local path or an
+    """`from_pretrained` a causal LM. dtype "auto": bfloat16 on CUDA, float32 on CPU (the scripts pass float32 for
+    mixed precision: the fp32 masters, from which precision.py makes the bf16 copies). A missing local path or an
     unreachable hub id is a clear error that names it. Dropout is off (log-probs must be the sampling distribution's).
     `gradient_checkpointing`: each decoder layer is recomputed in the backward (non-reentrant); the model is then kept
     in train mode, which that needs (generation switches to eval mode and back)."""
@@ -96,12 +158,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: str = "auto", gra
 
     looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
     need(not looks_local or Path(name_or_path).expanduser().exists(), f"--model {name_or_path}: no such directory")
-    torch_dtype = {
-        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-    }[dtype]
+    torch_dtype = compute_dtype(dtype, device)
     from transformers.utils import logging as hf_logging
 
     verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()

@@ -35,6 +35,7 @@ RUNTIME_FLAGS = (
     "threads",
     "track",
     "wandb_project",
+    "report_to",
     "eval_every",
     "device",
     "dist_timeout",
@@ -239,7 +240,7 @@ def load_into(obj, state) -> None:
 def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | None = None) -> int:
     """Load the checkpoint `ckpt` (a checkpoints.Checkpointer) into the objects the script has built (`objects`: its
     own stateful ones by name, as saved); returns the step it was taken after. A damaged file ends the run with one
-    line naming it (exit code 2)."""
+    line naming it (exit code 2). Mixed precision: into the fp32 masters (Run.start holds them; bf16 weights: said)."""
     from safetensors.torch import load_file
 
     run = ckpt.path.parent
@@ -255,7 +256,7 @@ def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | No
     state = _load(ckpt.path / "trainer.pt", run)
     if state.get("sharded"):  # an FSDP run's: DCP reshards onto this run's ranks (or one process)
         sharded = runtime.extra("sharded", "--resume of an --fsdp run")
-        sharded.restore(ckpt.path / "sharded", model, optimizer, run)
+        sharded.restore(ckpt.path / "sharded", model, optimizer, run, getattr(ckpt.dist, "mixed", None))
     else:
         files = sorted((ckpt.path / "model").glob("*.safetensors"))
         if not files:
@@ -274,6 +275,8 @@ def restore(ckpt, model, optimizer, batches: CountingBatches, objects: dict | No
         elif ckpt.sharded:  # a DDP or one-process checkpoint into FSDP: each rank keeps its shard of the full state
             runtime.extra("sharded", "--fsdp").restore_full(model, optimizer, weights, state["optimizer"], run)
         else:
+            if (mixed := getattr(model, "_rlvr_precision", None)) is not None:  # fp32 masters from bf16 weights: said
+                mixed.upcast_note(weights, run)
             missing, unexpected = model.load_state_dict(weights, strict=False)
             missing = [k for k in missing if k not in _tied(model)]
             if missing or unexpected:

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rlvr_utils.models import attention_window, run_flags_only
 from rlvr_utils.runtime import extra
 
 
@@ -161,8 +162,8 @@ def unsupported(model) -> str | None:
     c = lm.config
     if c.model_type not in LLAMA_FAMILY:
         return f"model type {c.model_type} (it decodes {', '.join(LLAMA_FAMILY)})"
-    if any(t != "full_attention" for t in getattr(c, "layer_types", None) or ()):
-        return "sliding-window attention"
+    if any(t not in ("full_attention", "sliding_attention") for t in getattr(c, "layer_types", None) or ()):
+        return f"attention layers of types {sorted(set(c.layer_types))}"  # a window: static_decoder's length
     if c.hidden_act != "silu":
         return f"activation {c.hidden_act}"
     for layer in lm.model.layers:
@@ -188,6 +189,7 @@ class StaticDecoder:
         self.body = self.lm.model
         self.H, self.Hkv = self.lm.config.num_attention_heads, self.lm.config.num_key_value_heads
         self.D = self.body.layers[0].self_attn.head_dim
+        self.window = attention_window(self.lm.config)  # None: full attention (else static_decoder's length)
         self.copies: dict = {}  # decode-only weights, refreshed in place (a CUDA graph keeps their addresses)
         self.graphs: dict = {}  # (B, cache length) -> a captured step (cuda_graphs.py)
         self.use_graphs = next(model.parameters()).is_cuda
@@ -318,9 +320,10 @@ class StaticDecoder:
         return toks[:, : t + 1], logps[:, : t + 1]
 
 
-def static_decoder(model) -> StaticDecoder | None:
+def static_decoder(model, length: int = 0) -> StaticDecoder | None:
     """`model`'s StaticDecoder (made once per model), or None when `model` samples with `generate`: --engine hf
-    (`model._rlvr_hf_generate`), or an architecture the loop does not decode (said once)."""
+    (`model._rlvr_hf_generate`), an architecture the loop does not decode, or `length` tokens (prompt + new) past its
+    sliding window, where the loop's full attention is not the model's (each said once)."""
     if getattr(model, "_rlvr_hf_generate", False):
         return None
     if model not in _DECODERS:
@@ -329,6 +332,11 @@ def static_decoder(model) -> StaticDecoder | None:
             print(f"note: sampling with transformers' generate: the static decoder does not handle {why}",
                   file=sys.stderr)  # fmt: skip
         _DECODERS[model] = None if why else StaticDecoder(model)
+    decoder = _DECODERS[model]
+    if decoder is not None and (decoder.window or length) < length:  # the loop's full attention is not the model's
+        print(f"note: sampling with transformers' generate: the static decoder does not handle a {decoder.window}-"
+              f"token sliding window (prompt + --max-new-tokens: {length})", file=sys.stderr)  # fmt: skip
+        _DECODERS[model] = None  # said once: the model samples with generate from now on
     return _DECODERS[model]
 
 
@@ -361,7 +369,7 @@ def generate_rollouts(
     outs, logps = [], []
     gathered = getattr(model, "_rlvr_gathered", None)  # FSDP: generate on the full weights, no collective per token
     with gathered(model) if gathered is not None else contextlib.nullcontext():
-        decoder = static_decoder(model)  # None: --engine hf, or a model the loop does not decode
+        decoder = static_decoder(model, max(map(len, prompts)) + max_new_tokens)  # None: --engine hf, or generate's
         if decoder is not None and gathered is not None:
             decoder.use_graphs = False  # FSDP: the gathered weights move between calls; a CUDA graph would not see it
         for s in range(0, len(flat), batch_size):
@@ -380,7 +388,8 @@ def generate_rollouts(
             )
             # synced_gpus off: transformers' default turns it on for FSDP modules; here the weights are gathered
             stop = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=stops, synced_gpus=False)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **stop, **kw)
+            with run_flags_only(model):  # not the checkpoint's repetition_penalty, no_repeat_ngram_size, ...
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, **stop, **kw)
             outs.append(out[:, ids.shape[1] :])
     model.train(was_training)
     T = max(o.shape[1] for o in outs)

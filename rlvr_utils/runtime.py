@@ -1,7 +1,7 @@
 """What every run does around its algorithm, besides checkpoints (checkpoints.py): the one-line usage error, the one
 process's `Dist` (torchrun's, with its collectives, is distributed.py's), the run directory's lock, stopping on Ctrl-C
 or SIGTERM, and the run's metrics: the update's diagnostics (UpdateStats, TRL's names) and where every metric goes
-(TensorBoard, metrics.jsonl beside it, Weights & Biases with --track).
+(TensorBoard, metrics.jsonl beside it, the tracker libraries of --report-to).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def extra(module: str, flag: str, *more: tuple[str, str]):
 
 def ablated(args_type, ablations: str | None, flag: str | None = None):
     """args_type and rlvr_utils/<ablations>.py's flags after them if `flag` (else the line's first it lacks) asks."""
-    names = {f.name for f in dataclasses.fields(args_type)} | {"help"}
+    names = {f.name for f in dataclasses.fields(args_type)} | {"help", "config"}  # --config: cli.parse's
     words = [w[2:].split("=", 1)[0].replace("-", "_") for w in sys.argv[1:] if w.startswith("--")]
     flag = flag or next((w for w in words if {w, w.removeprefix("no_")}.isdisjoint(names)), None)
     if not ablations or not flag:  # none asked for, or a mistake that tyro names
@@ -75,6 +75,7 @@ class Dist:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # for collectives
     fsdp: bool = False
     uneven: bool = False  # ranks hold different numbers of rows (SRPO's): FSDP evens their passes (distributed.py)
+    mixed: torch.dtype | None = None  # bf16 compute over fp32 masters (models.mixed_precision): `wrap` sets it up
 
     @property
     def main(self) -> bool:
@@ -98,14 +99,19 @@ class Dist:
         return tokens / self.world, seqs / self.world
 
     def micro_batches(self, train_model, micro: list):
-        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened)."""
+        """Each micro-batch in turn: here `micro` itself (torchrun: all-reduced in the last, `uneven` rows evened);
+        then mixed precision's fp32 masters and gradients in the weights for the clip and the step (precision.py)."""
         yield from micro
+        if (mixed := getattr(train_model, "_rlvr_precision", None)) is not None:
+            mixed.gradients_ready()
 
     def gathered_if_uneven(self, *models):  # FSDP with `uneven` rows: the no-grad passes on the full weights
         return self.gathered(*models) if self.uneven else contextlib.nullcontext()
 
     # what torchrun's ranks do together, and one process does alone: the model itself, no collective, nothing to wait
     def wrap(self, model, ref_model=None):  # the module the loss forward runs through (DDP, FSDP2)
+        if self.mixed is not None:  # the weights compute as bf16 copies of fp32 masters (precision.py)
+            extra("precision", "--dtype bfloat16 (mixed precision)").MixedPrecision(model, self.mixed)
         return model
 
     @contextlib.contextmanager
@@ -254,11 +260,12 @@ class GracefulStop:
 # metrics: the update's diagnostics and where every metric goes
 # ----------------------------------------------------------------------------------------------
 class Logger:
-    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and wandb with `track`. `resume_step` k > 0
-    (--resume): the rows after step k are dropped from metrics.jsonl and TensorBoard before the run goes on.
-    `last_eval`: the latest evaluation metrics logged (or read back from metrics.jsonl when resuming)."""
+    """Metrics to TensorBoard (`<run_dir>/`), `<run_dir>/metrics.jsonl`, and the tracker libraries `report_to` names
+    (--report-to: wandb, trackio, mlflow, through trackers.py; `project`: theirs). `resume_step` k > 0 (--resume): the
+    rows after step k are dropped from metrics.jsonl and TensorBoard before the run goes on. `last_eval`: the latest
+    evaluation metrics logged (or read back from metrics.jsonl when resuming)."""
 
-    def __init__(self, run_dir, config: dict, track=False, wandb_project="credit-rlvr", enabled=True, resume_step=0):
+    def __init__(self, run_dir, config: dict, report_to=(), project="credit-rlvr", enabled=True, resume_step=0):
         self.enabled = enabled  # False on torchrun ranks > 0
         self.run_dir, self.last_eval = Path(run_dir), None
         if resume_step:
@@ -282,12 +289,10 @@ class Logger:
             self.writer.add_text("hyperparameters", table)
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.wandb = None
-        if track:
-            import wandb
-
-            name, where = self.run_dir.name, str(self.run_dir)
-            self.wandb = wandb.init(project=wandb_project, name=name, id=name, resume="allow", config=config, dir=where)
+        self.trackers = []  # --report-to's tracker libraries (accelerate's trackers)
+        if set(report_to) - {"tensorboard", "none"}:
+            trackers = extra("trackers", "--report-to")
+            self.trackers = trackers.start(report_to, self.run_dir, project, config, resume_step)
 
     def log(self, metrics: dict, step: int) -> None:
         if "eval/accuracy" in metrics:
@@ -300,8 +305,8 @@ class Logger:
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, **finite}) + "\n")  # NaN is not JSON: null
         self.jsonl.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        for tracker in self.trackers:
+            tracker.log(metrics, step=step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.enabled and text:
@@ -312,8 +317,8 @@ class Logger:
             return
         self.writer.close()
         self.jsonl.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.finish()
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -69,10 +69,17 @@ def new_copy(ckpt) -> _atomic_dir:
 def write_state(ckpt, tmp: Path, step: int, state: dict, states: list, **marker) -> None:
     """A copy's files besides the weights (rank 0): trainer.pt, the other ranks' sampling streams `states[1:]`,
     and last the marker {"step": step, **marker} that says the copy is whole."""
-    torch.save(state, tmp / "trainer.pt")
+    _save(state, tmp / "trainer.pt")
     for r in range(1, len(states)):
-        torch.save(states[r], tmp / f"trainer_rank{r}.pt")
+        _save(states[r], tmp / f"trainer_rank{r}.pt")
     (tmp / COMPLETE).write_text(json.dumps({"step": step, **marker}))
+
+
+def _save(obj, path: Path) -> None:
+    """torch.save through a Python file, so that a full disk is the OSError it is (errno ENOSPC: "the disk is full"),
+    not the `unexpected pos` RuntimeError of torch's own writer, which loses the cause."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def failed(ckpt, step: int, e: BaseException) -> NoReturn:
@@ -84,12 +91,16 @@ def failed(ckpt, step: int, e: BaseException) -> NoReturn:
 
 
 def save_model_atomic(
-    model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None, card: str | None = None
-) -> Path:
+    model, tokenizer, path: str | os.PathLike, state_dict: dict | None = None, card: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:  # fmt: skip
     """`save_pretrained` model and tokenizer into a temporary sibling directory, then rename it
     over `path`, so a crash never leaves a half-written checkpoint. Refuses non-finite weights.
     `state_dict`: the weights to write instead of the model's own (FSDP's gathered full state); `card`: the
-    README.md written beside them (the model card)."""
+    README.md written beside them (the model card); `dtype`: the floating-point weights cast to it (--save-dtype),
+    which config.json then names."""
+    if dtype is not None:
+        state_dict = cast_state(model.state_dict() if state_dict is None else state_dict, dtype)
     named = state_dict.items() if state_dict is not None else model.named_parameters()
     bad = [n for n, p in named if torch.is_floating_point(p) and not torch.isfinite(p).all()]
     if bad:
@@ -98,10 +109,28 @@ def save_model_atomic(
     path.parent.mkdir(parents=True, exist_ok=True)
     with _atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if dtype is not None:  # save_pretrained names the model's own dtype
+            config = json.loads((tmp / "config.json").read_text())
+            for key in {"dtype", "torch_dtype"} & set(config) or {"dtype"}:  # transformers 5's name, 4.x's
+                config[key] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         if card is not None:
             (tmp / "README.md").write_text(card)
     return path
+
+
+def cast_state(state: dict, dtype: torch.dtype) -> dict:
+    """A state dict with its floating-point tensors cast to `dtype`; tensors that share storage (tied embeddings) stay
+    one tensor."""
+    out, cast = {}, {}
+    for k, v in state.items():
+        if torch.is_floating_point(v) and v.dtype != dtype:
+            key = (v.data_ptr(), v.shape)
+            cast[key] = cast[key] if key in cast else v.to(dtype)
+            v = cast[key]
+        out[k] = v
+    return out
 
 
 class _atomic_dir:

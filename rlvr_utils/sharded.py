@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlvr_utils import saving
-from rlvr_utils.runtime import usage_error
+from rlvr_utils.runtime import extra, usage_error
 
 
 def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
@@ -50,9 +50,10 @@ def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
     return ckpt.path
 
 
-def restore(path: Path, model, optimizer, run: Path) -> None:
+def restore(path: Path, model, optimizer, run: Path, mixed=None) -> None:
     """Load a sharded checkpoint's policy and optimizer state into this run's layout (FSDP on any number of ranks,
-    DDP, or one process): DCP reads each rank's part from whichever shards hold it."""
+    DDP, or one process): DCP reads each rank's part from whichever shards hold it. `mixed` (fp32 masters under bf16
+    compute): bf16 shards, from a run before them, are upcast, with one line saying so."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: a rank's failures
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -70,6 +71,10 @@ def restore(path: Path, model, optimizer, run: Path) -> None:
         reason = str(e).splitlines()[0][:200] if str(e) else "empty"
         usage_error(f"--resume {run}: {path} cannot be read ({type(e).__name__}: {reason})")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if mixed is not None:  # what the shards held (the index was read safely above)
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        dtypes = {m.properties.dtype for k, m in stored.items() if k.startswith("model.") and hasattr(m, "properties")}
+        extra("precision", "--dtype bfloat16 (mixed precision)").upcast_note(dtypes, run)
 
 
 class _MetadataCheck(pickle.Unpickler):

@@ -41,7 +41,8 @@ def tiny():
 
     import common
 
-    torch.set_num_threads(2)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # -n 2: the cores shared
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"bundled model missing: {TINY_MODEL} (run tools/train_tiny_model.py)")
     return common.load_policy(str(TINY_MODEL), torch.device("cpu"))

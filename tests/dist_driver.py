@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import distributed, logprob_kernels, tasks  # noqa: E402
+from rlvr_utils import checkpoints, distributed, logprob_kernels, tasks  # noqa: E402
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):
@@ -95,9 +95,11 @@ if __name__ == "__main__":
     g = runpy.run_path(str(ROOT / rest[0]), run_name="__main__")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     model = g["model"]
-    state = {
-        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()
-    }
+    with checkpoints.masters_of(model):  # mixed precision: the fp32 masters
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in model.state_dict().items()
+        }
     out.mkdir(parents=True, exist_ok=True)
     fused = logprob_kernels.fused_logprobs_ok(g["train_model"])  # which log-prob path the loss took
     ro = g.get("ro")  # the last step's rows and the per-token advantages that reached its loss (batch statistics)

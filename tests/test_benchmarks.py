@@ -360,3 +360,53 @@ def test_a_second_results_folders_report_keeps_its_plots_beside_it(tmp_path):
         assert (tmp_path / "long" / "learning_curves_long.png").stat().st_size > 0
     first = (tmp_path / "long" / "report.md").read_text().split("\n")[0]
     assert first.endswith(f"--results {os.path.relpath(tmp_path, ROOT)}`"), first
+
+
+def test_report_reads_a_hostile_results_folder_with_one_line_each_and_no_traceback(tmp_path):
+    """A backup copy beside a seed (only seed<digits>.jsonl are seeds), a string where a number belongs, a .run.json
+    that is not JSON, a cut last line (dropped with a warning), a NaN evaluation, and a method folder that is another's
+    through a link: each is one line, and the table is built from what is left (no `nan` in it)."""
+
+    def write(path, rows, tail=""):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+    def seed(accs):
+        return [{"step": s, "num_tokens": 100, "eval/accuracy": a} for s, a in zip((0, 10), accs)]
+
+    base = tmp_path / "long"
+    for method, finals in (("grpo", (0.4, 0.5, 0.6)), ("srpo", (0.5, 0.7, 0.6))):
+        for k, final in enumerate(finals, 1):
+            write(base / method / f"seed{k}.jsonl", seed([0.2, final]))
+            (base / method / f"seed{k}.run.json").write_text(json.dumps({"commit": "abc"}))
+    write(base / "grpo" / "seed1.bak.jsonl", seed([0.9, 0.9]))  # a backup copy: not seed 1 again
+    write(base / "grpo" / "seed3.jsonl", seed([0.2, 0.6]), tail='{"step": 11, "num_tok')  # killed mid-line
+    write(base / "srpo" / "seed2.jsonl", seed([0.2, "0.7"]))  # a string where a number belongs
+    write(base / "srpo" / "seed4.jsonl", seed([0.2, float("nan")]))  # a failed evaluation
+    (base / "srpo" / "seed3.run.json").write_text("{not json")
+    (base / "grpo_again").symlink_to("grpo")  # the same files twice
+    cmd = [sys.executable, "benchmarks/learning_curves.py", "report", "--setting", "long", "--results", str(tmp_path)]
+    refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert refused.stderr.strip() == (
+        "long: its runs come from 2 commits (abc, unknown (seed3.run.json)); pooling them compares code as well as "
+        "methods: rerun at one commit, or pass --pool-commits"
+    )
+    r = subprocess.run(cmd + ["--pool-commits"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    said = [line for line in r.stdout.splitlines() if line.startswith(("skipped ", "warning: "))]
+    wanted = [
+        "grpo/seed1.bak.jsonl: not a seed's file",
+        "grpo_again: the same folder as grpo (a link)",
+        "grpo/seed3.jsonl:3: a partial last line",
+        "srpo/seed2.jsonl: line 2 (step 10): eval/accuracy is '0.7', not a number",
+        "srpo/seed4.jsonl: eval/accuracy is nan at step 10",
+        "srpo/seed3.run.json: not a JSON object",
+    ]
+    assert len(said) == len(wanted) and all(sum(w in line for line in said) == 1 for w in wanted), said
+    table = (base / "report.md").read_text()
+    assert "nan" not in table.lower() and "grpo_again" not in table
+    assert "| grpo | 3 | 0.200 | 0.500 (10) |" in table and "| srpo | 2 | 0.200 | 0.550 (10) |" in table
+    js = subprocess.run(cmd + ["--pool-commits", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert [json.loads(line)["method"] for line in js.stdout.splitlines()] == ["grpo", "srpo"]  # notes on stderr
+    assert sum(line.startswith(("skipped ", "warning: ")) for line in js.stderr.splitlines()) == len(wanted)

@@ -1,10 +1,13 @@
 """The static decoder (rlvr_utils/rollouts.StaticDecoder, the default engine) against transformers' `generate`: the same
-tokens bitwise (greedy and sampled from one seed, fp32 and bf16, five Llama-family configurations), the same
-distribution from independent seeds, log-probs equal to a fresh forward's, the CUDA graph's whole-cache arithmetic,
-LoRA decoded from merged copies without touching the base, and a run identical under --engine hf."""
+tokens bitwise (greedy and sampled from one seed, fp32 and bf16, eight Llama-family configurations with random norms
+and biases, two stop ids), the same distribution from independent seeds, log-probs equal to a fresh forward's, the
+CUDA graph's whole-cache arithmetic, LoRA decoded from merged copies without touching the base, a sliding window the
+sequence outgrows sampled with `generate`, `--engine hf` sampling with the run's flags alone whatever the checkpoint's
+generation_config.json sets, and a run identical under --engine hf."""
 
 import json
 import math
+import shutil
 import weakref
 
 import pytest
@@ -15,7 +18,18 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import common
-from rlvr_utils import rollouts, tasks
+from rlvr_utils import models, rollouts, tasks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread(tiny):
+    """One torch thread in this file (after the tiny fixture's two): its decodes are many small ops, and two threads on
+    a loaded 2-core machine wait for each other at every one. Measured on this file's fast set, load ~8, one run after
+    the other: 105 s and 134 s with one thread, 718 s with two. Comparisons within the process are unchanged."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def both_engines(model, tok, *args, seed=3, **kwargs):
@@ -31,34 +45,55 @@ def both_engines(model, tok, *args, seed=3, **kwargs):
 
 def test_greedy_eval_and_sampled_rollouts_are_generates_tokens_bitwise(tiny):
     model, tok = tiny
-    task = tasks.load_task("arith", tok, seed=1, num_eval=200)
+    task = tasks.load_task("arith", tok, seed=1, num_eval=48)
     prompts = [e.prompt_ids for e in task.eval]
-    hf, static = both_engines(model, tok, prompts, list(range(200)), 1, 48, temperature=1e-5, do_sample=False)
+    hf, static = both_engines(model, tok, prompts, list(range(48)), 1, 48, temperature=1e-5, do_sample=False)
     assert torch.equal(hf.completion_ids, static.completion_ids) and hf.texts == static.texts
-    train = [e.prompt_ids for e in task.train[:8]]
+    train = [e.prompt_ids for e in task.train[:4]]
     for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.9, 0), (1.2, 1.0, 5)):
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-        hf, static = both_engines(model, tok, train, list(range(8)), 8, 48, **sampling)
+        hf, static = both_engines(model, tok, train, list(range(4)), 8, 48, **sampling)
         assert torch.equal(hf.completion_ids, static.completion_ids), sampling
         assert torch.equal(hf.completion_mask, static.completion_mask) and torch.equal(hf.truncated, static.truncated)
 
 
 def small(config_class, dtype=torch.float32, **kw):
+    """A random two-layer model of `config_class` whose norm weights and biases are random too, as a checkpoint's are
+    (ones and zeros would hide a norm or a bias read from the wrong module)."""
     base = dict(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
                 bos_token_id=None)  # fmt: skip
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config_class(**(base | kw))).to(dtype).eval()
+    model = AutoModelForCausalLM.from_config(config_class(**(base | kw)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # RMSNorm weights (input, post-attention, q_norm, k_norm, final) and biases
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+def stop_pair(dec, ids, mask) -> list[int]:
+    """Two stop ids [a, b] for these prompts: b is row 0's third greedy token, a the third token of a row that writes
+    no b before it, and row 0 no a before its b: row 0 stops on b, the second id (a rule that tests the first id only
+    shows), that row on a."""
+    toks, _ = dec.generate(ids, mask, 30, 1.0, 1.0, 0, False, [-1], 0)  # greedy, never stopped
+    b = int(toks[0, 2])
+    a = next(int(row[2]) for row in toks[1:] if b not in row[:3] and row[2] not in toks[0, :3])
+    return [a, b]
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}  # fmt: skip
+QWEN2_WINDOW = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}  # layer 1 windowed
 FAMILY = {
     "llama": (LlamaConfig, {}),
     "llama3-rope-scaling": (LlamaConfig, {"rope_scaling": LLAMA3_ROPE}),
+    "llama-dynamic-ntk": (LlamaConfig, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),  # within 256
     "qwen2-gqa-bias": (Qwen2Config, {}),
+    "qwen2-window-64-layer-1": (Qwen2Config, QWEN2_WINDOW),  # the sequences (<= 48) fit the window
     "qwen3-qk-norm": (Qwen3Config, {"head_dim": 16}),
     "mistral": (MistralConfig, {"sliding_window": None}),
+    "mistral-window-64": (MistralConfig, {"sliding_window": 64}),
 }
 
 
@@ -71,15 +106,112 @@ def test_llama_family_models_decode_as_generate(name, dtype):
     g = torch.Generator().manual_seed(1)
     padded = rollouts.pad_left([torch.randint(2, 99, (int(n),), generator=g).tolist() for n in range(3, 19)], 0)
     same_length = (torch.randint(2, 99, (8, 6), generator=g), torch.ones(8, 6, dtype=torch.long))
-    dec = rollouts.StaticDecoder(model)
+    dec = rollouts.static_decoder(model, padded[0].shape[1] + 30)  # a window of 64: the loop decodes
+    assert dec is not None
     for ids, mask in (padded, same_length):
+        stops = stop_pair(dec, ids, mask)
         for do_sample in (False, True):
             torch.manual_seed(4)
             ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=do_sample,
-                                 temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=[1])  # fmt: skip
+                                 temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=stops)  # fmt: skip
             torch.manual_seed(4)
-            ours, _ = dec.generate(ids, mask, 30, 1.0, 1.0, 0, do_sample, [1], 0)
+            ours, _ = dec.generate(ids, mask, 30, 1.0, 1.0, 0, do_sample, stops, 0)
             assert torch.equal(ref[:, ids.shape[1] :], ours), (name, dtype, do_sample)
+            if not do_sample:  # row 0 stopped on the second id, some row on the first
+                first = [next((t for t in row.tolist() if t in stops), None) for row in ours]
+                assert first[0] == stops[1] and stops[0] in first, (name, stops, first)
+
+
+WINDOWED = {  # a 6-token window, shorter than every prompt + 24 new tokens
+    "mistral": (MistralConfig, {"sliding_window": 6}),
+    "qwen2-layer-1": (Qwen2Config, QWEN2_WINDOW | {"sliding_window": 6}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_a_sliding_window_the_sequence_outgrows_samples_with_generate(name, tiny, capsys):
+    """Past its window the loop's full attention is another model (its greedy tokens differ from generate's, shown
+    first): with prompt + --max-new-tokens longer than the window the rollouts come from generate, which applies it,
+    said once in one line, greedy and sampled the same tokens as --engine hf's."""
+    _, tok = tiny
+    config_class, kw = WINDOWED[name]
+    model = small(config_class, **kw)
+    assert models.attention_window(model.config) == 6 and rollouts.unsupported(model) is None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 99, (int(n),), generator=g).tolist() for n in range(3, 11)]
+    ids, mask = rollouts.pad_left(prompts, 0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                         eos_token_id=[1])  # fmt: skip
+    full_attention, _ = rollouts.StaticDecoder(model).generate(ids, mask, 24, 1.0, 1.0, 0, False, [1], 0)
+    assert not torch.equal(ref[:, ids.shape[1] :], full_attention)  # the window matters in this model
+    hf, static = both_engines(model, tok, prompts, list(range(8)), 1, 24, do_sample=False)
+    assert torch.equal(hf.completion_ids, static.completion_ids) and static.sample_logp is None
+    P, m, attn = static.prompt_ids.shape[1], static.completion_mask.bool(), static.attention_mask
+    with torch.no_grad():  # and they are the greedy tokens of a fresh forward (the loss's), window and all
+        logits = model(input_ids=static.input_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0))
+    assert torch.equal(logits.logits[:, P - 1 : -1].argmax(-1)[m], static.completion_ids[m])
+    hf, static = both_engines(model, tok, prompts, list(range(8)), 4, 24)
+    assert torch.equal(hf.completion_ids, static.completion_ids) and static.sample_logp is None
+    err = capsys.readouterr().err
+    assert err.count("note: sampling with transformers' generate") == 1 and "6-token sliding window" in err, err
+
+
+def test_rotary_frequencies_that_follow_the_length_bound_the_positions(tmp_path, monkeypatch, tiny):
+    """Past the positions whose rotary frequencies are fixed (dynamic NTK past max_position_embeddings, longrope past
+    its original length) transformers rescales them to each call's length, so a token decoded against a cache is not
+    what a fresh forward of the whole sequence scores (shown: 40-token sequences of a dynamic-NTK model of 16
+    positions, whose sampled log-probs are off by more than 1e-3, and within 256 positions equal to 1e-5).
+    model_positions bounds a prompt + completion by those positions: a local config.json's and a hub id's cached
+    one."""
+    _, tok = tiny
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 99, (10,), generator=g).tolist() for _ in range(4)]
+    for positions, worst in ((16, 1e-3), (256, 1e-5)):
+        model = small(LlamaConfig, max_position_embeddings=positions, rope_scaling={"rope_type": "dynamic",
+                                                                                    "factor": 4.0})  # fmt: skip
+        torch.manual_seed(0)
+        ro = common.generate_rollouts(model, tok, prompts, list(range(4)), 2, 30)
+        logp, _ = common.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_ids.shape[1])
+        m = ro.completion_mask.bool()
+        gap = float((logp[m] - ro.sample_logp[m]).abs().max().detach())
+        assert (gap > worst) if positions == 16 else (gap < worst), (positions, gap)
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 64}
+    for kind, extra, expected in (("plain", {}, 256), ("dynamic", {"rope_scaling": {"rope_type": "dynamic"}}, 256),
+                                  ("longrope", {"rope_parameters": rope}, 64)):  # fmt: skip
+        d = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"max_position_embeddings": 256, **extra}))
+        assert models.model_positions(str(d)) == expected, kind
+    assert models.prompt_limit(str(tmp_path / "longrope"), 1024, 48) == 64 - 48
+    snapshot = tmp_path / "hub" / "models--org--longrope" / "snapshots" / "abc123"  # the hub's cache layout
+    shutil.copytree(tmp_path / "longrope", snapshot)
+    (tmp_path / "hub" / "models--org--longrope" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--longrope" / "refs" / "main").write_text("abc123")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert models.model_positions("org/longrope") == 64 and models.model_positions("org/absent") is None
+
+
+LEAKY = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 3, "min_new_tokens": 8, "do_sample": True,
+         "temperature": 0.7, "top_k": 2}  # fmt: skip  # Qwen2.5-Instruct ships repetition_penalty 1.05
+
+
+def test_engine_hf_samples_with_the_run_flags_alone(tmp_path):
+    """A checkpoint whose generation_config.json sets a repetition penalty, no_repeat_ngram_size, min_new_tokens and
+    its own sampling: --engine hf draws the static decoder's tokens (it reads none of that), greedy and sampled, so
+    the rollouts come from the distribution the loss scores; the checkpoint's config is still the model's after."""
+    shutil.copytree(common.DEFAULT_MODEL, tmp_path / "m")
+    path = tmp_path / "m" / "generation_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | LEAKY))
+    model, tok = common.load_policy(str(tmp_path / "m"), torch.device("cpu"))
+    task = tasks.load_task("arith", tok, seed=1, num_eval=16)
+    prompts = [e.prompt_ids for e in task.eval]
+    hf, static = both_engines(model, tok, prompts, list(range(16)), 1, 48, temperature=1e-5, do_sample=False)
+    assert torch.equal(hf.completion_ids, static.completion_ids)
+    hf, static = both_engines(model, tok, prompts[:4], list(range(4)), 4, 48)
+    assert torch.equal(hf.completion_ids, static.completion_ids)
+    assert {k: getattr(model.generation_config, k) for k in LEAKY} == LEAKY
 
 
 def test_sampled_log_probs_are_a_fresh_forwards(tiny):
@@ -140,14 +272,14 @@ def test_sampled_tokens_have_generates_distribution_from_independent_seeds(tiny)
 
 def test_the_cuda_graphs_whole_cache_arithmetic_gives_the_same_tokens(tiny):
     """On a GPU each token's forward is a CUDA graph reading the whole cache under a -inf mask; the same forward runs
-    eagerly on CPU here (whole_cache), greedy over 200 held-out prompts and sampled."""
+    eagerly on CPU here (whole_cache), greedy over 48 held-out prompts and sampled."""
     model, tok = tiny
-    task = tasks.load_task("arith", tok, seed=1, num_eval=200)
+    task = tasks.load_task("arith", tok, seed=1, num_eval=48)
     prompts = [e.prompt_ids for e in task.eval]
-    eager = common.generate_rollouts(model, tok, prompts, list(range(200)), 1, 48, temperature=1e-5, do_sample=False)
+    eager = common.generate_rollouts(model, tok, prompts, list(range(48)), 1, 48, temperature=1e-5, do_sample=False)
     rollouts.static_decoder(model).whole_cache = True
     try:
-        whole = common.generate_rollouts(model, tok, prompts, list(range(200)), 1, 48, temperature=1e-5,
+        whole = common.generate_rollouts(model, tok, prompts, list(range(48)), 1, 48, temperature=1e-5,
                                          do_sample=False)  # fmt: skip
         torch.manual_seed(5)
         sampled = common.generate_rollouts(model, tok, prompts[:8], list(range(8)), 8, 48)
@@ -163,12 +295,12 @@ def test_the_cuda_graphs_whole_cache_arithmetic_gives_the_same_tokens(tiny):
 def test_a_failed_cuda_graph_capture_leaves_the_decoder_eager_and_says_so(tiny):
     """On CPU a capture fails (no CUDA): one warning, the decoder stays eager, the tokens are the eager ones."""
     model, tok = tiny
-    task = tasks.load_task("arith", tok, seed=1, num_eval=16)
+    task = tasks.load_task("arith", tok, seed=1, num_eval=8)
     prompts = [e.prompt_ids for e in task.eval]
-    eager = common.generate_rollouts(model, tok, prompts, list(range(16)), 1, 48, temperature=1e-5, do_sample=False)
+    eager = common.generate_rollouts(model, tok, prompts, list(range(8)), 1, 24, temperature=1e-5, do_sample=False)
     rollouts.static_decoder(model).use_graphs = True
     with pytest.warns(UserWarning, match="no CUDA graph"):
-        again = common.generate_rollouts(model, tok, prompts, list(range(16)), 1, 48, temperature=1e-5,
+        again = common.generate_rollouts(model, tok, prompts, list(range(8)), 1, 24, temperature=1e-5,
                                          do_sample=False)  # fmt: skip
     assert rollouts.static_decoder(model).use_graphs is False
     assert torch.equal(eager.completion_ids, again.completion_ids)
@@ -186,12 +318,12 @@ def test_lora_decodes_merged_copies_and_never_writes_the_base(tiny):
     flags = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=())
     peft_model = lora.wrap(model, SimpleNamespace(**flags))
     base = {k: v.clone() for k, v in peft_model.get_base_model().state_dict().items() if "lora_" not in k}
-    task = tasks.load_task("arith", tok, seed=1, num_eval=64)
+    task = tasks.load_task("arith", tok, seed=1, num_eval=16)
     prompts = [e.prompt_ids for e in task.eval]
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=0.05)
     for step in range(3):
-        hf, static = both_engines(peft_model, tok, prompts, list(range(64)), 1, 32, temperature=1e-5, do_sample=False)
+        hf, static = both_engines(peft_model, tok, prompts, list(range(16)), 1, 32, temperature=1e-5, do_sample=False)
         assert torch.equal(hf.completion_ids, static.completion_ids), step
         ro = common.generate_rollouts(peft_model, tok, prompts[:8], list(range(8)), 4, 32)  # an update on them
         T = ro.completion_ids.shape[1]
@@ -252,13 +384,16 @@ def normalized(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "srpo.py"])  # srpo.py: localization, suffixes; the others: grpo.py's
+SRPO = pytest.param("srpo.py", marks=pytest.mark.slow)  # its own calls: localization, the suffixes
+
+
+@pytest.mark.parametrize("script", ["grpo.py", SRPO])
 def test_every_generate_call_of_a_run_is_the_same_under_engine_hf(script, tmp_path):
     """Every evaluation (greedy) and every training step: metrics.jsonl under the static decoder equals --engine hf's,
     value for value (the sampler's random stream is generate's). sc_grpo.py, grpo_lambda.py and ep_grpo.py sample
     through grpo.py's one call (common.rollouts_with_rewards); srpo.py adds its own (localization, the suffixes)."""
     name, *extra = script.split()
-    flags = ["--total-steps", "2", "--eval-every", "1", "--num-eval", "24", "--prompts-per-step", "4",
+    flags = ["--total-steps", "2", "--eval-every", "1", "--num-eval", "8", "--prompts-per-step", "4",
              "--num-generations", "4", *extra]  # fmt: skip
     runs = {}
     for engine in ("hf", "static"):

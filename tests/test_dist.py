@@ -104,6 +104,69 @@ def test_two_ranks_with_half_the_batch_step_like_one_with_all(one_process, tmp_p
     assert max_diff(saved, r0["params"]) == 0.0
 
 
+@pytest.fixture(scope="module")
+def one_process_bf16(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_bf16")
+    r = launch(out, "--fixed", "grpo.py", *FIXED, "--dtype", "bfloat16", "--output-dir", str(out / "runs"), nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out / "world1_rank0.pt")
+
+
+def test_bf16_compute_trains_fp32_masters_on_two_ranks_and_its_checkpoints_move(one_process_bf16, tmp_path):
+    """--dtype bfloat16 (mixed precision): under DDP the fp32 gradients of the masters are all-reduced (no DDP module:
+    its buckets would be bf16), under FSDP the fp32 shards train under MixedPrecisionPolicy(bf16, fp32). Either way the
+    optimizer sees fp32 weights and gradients, the ranks stay identical, the two agree, and they step like one process
+    up to bf16's rounding of other row groupings (Adam's first step: at most a sign, 2 x lr, apart). The FSDP run's
+    sharded fp32 checkpoint resumes in one process (into its masters), the DDP run's full one under FSDP."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    start = AutoModelForCausalLM.from_pretrained(common.DEFAULT_MODEL).state_dict()
+    got = {}
+    for mode, flags in (("ddp", []), ("fsdp", ["--fsdp"])):
+        out = tmp_path / mode
+        r = launch(out, "--fixed", "grpo.py", *FIXED, "--dtype", "bfloat16", "--save-every", "1", *flags,
+                   "--output-dir", str(out / "runs"))  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        r0, r1 = torch.load(out / "world2_rank0.pt"), torch.load(out / "world2_rank1.pt")
+        assert {t.dtype for t in [*r0["params"].values(), *r0["grads"].values()]} == {torch.float32}
+        assert max_diff(r0["params"], r1["params"]) == 0.0
+        assert max_diff(one_process_bf16["grads"], r0["grads"]) < 2e-3  # |gradient| up to ~0.05
+        assert max_diff(one_process_bf16["params"], r0["params"]) <= 2.01e-4  # lr 1e-4
+        assert max_diff(start, r0["params"]) > 5e-5
+        got[mode] = r0
+    assert max_diff(got["ddp"]["params"], got["fsdp"]["params"]) < 1e-6
+    ddp_run, fsdp_run = run_dir(tmp_path / "ddp" / "runs"), run_dir(tmp_path / "fsdp" / "runs")
+    assert {t.dtype for t in load_file(str(ddp_run / "checkpoint" / "model" / "model.safetensors")).values()} == {
+        torch.float32
+    }
+    for run, nproc, flags in ((fsdp_run, 1, []), (ddp_run, 2, ["--fsdp"])):
+        r = launch(tmp_path / f"resumed{nproc}", "grpo.py", "--resume", str(run), "--total-steps", "2", *flags,
+                   nproc=nproc)  # fmt: skip
+        assert r.returncode == 0 and "note:" not in r.stderr, r.stderr[-3000:]
+        assert steps_logged(run) == [0, 1, 2]
+
+
+def test_an_fsdp_checkpoint_of_bf16_shards_resumes_into_fp32_ones_with_one_line(tmp_path):
+    """Shards written before fp32 masters (bf16 weights and AdamW state: here --pure-bf16 plain's, its config.json
+    without the flag, as such a run's is) resume under FSDP's mixed precision, upcast, with one line (rank 0's)."""
+    flags = ["--fsdp", "--dtype", "bfloat16", "--pure-bf16", "plain", "--save-every", "1"]
+    r = launch(tmp_path / "a", "grpo.py", *SMALL, "--total-steps", "1", *flags, "--output-dir", str(tmp_path / "runs"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = run_dir(tmp_path / "runs")
+    config = json.loads((run / "config.json").read_text())
+    del config["pure_bf16"], config["save_dtype"]
+    (run / "config.json").write_text(json.dumps(config))
+    r = launch(tmp_path / "b", "grpo.py", "--resume", str(run), "--total-steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    notes = [line for line in r.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1 and notes[0].count("note:") == 1 and "upcast to the float32 masters" in notes[0], notes
+    assert {t.dtype for t in torch.load(tmp_path / "b" / "world2_rank0.pt")["params"].values()} == {torch.float32}
+    assert steps_logged(run) == [0, 1, 2]
+
+
 def test_global_token_normalization_is_what_makes_them_equal(one_process, tmp_path):
     """The same comparison fails when each rank normalizes by its own token count (the assertion above can fail)."""
     r = launch(

@@ -52,7 +52,7 @@ def ep(*batch, return_parts=False, scores=None, **flags):
     calls them."""
     args = ABLATED(**flags)
     fn = ep_ablations.wrap(args, vars(ep_grpo)) if set(flags) & ABLATION_FLAGS else ep_advantages
-    return fn(*batch, flags=ep_grpo.Flags.of(args), scores=scores, return_parts=return_parts)
+    return fn(*batch, cfg=ep_grpo.EPConfig.of(args), scores=scores, return_parts=return_parts)
 
 
 def adv(b, return_parts=False, scores=None, **flags):
@@ -304,13 +304,14 @@ def test_window_z_scores_have_zero_mean_in_each_group_window():
 
 
 def test_every_method_flag_reaches_ep_advantages():
-    """ep_advantages reads a small record (Flags), by name: every name it reads is a field of it, every field is read,
-    and the fields are the method's own flags (Args, but the loss's beta and loss_agg) and the two shared ones it needs,
-    so a flag cannot silently keep a default; the ablations' flags are not among them (rlvr_utils/ep_ablations.py)."""
+    """ep_advantages reads a small record (EPConfig), by name: every name it reads is a field of it, every field is
+    read, and the fields are the method's own flags (Args, but the loss's beta and loss_agg) and the two shared ones it
+    needs, so a flag cannot silently keep a default; the ablations' flags are not among them
+    (rlvr_utils/ep_ablations.py)."""
     import ast
     import inspect
 
-    fields = [f.name for f in dataclasses.fields(ep_grpo.Flags)]
+    fields = [f.name for f in dataclasses.fields(ep_grpo.EPConfig)]
     tree = ast.parse(inspect.getsource(ep_advantages))
     read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "f"}
     assert read == set(fields)

@@ -99,3 +99,21 @@ def test_grpo_nan_loss_stops_without_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="non-finite loss .* at step 1"):
         run_inprocess("grpo.py", "--total-steps", "2", "--output-dir", str(tmp_path), "--save-model", *FAST)
     assert not (run_dir(tmp_path) / "model").exists()
+
+
+def test_the_run_line_comes_before_the_model_loads_its_paths_relative(tmp_path, monkeypatch, capsys):
+    """The first minute: the run line (its directory, the tensorboard command, what loads) is out before the
+    tokenizer, task and model load; a path under the working directory is printed relative to it."""
+    import common
+
+    def loading(*args, **kwargs):
+        raise RuntimeError("the tokenizer loads here")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "load_tokenizer", loading)
+    with pytest.raises(RuntimeError, match="the tokenizer loads here"):
+        run_inprocess("grpo.py", "--output-dir", "out", *FAST)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("run arith__grpo__1__") and " logs in out/arith__grpo__1__" in line, line
+    assert "(tensorboard --logdir out); loading " in line and line.endswith(" and the arith task"), line
+    assert not (tmp_path / "out").exists()  # the run directory is made once the task and model have loaded

@@ -47,7 +47,8 @@ def grpo_loss(logp, old, A, mask, agg, eps=0.2, eps_high=0.28):
 def lambda_loss(logp, old, A, mask, agg, lam, style, eps=0.2, eps_high=0.28, apply="trace"):
     """GRPO-λ's aggregated loss, ϵ-trace or (apply "weight") the ablation's ϵ-weight, as grpo_lambda.py calls them."""
     token_loss = weight_variant() if apply == "weight" else gl.grpo_lambda_token_loss
-    per_token, _, _ = token_loss(logp, old, A, mask.float(), lam, 1.0, style, eps, eps_high)
+    cfg = gl.LambdaConfig(lam, 1.0, style, epsilon=eps, epsilon_high=eps_high)
+    per_token, _, _ = token_loss(logp, old, A, mask.float(), cfg)
     return common.aggregate_loss(per_token, mask.float(), agg, 48, mask.sum().item(), mask.shape[0])
 
 
@@ -224,7 +225,7 @@ def weight_variant():
 
 def test_weight_variant_is_clipped_grpo_loss_times_eligibility():
     logp, old, A, mask = off_policy_batch(seed=5)
-    loss, ratio, _ = weight_variant()(logp, old, A, mask, 0.9, 1.0, "recent", 0.2, 0.2)
+    loss, ratio, _ = weight_variant()(logp, old, A, mask, gl.LambdaConfig(0.9, 1.0, "recent"))
     grpo_tok = -torch.min(torch.exp(logp - old) * A, torch.clamp(torch.exp(logp - old), 0.8, 1.2) * A)
     E = torch.stack([weight_matrix(mask.shape[1], 0.9, "recent").float() @ (1 + torch.sigmoid(r - 1)) for r in logp])
     m = mask.bool()
@@ -244,7 +245,7 @@ def test_long_sequences_short_rows_and_padding_stay_finite():
     old = torch.full((B, T), -1.5)  # +1 nat per token: the γλ = 1 trace reaches 20000
     A = torch.tensor([1.0, -0.1, 0.5, -0.1])[:, None].expand(B, T)
     for lam, style in [(1.0, "both"), (0.99, "both"), (1.0, "recent")]:
-        loss, ratio, z = gl.grpo_lambda_token_loss(logp, old, A, mask, lam, 1.0, style)
+        loss, ratio, z = gl.grpo_lambda_token_loss(logp, old, A, mask, gl.LambdaConfig(lam, 1.0, style))
         assert (
             torch.isfinite(loss).all() and torch.isfinite(ratio).all() and ratio.max() <= torch.exp(torch.tensor(20.0))
         )

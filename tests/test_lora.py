@@ -142,6 +142,8 @@ def test_the_saved_model_loads_the_standard_way(tmp_path, adapter):
         assert (saved / "adapter_config.json").is_file() and "adapter" in card.lower()
         base = json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"]
         assert base == "assets/tiny-arith" and str(ROOT) not in (saved / "adapter_config.json").read_text()
+        assert "\nlibrary_name: peft\n" in card and "\nbase_model: assets/tiny-arith\n" in card  # PEFT's cards' keys
+        assert "its base_model assets/tiny-arith is a local path" in out.stdout  # the save line says so too
     else:
         from transformers import AutoModelForCausalLM
 

@@ -7,6 +7,7 @@ flag | paper | official code | ours | why."""
 import dataclasses
 import importlib
 import inspect
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ import grpo
 import grpo_lambda
 import sc_grpo
 import srpo
+from rlvr_utils import cli
 
 ABLATIONS = {sc_grpo: "sc_ablations", ep_grpo: "ep_ablations", srpo: "srpo_ablations", grpo_lambda: "lambda_ablations"}
 
@@ -25,6 +27,12 @@ def defaults(module) -> dict:
     if module in ABLATIONS:
         fields += dataclasses.fields(importlib.import_module(f"rlvr_utils.{ABLATIONS[module]}").Ablations)
     return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
+
+
+def parsed_defaults(module, monkeypatch):
+    """The Args a run of the script without flags gets (cli.parse: every check, --epsilon-high = --epsilon)."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py"])
+    return cli.parse(module.Args, module.validate, ABLATIONS[module])
 
 
 def signature_defaults(fn) -> dict:
@@ -75,7 +83,7 @@ def test_sc_grpo_paper_defaults():
     assert d["outcome_std"] == "population" and signature_defaults(sc_grpo.diversity_advantage)["eps"] == 1e-6
 
 
-def test_grpo_lambda_paper_defaults():
+def test_grpo_lambda_paper_defaults(monkeypatch):
     """GRPO-lambda (arXiv 2510.00194): lambda 0.99, gamma 1, the "both" weighting (§3.2, Eq. 2) applied as the trace
     (epsilon-trace), negative advantages clamped at -0.1; token-mean (the co-author's verl port)."""
     d = defaults(grpo_lambda)
@@ -87,8 +95,9 @@ def test_grpo_lambda_paper_defaults():
         "-0.1",
     )
     assert d["loss_agg"] == "token-mean" and d["beta"] == 0.0
-    loss = signature_defaults(grpo_lambda.grpo_lambda_token_loss)
-    assert (loss["gamma"], loss["style"]) == (1.0, "both")
+    # a copier's LambdaConfig() (grpo_lambda_token_loss's default) is the command line's
+    assert grpo_lambda.LambdaConfig() == grpo_lambda.LambdaConfig.of(parsed_defaults(grpo_lambda, monkeypatch))
+    assert signature_defaults(grpo_lambda.grpo_lambda_token_loss)["cfg"] == grpo_lambda.LambdaConfig()
     assert signature_defaults(grpo_lambda.trace_log_ratio)["style"] == "both"
 
 
@@ -133,8 +142,9 @@ def test_ep_grpo_defaults():
 
 
 @pytest.mark.parametrize("module,fn", [(ep_grpo, ep_grpo.ep_advantages)])
-def test_function_defaults_match_the_command_line(module, fn):
-    """A reader who copies the function gets the script's defaults."""
+def test_function_defaults_match_the_command_line(module, fn, monkeypatch):
+    """A reader who copies the function gets the script's defaults: its own, and its config's (EPConfig())."""
     d = defaults(module)
     sig = signature_defaults(fn)
     assert {k: v for k, v in sig.items() if k in d and v != d[k]} == {}
+    assert sig["cfg"] == ep_grpo.EPConfig() == ep_grpo.EPConfig.of(parsed_defaults(module, monkeypatch))

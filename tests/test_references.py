@@ -160,7 +160,7 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
     {0, 0, 1, 1}); soft gate 1 + sigmoid((H - 1) / 0.1) = 1.0000454 and 1.5, over their mean per response.
     delta sums 0 and 0.6 -> P = -1, +1 (population z-score); rewards 1, 0 -> A_out = +-1 / (1 + 2e-6);
     A = gate * (A_out + 0.5 P)."""
-    from ep_grpo import Flags, ep_advantages
+    from ep_grpo import EPConfig, ep_advantages
     from rlvr_utils import ep_ablations, runtime
 
     H = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
@@ -168,7 +168,7 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
     flags = dict(num_buckets=1, gate_alpha=1.0, gate_temp=0.1, process_coef=0.5, process_polarity="none")
     args = runtime.ablated(ep_grpo.Args, "ep_ablations", "gate")(**flags, process_granularity="window")  # an ablation
     A = ep_ablations.wrap(args, vars(ep_grpo))(
-        H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, flags=Flags.of(args)
+        H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, cfg=EPConfig.of(args)
     )
     g0, g1 = 1 + 1 / (1 + math.exp(10)), 1.5
     gate = [g0 / ((g0 + g1) / 2), g1 / ((g0 + g1) / 2)]
@@ -178,8 +178,8 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
     assert abs(gate[0] - 1.0) > 0.1  # the gate is not 1 and the process term is not 0: both act
     # the defaults: per-token z-score in the window and outcome polarity. delta = (0.1, -0.1 | 0.2, 0.4): mean 0.15,
     # population std sqrt(0.0325) -> z = (-0.05, -0.25 | 0.05, 0.25) / 0.180278; d = +1 (r = 1), -1 (r = 0); lambda 0.2
-    flags = Flags.of(ep_grpo.Args(num_buckets=1))
-    A = ep_advantages(H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, flags=flags)
+    cfg = EPConfig(num_buckets=1)
+    A = ep_advantages(H, logp_old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, 0.0]), 2, cfg=cfg)
     z = [[-0.05 / 0.0325**0.5, -0.25 / 0.0325**0.5], [0.05 / 0.0325**0.5, 0.25 / 0.0325**0.5]]
     want = [
         [gate[0] * (a_out + 0.2 * z[0][0]), gate[1] * (a_out + 0.2 * z[0][1])],

@@ -104,6 +104,9 @@ MBPP_ROWS = [
 ]
 
 
+CODE_SANDBOX = "bwrap" if sandbox.isolation_problem() is None else "audit-hook"  # the task's plumbing: either
+
+
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -111,7 +114,8 @@ def write_jsonl(path: Path, rows) -> Path:
 
 def test_code_task_mbpp_format_and_rewards(tiny, tmp_path):
     _, tok = tiny
-    task = tasks.load_task("code", tok, data_path=str(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS)), num_eval=2)
+    rows = str(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS))
+    task = tasks.load_task("code", tok, data_path=rows, num_eval=2, code_sandbox=CODE_SANDBOX)
     assert task.skipped["no_tests_or_entry_point"] == 1
     assert len(task.train) + len(task.eval) == 5 and task.eval
     ex = {e.meta["entry_point"]: e for e in task.train + task.eval}
@@ -129,9 +133,9 @@ def test_code_task_timeout_reaches_the_sandbox(tiny, tmp_path):
     data = str(write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS))
     slow = "import time\ndef add(a, b):\n    time.sleep(1.5)\n    return a + b\n"
     ex = lambda task: next(e for e in task.train + task.eval if e.meta["entry_point"] == "add")  # noqa: E731
-    short = tasks.load_task("code", tok, data_path=data, num_eval=2, code_timeout=0.5)
+    short = tasks.load_task("code", tok, data_path=data, num_eval=2, code_timeout=0.5, code_sandbox=CODE_SANDBOX)
     assert short.reward_fn(slow, ex(short)) == 0.0
-    long = tasks.load_task("code", tok, data_path=data, num_eval=2, code_timeout=10.0)
+    long = tasks.load_task("code", tok, data_path=data, num_eval=2, code_timeout=10.0, code_sandbox=CODE_SANDBOX)
     assert long.reward_fn(slow, ex(long)) == 1.0
     with pytest.raises(ValueError, match="code-timeout"):
         tasks.load_task("code", tok, data_path=data, code_timeout=0)
@@ -140,7 +144,12 @@ def test_code_task_timeout_reaches_the_sandbox(tiny, tmp_path):
 def test_code_task_humaneval_file(tiny):
     _, tok = tiny
     task = tasks.load_task(
-        "code", tok, data_path=str(shared_file("HumanEval.jsonl.gz")), num_eval=20, max_prompt_length=100_000
+        "code",
+        tok,
+        data_path=str(shared_file("HumanEval.jsonl.gz")),
+        num_eval=20,
+        max_prompt_length=100_000,
+        code_sandbox=CODE_SANDBOX,
     )
     assert (len(task.train), len(task.eval)) == (144, 20)
     e = task.eval[0]
@@ -152,10 +161,10 @@ def test_code_task_missing_field_is_named(tiny, tmp_path):
     _, tok = tiny
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "def f():\n", "test": "def check(c):\n    pass\n"}] * 10)
     with pytest.raises(KeyError, match="entry_point"):
-        tasks.load_task("code", tok, data_path=str(bad))
+        tasks.load_task("code", tok, data_path=str(bad), code_sandbox=CODE_SANDBOX)
     bad = write_jsonl(tmp_path / "bad2.jsonl", [{"description": "x", "test_list": ["assert f() == 1"]}] * 10)
     with pytest.raises(KeyError, match=r"text \(or prompt\)"):
-        tasks.load_task("code", tok, data_path=str(bad))
+        tasks.load_task("code", tok, data_path=str(bad), code_sandbox=CODE_SANDBOX)
 
 
 @pytest.mark.parametrize(
@@ -176,8 +185,13 @@ def test_row_problem_names_the_missing_field(task, row, missing):
     assert (got is None) if missing is None else (missing in got and str(sorted(row)) in got)
 
 
-@pytest.mark.parametrize("script, extra", [("srpo.py", ["--reset", "random"]), ("sc_grpo.py", [])])
+@pytest.mark.parametrize(
+    "script, extra", [("srpo.py", ["--reset", "random"]), ("sc_grpo.py", ["--code-sandbox", "audit-hook"])]
+)
 def test_scripts_run_on_the_code_task(script, extra, tmp_path):
+    """srpo.py in bubblewrap (skipped, saying why, where it cannot start), sc_grpo.py in the weaker sandbox."""
+    if "--code-sandbox" not in extra and (why := sandbox.isolation_problem()) is not None:
+        pytest.skip(f"bubblewrap cannot start here: {why}")
     data = write_jsonl(tmp_path / "mbpp.jsonl", MBPP_ROWS[:5] * 4)
     out = run_script(
         script,
@@ -204,6 +218,8 @@ def test_scripts_run_on_the_code_task(script, extra, tmp_path):
         *extra,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    weak = "warning: --code-sandbox audit-hook: programs run without OS isolation"
+    assert (weak in out.stderr) == ("audit-hook" in extra), out.stderr[-2000:]  # the weaker sandbox says what it is
     rows = read_metrics(tmp_path / "runs")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(0.0 <= r.get("reward", 0.0) <= 1.0 for r in rows)

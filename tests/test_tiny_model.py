@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 from rlvr_utils import rewards, tasks
@@ -141,3 +142,88 @@ def test_arith_localization_target_names_the_first_error():
         nxt = len(copied)
         assert "\n".join(bad)[nxt : nxt + 1] != "\n".join(lines)[nxt : nxt + 1]
         assert ttm.arith_localization_target(p, lines).endswith("\\boxed{0}")
+
+
+@pytest.mark.parametrize("kind", ttm.POLICY_ERRORS)
+def test_policy_errors_are_of_their_kind_and_match_the_oracle(kind):
+    """Each wrong-solution kind of --error-mix: its first wrong line is arith_first_error's, and localization.py's
+    classifier puts it in its class (the kinds a policy's own failures take)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from localization import first_error_class
+
+    want = {"slip": {"slip"}, "wrong_value": {"wrong_value"}, "skip": {"skipped_or_reordered"}}
+    want |= {"reorder": {"skipped_or_reordered"}, "foreign": {"foreign"}, "early_answer": {"other"}}
+    want |= {"answer": {"other"}, "operand": {"skipped_or_reordered", "foreign"}}
+    want |= {"operator": {"skipped_or_reordered", "foreign"}}
+    rng, made = random.Random(5), 0
+    for _ in range(300):
+        p = tasks.make_arith_problem(rng, steps=rng.randint(2, 16))
+        got = ttm.policy_error(p, rng, kind)
+        if got is None:
+            continue
+        lines, k = got
+        made += 1
+        text = "\n".join(lines)
+        assert tasks.arith_first_error(p, text) == k
+        assert first_error_class(p, text)[1] in want[kind], (kind, p.text, text)
+        reply = ttm.arith_localization_target(p, lines)
+        assert rewards.last_boxed(reply) == str(k)
+    assert made > 150  # most problems take every kind
+
+
+def test_the_default_data_stream_is_the_bundled_models():
+    """Without the new flags, sample_example draws exactly what it drew when the bundled models were trained: the same
+    examples from the same random calls (a reference example draws nothing more)."""
+    args = ttm.Args()
+    for seed in range(40):
+        rng, mine = random.Random(seed), random.Random(seed)
+        got = ttm.sample_example(rng, args)
+        problem = tasks.make_arith_problem(mine, steps=mine.randint(args.min_steps_task, args.max_steps_task))
+        kind = mine.choices(range(3), weights=args.mix)[0]
+        if kind == 0:
+            want = (tasks.arith_prompt(problem), problem.solution(), 0)
+        elif kind == 1:
+            correct = mine.random() < args.loc_correct_frac
+            lines = problem.solution().split("\n") if correct else ttm.corrupt_solution(problem, mine)[0]
+            want = (ttm.arith_localization_prompt(problem, lines), ttm.arith_localization_target(problem, lines), 1)
+        else:
+            want = (ttm.arith_reference_prompt(problem, problem.solution()), problem.solution(), 2)
+        assert got == want and rng.getstate() == mine.getstate()
+
+
+def test_a_checked_reference_is_wrong_and_its_target_is_right():
+    args = ttm.Args(mix=(0.0, 0.0, 1.0), reference_error_frac=1.0, error_mix=(1.0,) * len(ttm.POLICY_ERRORS))
+    rng = random.Random(3)
+    for _ in range(50):
+        prompt, target, kind = ttm.sample_example(rng, args)
+        reference = prompt.split("Reference solution:\n", 1)[1].split("\nSolve: ")[0]
+        problem = tasks.parse_arith_problem(prompt.rsplit("Solve: ", 1)[1].strip())
+        assert kind == 2 and target == problem.solution() and tasks.arith_first_error(problem, reference) is not None
+
+
+@pytest.mark.slow
+def test_a_resumed_run_ends_where_an_unbroken_one_does(tmp_path):
+    """Training stopped after step 2 and resumed (--resume, its state written at the evaluation) gives the same
+    weights at step 4 as one run of 4 steps, and a state of other flags is refused."""
+    from safetensors.torch import load_file
+
+    script = str(ROOT / "tools" / "train_tiny_model.py")
+    small = ["--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--intermediate-size", "64"]
+    small += ["--batch-size", "4", "--num-eval", "2", "--threads", "1", "--max-steps", "4", "--eval-every", "2"]
+    small += ["--min-steps", "10", "--max-positions", "1024", "--error-mix", *["1"] * len(ttm.POLICY_ERRORS)]
+    run = lambda out, *more: subprocess.run(  # noqa: E731
+        [sys.executable, script, *small, "--out-dir", str(out), *more], cwd=ROOT, capture_output=True, text=True
+    )
+    r = run(tmp_path / "whole")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run(tmp_path / "broken", "--checkpoint-minutes", "1000", "--stop-step", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "broken.resume.pt").exists()
+    r = run(tmp_path / "broken", "--checkpoint-minutes", "1000", "--resume")
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-2000:]
+    whole, broken = (load_file(tmp_path / d / "model.safetensors") for d in ("whole", "broken"))
+    assert whole.keys() == broken.keys() and all(torch.equal(whole[k], broken[k]) for k in whole)
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 1024
+    r = run(tmp_path / "broken", "--resume", "--lr", "1e-3")
+    assert r.returncode != 0 and "other flags (lr)" in r.stderr

@@ -296,19 +296,32 @@ def test_a_reward_sees_the_types_trl_would_give_it(tmp_path, tiny):
 @pytest.mark.parametrize(
     "base, hub", [(str(TINY_MODEL), None), ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")]
 )
-def test_the_card_names_a_hub_id_or_no_base_links_the_project_and_gives_versions(tmp_path, monkeypatch, base, hub):
+@pytest.mark.parametrize("adapter", [True, False])
+def test_the_card_names_a_hub_id_or_no_base_links_the_project_and_gives_versions(
+    tmp_path, monkeypatch, base, hub, adapter
+):
+    """A merged model's card names its base by hub id only; an adapter's says `library_name: peft` and names its base
+    as its adapter_config.json does (PEFT's own cards), and says so where that path would read as a hub id."""
     from huggingface_hub import ModelCard
 
     run = tmp_path / "run"
     run.mkdir()
-    config = {"script": "grpo.py", "model": base, "task": "arith", "num_eval": 4, "lora_rank": 4, "save_adapter": True}
-    (run / "config.json").write_text(json.dumps(config | {"eval_num_generations": 8, "temperature": 1.0}))
+    config = {"script": "grpo.py", "model": base, "task": "arith", "num_eval": 4, "lora_rank": 4}
+    config |= {"save_adapter": adapter, "eval_num_generations": 8, "temperature": 1.0}
+    (run / "config.json").write_text(json.dumps(config))
     (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.25}\n')
     monkeypatch.setattr(sys, "argv", [str(ROOT / "grpo.py")])
     text = model_card.model_card(run)
     (tmp_path / "README.md").write_text(text)
     card = ModelCard.load(tmp_path / "README.md")
-    assert card.data.base_model == hub  # never "tiny-arith", a name the hub cannot resolve
+    given = hub or "assets/tiny-arith"  # the adapter's base_model_name_or_path
+    assert card.data.base_model == (given if adapter else hub)  # merged: never "tiny-arith", nothing the hub resolves
+    assert card.data.library_name == ("peft" if adapter else "transformers")
+    assert (f"base_model:adapter:{given}" in card.data.tags) == adapter and ("lora" in card.data.tags) == adapter
+    warned = "which would read it as the hub id `assets/tiny-arith`"
+    assert (warned in text) == (adapter and hub is None), text
+    line = model_card.saved_line(run / "model", config)
+    assert ("the hub would read as the hub id assets/tiny-arith" in line) == (adapter and hub is None), line
     assert "Trained with credit-rlvr" in text and "github.com/credit-rlvr" not in text  # named; no invented address
     assert f"- torch: {torch.__version__}" in text and "- transformers: " in text and "- peft: " in text
     assert str(ROOT) not in text and str(tmp_path) not in text  # no path of this machine

@@ -10,13 +10,14 @@ and the minimal copy equal to what a default run loads.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py")
 CORE = ["common.py"] + [f"rlvr_utils/{m}.py" for m in ("__init__", "cli", "runtime", "models", "tasks", "rollouts")]
-CORE += ["rlvr_utils/logprob_kernels.py", "rlvr_utils/checkpoints.py"]
+CORE += ["rlvr_utils/flag_groups.py", "rlvr_utils/logprob_kernels.py", "rlvr_utils/checkpoints.py"]
 OWN = {  # the module a method's default run loads besides the core
     "sc_grpo.py": "rlvr_utils/teacher.py",
     "srpo.py": "rlvr_utils/chains.py",
@@ -83,8 +84,10 @@ def blocks() -> list[tuple[tuple[str, str], str]]:
     return [((BEGIN, END), table()), (LAYOUT, layout())]
 
 
-def main() -> None:
-    if "--write" not in sys.argv[1:]:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help="rewrite both blocks in README.md between their markers")
+    if not ap.parse_args(argv).write:  # an unknown flag: argparse's usage and one error line, exit 2
         print("\n\n".join(text for _, text in blocks()))
         return
     readme = (ROOT / "README.md").read_text()

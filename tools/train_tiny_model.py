@@ -51,7 +51,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from rlvr_utils import rewards, saving, tasks  # noqa: E402
-from srpo import ARITH_LOCALIZATION  # noqa: E402  (format (b): what SRPO's self-localization asks)
+from srpo import ARITH_LOCALIZATION, parse_reply  # noqa: E402  (format (b): what SRPO's self-localization asks)
 
 
 def arith_localization_prompt(problem: tasks.ArithProblem, thoughts: list[str]) -> str:
@@ -122,6 +122,23 @@ class Args:
     """evaluate --init-from (the bundled model when not given) on the held-out problems, print, write nothing"""
     keep_evals: bool = False
     """also keep a copy of the model at every evaluation in <out-dir>-step<N>"""
+    max_positions: int = 512
+    """the model's positions (max_position_embeddings; from scratch only): SRPO's localization prompt and reply on
+    16 operations need about 800"""
+    eval_steps_task: int = 4
+    """operations of the evaluation problems (and their new-token budget, 12 per operation)"""
+    error_mix: tuple[float, ...] = ()
+    """weights of the wrong-solution kinds shown to localization examples (b), in POLICY_ERRORS' order (slip,
+    operand, operator, answer, wrong_value, skip, reorder, foreign, early_answer): the kinds a policy's own failures
+    take (benchmarks/localization.py); default (): corrupt_solution's synthetic ones (the bundled models')"""
+    reference_error_frac: float = 0.0
+    """share of reference examples (c) whose reference has a wrong line (error_mix's kinds) while the target stays the
+    correct solution: the model must check the reference against its own computation, not copy it"""
+    checkpoint_minutes: float = 0.0
+    """> 0: every this many minutes (and at each evaluation) write a resumable state (weights, optimizer, schedule,
+    RNGs, step, history) to <out-dir>.resume.pt, atomically"""
+    resume: bool = False
+    """continue from <out-dir>.resume.pt (its flags must equal these but --resume, --stop-step, --threads)"""
 
 
 def arith_localization_target(problem: tasks.ArithProblem, thoughts: list[str]) -> str:
@@ -199,6 +216,75 @@ def corrupt_solution(problem: tasks.ArithProblem, rng: random.Random) -> tuple[l
     return lines, k
 
 
+POLICY_ERRORS = ("slip", "operand", "operator", "answer", "wrong_value", "skip", "reorder", "foreign", "early_answer")
+
+
+def policy_error(problem: tasks.ArithProblem, rng: random.Random, kind: str) -> tuple[list[str], int] | None:
+    """A wrong solution of `kind` (POLICY_ERRORS) and the 1-based index of its first wrong line (tasks.arith_first_error
+    agrees), or None when `problem` cannot take that kind (e.g. a reorder of two equal operations). The line
+    classes of benchmarks/localization.py's first_error_class: slip, operand, operator (a wrong result, operand or
+    sign; corrupt_solution's), answer (a wrong #### line), wrong_value (the next operation on a miscopied running
+    value), skip (an operation left out: the next ones follow from there), reorder (operations k and k + 1 swapped),
+    foreign (an operation already done or with an operand the problem lacks, in place of the next one), early_answer
+    (the #### line written after k - 1 operations). Lines after the error continue correctly from what was written."""
+    ops, n = list(problem.ops), len(problem.ops)
+    apply = lambda v, op, b: v + b if op == "+" else v - b  # noqa: E731
+    k = rng.randint(1, n)
+    if kind == "answer":
+        k = n + 1
+    elif kind == "reorder":
+        if n < 2:
+            return None
+        k = rng.randint(1, n - 1)
+        if ops[k - 1] == ops[k]:
+            return None
+        ops[k - 1], ops[k] = ops[k], ops[k - 1]
+    elif kind == "skip":
+        if k == n or ops[k - 1] == ops[k]:  # the last one left out is an early answer; an equal next one, no error
+            return None
+        del ops[k - 1]
+    elif kind == "foreign":
+        done = [o for o in problem.ops[: k - 1] if o not in problem.ops[k - 1 :]]
+        absent = [(op, b) for op in "+-" for b in range(1, 10) if (op, b) not in problem.ops]
+        pool = done + absent
+        if not pool:
+            return None
+        ops[k - 1] = rng.choice(pool)
+    elif kind == "early_answer":
+        ops = ops[: k - 1]
+    lines, v = [], problem.start
+    for i, (op, b) in enumerate(ops, 1):
+        a = v
+        if i == k and kind == "wrong_value":
+            a = v + rng.choice([-1, 1]) * rng.randint(1, 10)
+        if i == k and kind in ("slip", "operand", "operator"):
+            if kind == "operand":
+                b = rng.choice([x for x in range(1, 10) if x != b])
+            elif kind == "operator":
+                op = "-" if op == "+" else "+"
+            nv = apply(a, op, b) + (rng.choice([-1, 1]) * rng.randint(1, 10) if kind == "slip" else 0)
+        else:
+            nv = apply(a, op, b)
+        lines.append(f"{a}{op}{b}={nv}")
+        v = nv
+    answer = v + (rng.choice([-1, 1]) * rng.randint(1, 10) if kind == "answer" else 0)
+    lines.append(f"#### {answer}")
+    if tasks.arith_first_error(problem, "\n".join(lines)) != k:  # e.g. a flipped sign that undoes itself
+        return None
+    return lines, k
+
+
+def wrong_solution(problem: tasks.ArithProblem, rng: random.Random, args: Args) -> list[str]:
+    """A wrong solution for a localization example or a checked reference: corrupt_solution's by default, else a kind
+    drawn by --error-mix (redrawn until the problem takes it)."""
+    if not args.error_mix:
+        return corrupt_solution(problem, rng)[0]
+    while True:
+        got = policy_error(problem, rng, rng.choices(POLICY_ERRORS, weights=args.error_mix)[0])
+        if got is not None:
+            return got[0]
+
+
 def sample_example(rng: random.Random, args: Args) -> tuple[str, str, int]:
     """(prompt, target, kind) with kind 0 solve, 1 localize, 2 solve with reference."""
     problem = tasks.make_arith_problem(rng, steps=rng.randint(args.min_steps_task, args.max_steps_task))
@@ -209,9 +295,12 @@ def sample_example(rng: random.Random, args: Args) -> tuple[str, str, int]:
         if rng.random() < args.loc_correct_frac:
             lines = problem.solution().split("\n")
         else:
-            lines, _ = corrupt_solution(problem, rng)
+            lines = wrong_solution(problem, rng, args)
         return arith_localization_prompt(problem, lines), arith_localization_target(problem, lines), 1
-    return arith_reference_prompt(problem, problem.solution()), problem.solution(), 2
+    reference = problem.solution()
+    if args.reference_error_frac and rng.random() < args.reference_error_frac:  # checked, not copied
+        reference = "\n".join(wrong_solution(problem, rng, args))
+    return arith_reference_prompt(problem, reference), problem.solution(), 2
 
 
 DECISION_RE = re.compile(r"(\?)|\\boxed\{(\d+)\}")
@@ -251,10 +340,19 @@ def make_batch(examples, tok, decision_weight: float = 1.0):
     return ids, mask, labels, weights
 
 
+def budgets(problems) -> tuple[int, int]:
+    """New tokens for a solution and for a localization reply of `problems` (the longest): 64 and 192 up to 4
+    operations (the bundled models' evaluation), then 12 per operation and srpo.py's arith cap, 20 x (operations
+    + 2)."""
+    n = max(len(p.ops) for p in problems)
+    return max(64, 12 * n), max(192, 20 * (n + 2))
+
+
 @torch.no_grad()
 def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
-    """pass@1 at T=1 and greedy accuracy on `problems` (4 steps), localization accuracy (greedy) on
-    synthetic wrong solutions and (own=True) on the model's own wrong samples."""
+    """pass@1 at T=1 and greedy accuracy on `problems` (4 steps by default: --eval-steps-task), localization accuracy
+    (greedy) on synthetic wrong solutions and (own=True) on the model's own wrong samples."""
+    solve_tokens, loc_tokens = budgets(problems)
     model.eval()
     out = {}
     prompts = [tasks.arith_prompt(p) for p in problems]
@@ -263,7 +361,7 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
         ("greedy", dict(do_sample=False)),
     ):
         torch.manual_seed(rng_seed)
-        texts = generate(model, tok, prompts, max_new_tokens=64, **kw)
+        texts = generate(model, tok, prompts, max_new_tokens=solve_tokens, **kw)
         out[name] = sum(tasks.arith_reward(t, str(p.answer)) for t, p in zip(texts, problems)) / len(problems)
     rng = random.Random(rng_seed)
     loc_prompts, labels = [], []
@@ -271,7 +369,7 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
         lines, k = corrupt_solution(p, rng)
         loc_prompts.append(arith_localization_prompt(p, lines))
         labels.append(k)
-    texts = generate(model, tok, loc_prompts, max_new_tokens=192, do_sample=False)
+    texts = generate(model, tok, loc_prompts, max_new_tokens=loc_tokens, do_sample=False)
     out["localization"] = sum((rewards.last_boxed(t) or "").strip() == str(k) for t, k in zip(texts, labels)) / len(
         labels
     )
@@ -286,10 +384,12 @@ def evaluate(model, tok, problems, rng_seed: int, own: bool = True) -> dict:
 def own_localization(model, tok, problems, rng_seed: int) -> dict:
     """Localization on the model's own wrong solutions, as srpo.py sees them: sample one solution per
     problem at T=1, keep the wrong ones, ask for their first wrong step (greedy) and compare with
-    tasks.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset)."""
+    tasks.arith_first_error. Chance is a uniform guess over the solution's lines (RRPO's reset); at_or_before: the
+    named step (srpo.parse_reply's) at or before the true one, the kept prefix error-free."""
+    solve_tokens, loc_tokens = budgets(problems)
     prompts = [tasks.arith_prompt(p) for p in problems]
     torch.manual_seed(rng_seed + 1)
-    texts = generate(model, tok, prompts, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    texts = generate(model, tok, prompts, solve_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     wrong = [
         (p, [ln for ln in t.split("\n") if ln.strip()])
         for p, t in zip(problems, texts)
@@ -299,12 +399,13 @@ def own_localization(model, tok, problems, rng_seed: int) -> dict:
     wrong = [(p, lines, k) for p, lines, k in wrong if k is not None and k <= len(lines)]
     if not wrong:
         return {"own_localization": None, "own_localization_n": 0}
-    replies = generate(
-        model, tok, [arith_localization_prompt(p, lines) for p, lines, _ in wrong], max_new_tokens=192, do_sample=False
-    )
+    asks = [arith_localization_prompt(p, lines) for p, lines, _ in wrong]
+    replies = generate(model, tok, asks, max_new_tokens=loc_tokens, do_sample=False)
     named = [(rewards.last_boxed(r) or "").strip() for r in replies]
+    parsed = [parse_reply(r, len(lines))[0] for r, (_, lines, _) in zip(replies, wrong)]
     return {
         "own_localization": sum(n == str(k) for n, (_, _, k) in zip(named, wrong)) / len(wrong),
+        "own_at_or_before": sum(n <= k for n, (_, _, k) in zip(parsed, wrong)) / len(wrong),
         "own_localization_chance": sum(1 / len(lines) for _, lines, _ in wrong) / len(wrong),
         "own_localization_n": len(wrong),
     }
@@ -330,6 +431,21 @@ def save(model, tok, args: Args, report: dict, n_params: int, history: list, ini
     model.train()
 
 
+UNCHECKED = ("resume", "stop_step", "threads", "checkpoint_minutes")  # flags a resumed run may change
+
+
+def write_state(path: Path, model, opt, sched, rng: random.Random, step: int, history: list, seconds: float, args):
+    """The resumable state after `step` (weights, optimizer, schedule, the data and torch RNGs, history, seconds),
+    written to a temporary file and renamed over `path`: a kill leaves the previous state whole."""
+    state = dict(model=model.state_dict(), optimizer=opt.state_dict(), schedule=sched.state_dict(), rng=rng.getstate())
+    state |= dict(torch_rng=torch.get_rng_state(), step=step, history=history, seconds=seconds)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state | {"args": dataclasses.asdict(args)}, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def main(args: Args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -343,14 +459,16 @@ def main(args: Args) -> None:
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads,
         num_key_value_heads=args.num_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=args.max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         rope_theta=10000.0,
     )
-    eval_problems = [tasks.make_arith_problem(random.Random(10_000 + i), steps=4) for i in range(args.num_eval)]
+    eval_problems = [
+        tasks.make_arith_problem(random.Random(10_000 + i), steps=args.eval_steps_task) for i in range(args.num_eval)
+    ]
     if args.eval_only:
         model = Qwen2ForCausalLM.from_pretrained(args.init_from or args.out_dir)
         print("eval", json.dumps(evaluate(model, tok, eval_problems, rng_seed=args.seed)))
@@ -384,9 +502,25 @@ def main(args: Args) -> None:
         ),
     )
     rng = random.Random(args.seed)
-    t0, history, report = time.time(), [], None
+    t0, history, report, first = time.time(), [], None, 1
+    state_path = Path(f"{args.out_dir}.resume.pt")
+    if args.resume and state_path.exists():  # --resume: the run continues exactly where its state was written
+        state = torch.load(state_path, weights_only=False)
+        theirs, ours = (dict(x, **dict.fromkeys(UNCHECKED)) for x in (state["args"], dataclasses.asdict(args)))
+        if theirs != ours:
+            differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+            raise SystemExit(f"--resume {state_path}: its run had other flags ({', '.join(differ)})")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        first, history, t0 = state["step"] + 1, state["history"], time.time() - state["seconds"]
+        report = history[-1] if history else None
+        print(f"resumed from {state_path} after step {state['step']}", flush=True)
+    last_state = time.time()
     model.train()
-    for step in range(1, args.max_steps + 1):
+    for step in range(first, args.max_steps + 1):
         # two length-sorted micro-batches: padding every row to the longest (localization) example
         # would waste about half the compute; the loss is the mean over all completion tokens
         examples = sorted(
@@ -412,6 +546,9 @@ def main(args: Args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if args.checkpoint_minutes > 0 and time.time() - last_state >= 60 * args.checkpoint_minutes:
+            write_state(state_path, model, opt, sched, rng, step, history, time.time() - t0, args)
+            last_state = time.time()
         if step % 50 == 0:
             print(
                 f"step {step} loss(last half) {loss.item() * 2:.4f} lr {sched.get_last_lr()[0]:.2e} "
@@ -425,6 +562,9 @@ def main(args: Args) -> None:
             print("eval", json.dumps(ev), flush=True)
             report = ev
             save(model, tok, args, ev, n_params, history, init_report)
+            if args.checkpoint_minutes > 0:
+                write_state(state_path, model, opt, sched, rng, step, history, time.time() - t0, args)
+                last_state = time.time()
             if args.keep_evals:
                 shutil.copytree(
                     args.out_dir, f"{args.out_dir}-step{step}", dirs_exist_ok=True

@@ -18,12 +18,17 @@ step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.
     python benchmarks/script_memory.py --device cuda
     python benchmarks/script_memory.py --root /tmp/other-checkout        # the same run with another checkout's scripts
     python benchmarks/script_memory.py --lora 16                         # and each script again with --lora-rank 16
+    python benchmarks/script_memory.py --engines default                 # only the default engine's rows
     python benchmarks/script_memory.py --dtype bfloat16                  # bf16 compute: fp32 masters (precision.py)
     python benchmarks/script_memory.py --dtype bfloat16 --pure-bf16 plain   # bf16 weights under a plain AdamW
 
 --lora R: every script runs twice, full fine-tuning and `--lora-rank R` (the adapters train; the reference policy of
 the KL term and EP-GRPO's delta is the same model with its adapters off, no copy); a LoRA row's "x grpo.py" is against
 grpo.py under LoRA.
+
+--engines (default: both): every script at the default engine (the static decoder, rlvr_utils/rollouts.py; vLLM where
+it is installed on a GPU) and again with `--engine hf` (transformers' generate); a row's "x grpo.py" is against grpo.py
+under the same engine, and a default-engine row's "x hf" is its peak over the same script's under `--engine hf`.
 """
 
 from __future__ import annotations
@@ -182,6 +187,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default: benchmarks/out/script_memory_<device>.json")
     ap.add_argument("--lora", type=int, default=0, help="also run every script with --lora-rank LORA (0: no)")
     ap.add_argument("--lora-only", action="store_true", help="with --lora: skip the full fine-tuning rows")
+    ap.add_argument(
+        "--engines", nargs="+", default=["default", "hf"], choices=["default", "hf"], help="rollout engines"
+    )
     ap.add_argument("--dtype", default=None, help="every script's --dtype (default: theirs, float32 on CPU)")
     ap.add_argument("--pure-bf16", default=None, help="every script's --pure-bf16 (kahan or plain: no fp32 masters)")
     a = ap.parse_args()
@@ -214,31 +222,33 @@ def main() -> None:
         if Path("/proc/self/clear_refs").exists():  # this process's own peak must not reach the children's figures
             Path("/proc/self/clear_refs").write_text("5")
         lora = [f" --lora-rank {a.lora}"] if a.lora else []
-        for name, tier in [
-            (n, t) for t in ([] if a.lora_only else [""]) + lora for n in a.scripts
-        ]:  # full fine-tuning first, then LoRA
+        engines = [" --engine hf" if e == "hf" else "" for e in a.engines]
+        tiers = [t + e for t in ([] if a.lora_only else [""]) + lora for e in engines]
+        for name, tier in [(n, t) for t in tiers for n in a.scripts]:  # full fine-tuning first, then LoRA
             cmd = [*SCRIPTS[name], "--model", str(model), *flags, *tier.split()]
-            r = res["scripts"][name + tier] = run_one(Path(a.root), cmd, a.threads)
+            r = res["scripts"][name + tier] = run_one(Path(a.root), cmd, a.threads) | {"tier": tier}
             print(name + tier, json.dumps(r), flush=True)
     keys = ["gpu_peak_gb"] if gpu else ["rss_gb", "update_rss_gb"]
     heads = (
         ["peak GPU memory allocated, GB"] if gpu else ["peak RSS of the process, GiB", "peak RSS in the update, GiB"]
     )
-    bases = {"": res["scripts"].get("grpo", {}), "lora": res["scripts"].get(f"grpo --lora-rank {a.lora}", {})}
     lines = [
         "| script | "
         + " | ".join(f"{h} | x grpo.py" for h in heads)
-        + " | s/step | update s | routed SC-GRPO groups |",
-        "|---|" + "---|---|" * len(keys) + "---|---|---|",
+        + " | peak x --engine hf's | s/step | update s | routed SC-GRPO groups |",
+        "|---|" + "---|---|" * len(keys) + "---|---|---|---|",
     ]
     for name, r in res["scripts"].items():
         if r["rc"] or not r["steps"]:
             lines.append(f"| {name} | failed: {r.get('error', '')} |")
             continue
-        base = bases["lora" if "--lora-rank" in name else ""]  # LoRA rows: against grpo.py under LoRA
+        base = res["scripts"].get("grpo" + r["tier"], {})  # against grpo.py with the same LoRA rank and engine
         cells = [f"{r[k]:.2f} | {r[k] / base[k]:.2f}" if base.get(k) else f"{r[k]:.2f} | -" for k in keys]
-        routed = f"{r['sc_routed']:.2f}" if name.startswith("sc_grpo") else ""
         r["vs_grpo"] = {k: r[k] / base[k] for k in keys if base.get(k)}
+        hf = res["scripts"].get(name + " --engine hf", {})  # none for an --engine hf row
+        r["vs_hf"] = {k: r[k] / hf[k] for k in keys if hf.get(k)}  # the default engine's over generate's
+        cells.append(f"{r['vs_hf'][keys[0]]:.2f}" if keys[0] in r["vs_hf"] else "")
+        routed = f"{r['sc_routed']:.2f}" if name.startswith("sc_grpo") else ""
         lines.append(f"| {name} | {' | '.join(cells)} | {r['s_per_step']:.2f} | {r['update_s']:.2f} | {routed} |")
     print("\n".join(lines))
     res["table"] = lines

@@ -301,19 +301,23 @@ class StaticDecoder:
         stop_ids = torch.tensor(list(stops), device=ids.device)
         unfinished = torch.ones(B, dtype=torch.long, device=ids.device)
         every = 8 if ids.is_cuda else 1  # steps between "has every row stopped?" (a sync on CUDA)
-        toks, logps = [], []
+        # Each token and log-prob is written into these, not kept as a small tensor of its own per step: on CPU,
+        # glibc places such survivors inside the freed [B, V] temporaries of the step, which it then cannot reuse
+        # or return (after an update, the heap holds them): about one [B, V] fp32 block per token (docs/benchmarks.md)
+        toks = torch.empty(B, max_new_tokens, dtype=torch.long, device=ids.device)
+        logps = torch.empty(B, max_new_tokens, device=ids.device)
         for t in range(max_new_tokens):
             z = logits.float()
             tok = torch.multinomial(F.softmax(warp(None, z), -1), 1)[:, 0] if do_sample else z.argmax(-1)
-            logps.append((z / temperature).log_softmax(-1).gather(1, tok[:, None])[:, 0] * unfinished)
+            logps[:, t] = (z / temperature).log_softmax(-1).gather(1, tok[:, None])[:, 0] * unfinished
             tok = tok * unfinished + pad_id * (1 - unfinished)
-            toks.append(tok)
+            toks[:, t] = tok
             unfinished = unfinished & ~torch.isin(tok, stop_ids)
             if t == max_new_tokens - 1 or (t % every == every - 1 and not unfinished.any()):
                 break
             bias[:, 0, 0, P + t] = 0.0
             logits = step(tok, cos[:, t, None], sin[:, t, None], P + t)
-        return torch.stack(toks, 1), torch.stack(logps, 1)
+        return toks[:, : t + 1], logps[:, : t + 1]
 
 
 def static_decoder(model, length: int = 0) -> StaticDecoder | None:

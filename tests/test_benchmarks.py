@@ -144,6 +144,7 @@ def test_gpu_vs_trl_runs_at_a_small_shape_on_cpu(tmp_path, lora):
     assert saved["args"]["lora"] == int(lora) and ("LoRA r 4" in saved["table"][0]) == (lora == "4")
 
 
+@pytest.mark.slow  # twelve script runs: three scripts x both engines x full fine-tuning and LoRA
 def test_script_memory_runs_scripts_at_a_small_vocabulary(tmp_path):
     scripts = ["grpo", "sc_grpo", "ep_grpo"]  # the grown model's teacher (SC-GRPO), LoRA's reference (EP-GRPO)
     out = tmp_path / "script_memory.json"
@@ -179,8 +180,11 @@ def test_script_memory_runs_scripts_at_a_small_vocabulary(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     res = json.loads(out.read_text())
-    assert list(res["scripts"]) == scripts + [f"{s} --lora-rank 4" for s in scripts] and res["vocab"] == 2000
+    tiers = ["", " --engine hf", " --lora-rank 4", " --lora-rank 4 --engine hf"]  # both engines by default
+    assert list(res["scripts"]) == [s + t for t in tiers for s in scripts] and res["vocab"] == 2000
     assert res["scripts"]["ep_grpo --lora-rank 4"]["vs_grpo"]["rss_gb"] > 0  # against grpo.py under LoRA
+    assert res["scripts"]["sc_grpo --lora-rank 4"]["vs_hf"]["rss_gb"] > 0  # against itself under --engine hf
+    assert not res["scripts"]["sc_grpo --engine hf"]["vs_hf"]
     for name, row in res["scripts"].items():
         assert row["rc"] == 0 and row["steps"] == 1 and row["rss_gb"] > 0.1, (name, row)
     assert res["scripts"]["sc_grpo"]["sc_routed"] > 0  # its teachers ran on the grown model

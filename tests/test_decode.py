@@ -8,10 +8,13 @@ generation_config.json sets, and a run identical under --engine hf."""
 import json
 import math
 import shutil
+import weakref
 
 import pytest
 import torch
 from helpers import run_dir, run_script
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import common
@@ -331,6 +334,40 @@ def test_lora_decodes_merged_copies_and_never_writes_the_base(tiny):
     assert any(p.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)  # the adapters moved
     after = peft_model.get_base_model().state_dict()
     assert all(torch.equal(v, after[k]) for k, v in base.items())
+
+
+class LiveTensors(TorchDispatchMode):
+    """Counts the tensors every op made while the mode is on that are still alive; `peak`: the largest count."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.peak = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.refs = [r for r in self.refs if r() is not None]
+        self.refs += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.peak = max(self.peak, len(self.refs))
+        return out
+
+
+def test_the_decode_loop_keeps_no_tensor_per_token():
+    """What the loop holds does not grow with the tokens: each token and log-prob goes into a [B, T] buffer. Kept as
+    one small tensor per token, they sit inside the step's freed [B, V] temporaries on CPU, which glibc then neither
+    reuses nor returns: after an update, about one [B, V] fp32 block of resident memory per token
+    (benchmarks/script_memory.py, docs/benchmarks.md). The tensors alive at once, counted op by op, at 8 and 40 new
+    tokens."""
+    model = small(Qwen2Config, vocab_size=499)
+    dec = rollouts.StaticDecoder(model)
+    ids, mask = torch.randint(2, 499, (8, 6), generator=torch.Generator().manual_seed(2)), torch.ones(8, 6).long()
+    peaks = []
+    for T in (8, 40):
+        torch.manual_seed(0)
+        with LiveTensors() as live:
+            out, logp = dec.generate(ids, mask, T, 1.0, 1.0, 0, True, [1], 0)
+        assert out.shape == logp.shape == (8, T)  # no early stop: every step ran
+        peaks.append(live.peak)
+    assert peaks[1] - peaks[0] <= 4, peaks
 
 
 def test_a_model_outside_the_llama_family_samples_with_generate(capsys):

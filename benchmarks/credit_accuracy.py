@@ -49,9 +49,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own directory)
 from credit_view import BadInput, read_records  # noqa: E402  (tools/: the one reader and check of credit records)
 
-from rlvr_utils.checkpoints import read_rows  # noqa: E402  (a damaged metrics line is an error)
 from rlvr_utils.credit import first_wrong_line, token_lines  # noqa: E402  (the definition's rules)
-from rlvr_utils.runtime import usage_error  # noqa: E402
+from rlvr_utils.runtime import metrics_rows, usage_error  # noqa: E402  (a damaged metrics line: an error)
 
 MEASURED = ("step", "prompt", "reward", "tokens", "credit")  # the keys of a credit record the measure reads
 
@@ -106,10 +105,10 @@ METRICS_USED += ("reset/oracle_exact", "reset/oracle_after")
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """A run's metrics rows (rlvr_utils.checkpoints.read_rows: each a JSON object with an integer step; [] for no file),
+    """A run's metrics rows (rlvr_utils.runtime.metrics_rows: each a JSON object with an integer step; [] for no file),
     each metric `table` and `calibrate` read a number: a damaged file is a BadInput naming it, not a traceback."""
     try:
-        rows = read_rows(path)
+        rows = metrics_rows(path)
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"{path}: cannot read it as metrics ({getattr(e, 'strerror', None) or e})") from None
     for r in rows:

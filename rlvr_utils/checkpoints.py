@@ -1,6 +1,6 @@
 """Checkpoints: `--save-model`, `--save-every N`, and the one a clean Ctrl-C writes (saving.py writes them, resume.py
-reads them back); here what every run has: the run directory (its name and place checked before anything loads, its
-metrics.jsonl read back), its one-writer lock, the counted prompt stream.
+reads them back); here what every run has: the run directory (its name and place checked before anything loads), its
+one-writer lock, the counted prompt stream.
 
 A training checkpoint is the directory <run_dir>/checkpoint/, written into a temporary sibling and renamed over the
 previous one (only the last is kept, and a crash never leaves a half-written one):
@@ -97,11 +97,14 @@ class Checkpointer:
         return self.every > 0 and (step % self.every == 0 or step == total_steps)
 
     def save(self, step: int, model, tokenizer, optimizer, batches: CountingBatches, extra: dict | None = None) -> Path:
-        """The checkpoint of the state after `step`, by saving.py: an extra that a run which never saves never loads.
-        Mixed precision: the fp32 masters (`masters_of`)."""
-        saving = runtime.extra("saving", "a checkpoint (--save-every, Ctrl-C)")
+        """The checkpoint of the state after `step`, by saving.py (--fsdp: sharded.py): an extra that a run which never
+        saves never loads. Mixed precision: the fp32 masters (`masters_of`)."""
+        if self.sharded:
+            writer = runtime.extra("sharded", "--fsdp")  # it writes the rest with saving.py's functions
+        else:
+            writer = runtime.extra("saving", "a checkpoint (--save-every, Ctrl-C)")
         with masters_of(model, *(extra or {}).values()):
-            return saving.save(self, step, model, tokenizer, optimizer, batches, extra)
+            return writer.save(self, step, model, tokenizer, optimizer, batches, extra)
 
     @property
     def sharded(self) -> bool:
@@ -147,27 +150,6 @@ def check_run_dir(name: str, output_dir: str, resume: str | None) -> None:
         runtime.need(not out.exists() or out.is_dir(), f"--output-dir {output_dir}: exists and is not a directory")
         ok = parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
         runtime.need(ok, f"--output-dir {output_dir}: {parent} is not a writable directory")
-
-
-def read_rows(path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
-    line that is not a JSON object with an integer step, is an error naming it)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    rows = []
-    for i, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
-                runtime.usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
-            rows.append(row)
-        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
-            if i < len(lines):
-                runtime.usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
-            print(
-                f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
-                file=sys.stderr,
-            )
-    return rows
 
 
 COMPLETE = "complete.json"  # written last into a checkpoint copy: {"step": N}

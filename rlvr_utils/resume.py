@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rlvr_utils import runtime
-from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, lock_run_dir, read_rows
+from rlvr_utils.checkpoints import COMPLETE, Checkpointer, CountingBatches, lock_run_dir
 from rlvr_utils.runtime import need, usage_error
 
 RUNTIME_FLAGS = (
@@ -107,7 +107,7 @@ def resume_args(args, args_type, ablations: str | None = None):
         metrics.is_file(),
         f"--resume {args.resume}: {metrics} is missing (a resumed run appends to it): restore it, or start a new run",
     )
-    read_rows(metrics)  # every line a JSON object with its step (one line naming the line otherwise)
+    runtime.metrics_rows(metrics)  # every line a JSON object with its step (one line naming the line otherwise)
     defaults, merged = args_type(), {}
     hints = typing.get_type_hints(args_type)
     for f in dataclasses.fields(args_type):  # a hand-edited config.json: one line naming the key, not a traceback

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlvr_utils import checkpoints, reward_isolation, reward_logs, watchdog
+from rlvr_utils import reward_isolation, reward_logs, runtime, watchdog
 from rlvr_utils.reward_isolation import from_signal
 from rlvr_utils.reward_isolation import text as _text
 from rlvr_utils.reward_logs import where as _where
@@ -105,7 +105,7 @@ class RewardFunctions:
         s = self.state
         s.max_steps, s.train_batch_size = total_steps, completions or prompts_per_step
         if steps_done and (self.run_dir / "metrics.jsonl").is_file():
-            rows = checkpoints.read_rows(self.run_dir / "metrics.jsonl")
+            rows = runtime.metrics_rows(self.run_dir / "metrics.jsonl")
             s.log_history = [r for r in rows if r["step"] <= steps_done]
         if steps_done:
             reward_logs.trim_extra(self.run_dir, rank, steps_done)

@@ -1,7 +1,7 @@
 """What every run does around its algorithm, besides checkpoints (checkpoints.py): the one-line usage error, the one
-process's `Dist` (torchrun's, with its collectives, is distributed.py's), the run directory's lock, stopping on Ctrl-C
-or SIGTERM, and the run's metrics: the update's diagnostics (UpdateStats, TRL's names) and where every metric goes
-(TensorBoard, metrics.jsonl beside it, the tracker libraries of --report-to).
+process's `Dist` (torchrun's, with its collectives, is distributed.py's), stopping on Ctrl-C or SIGTERM, and the run's
+metrics: the update's diagnostics (UpdateStats, TRL's names) and where every metric goes (TensorBoard, metrics.jsonl
+beside it and read back by metrics_rows, the tracker libraries of --report-to).
 """
 
 from __future__ import annotations
@@ -161,9 +161,8 @@ def init_distributed(
     if world_size() == 1:
         dev = pick_device(device)
         return Dist(device=dev), dev
-    from rlvr_utils import distributed  # extra: torchrun
-
-    return distributed.init_torchrun(device, args, prompts_per_step, timeout_s, fsdp)
+    torchrun = extra("distributed", "torchrun (WORLD_SIZE > 1)")  # checked by cli.check_common already
+    return torchrun.init_torchrun(device, args, prompts_per_step, timeout_s, fsdp)
 
 
 TORCHRUN = "start the run with torchrun (torchrun --nproc_per_node N <script> ...), or unset WORLD_SIZE for one process"
@@ -269,9 +268,7 @@ class Logger:
         self.enabled = enabled  # False on torchrun ranks > 0
         self.run_dir, self.last_eval = Path(run_dir), None
         if resume_step:
-            from rlvr_utils.checkpoints import read_rows  # the run directory's files (checkpoints imports this module)
-
-            rows = read_rows(self.run_dir / "metrics.jsonl")
+            rows = metrics_rows(self.run_dir / "metrics.jsonl")
             rows = [r for r in rows if r["step"] <= resume_step]
             self.last_eval = {k: v for r in rows if "eval/accuracy" in r for k, v in r.items() if k.startswith("eval/")}
             if enabled:
@@ -319,6 +316,27 @@ class Logger:
         self.jsonl.close()
         for tracker in self.trackers:
             tracker.finish()
+
+
+def metrics_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a last line cut off by a kill is dropped with a warning (a damaged line elsewhere, or a
+    line that is not a JSON object with an integer step, is an error naming it)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)):
+                usage_error(f"{path}:{i}: not a metrics row (a JSON object with an integer step)")
+            rows.append(row)
+        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
+            if i < len(lines):
+                usage_error(f"{path}:{i}: not a JSON line; the run's metrics are damaged")
+            print(
+                f"warning: {path}:{i}: a partial last line (the run was killed while writing it) is dropped",
+                file=sys.stderr,
+            )
+    return rows
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -19,13 +19,31 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from rlvr_utils import runtime
 from rlvr_utils.checkpoints import COMPLETE, io_cause, is_io_error, write_failed
 
 
 def save(ckpt, step: int, model, tokenizer, optimizer, batches, extra: dict | None = None) -> Path:
     """Write `ckpt`'s (a checkpoints.Checkpointer) checkpoint of the state after `step` (rank 0 writes the model;
-    every rank its RNG states)."""
+    every rank its RNG states). Under --fsdp the Checkpointer calls sharded.save instead, with the same arguments."""
+    state, states = run_state(ckpt, step, optimizer, batches, extra)
+    if ckpt.rank == 0:
+        try:
+            ckpt.path.parent.mkdir(parents=True, exist_ok=True)
+            with new_copy(ckpt) as tmp:
+                save_model_atomic(model, tokenizer, tmp / "model")
+                write_state(ckpt, tmp, step, state, states)
+        except Exception as e:  # a full disk, a read-only directory, a file-size limit (OSError or the writer's)
+            if not is_io_error(e):
+                raise  # not an I/O failure: a bug keeps its traceback
+            failed(ckpt, step, e)
+        ckpt.clean_leftovers()
+    if ckpt.dist is not None:
+        ckpt.dist.barrier()
+    return ckpt.path
+
+
+def run_state(ckpt, step: int, optimizer, batches, extra: dict | None = None) -> tuple[dict, list]:
+    """trainer.pt's dict after `step`, and every rank's random streams (gathered to all under torchrun: `states`)."""
     state = {
         "step": step,
         "batches_drawn": batches.drawn,
@@ -43,22 +61,7 @@ def save(ckpt, step: int, model, tokenizer, optimizer, batches, extra: dict | No
     if world > 1:
         keys = ("python", "numpy", "torch", "cuda", "extra_rng")
         torch.distributed.all_gather_object(states, {k: state[k] for k in keys})
-    if ckpt.sharded:
-        return runtime.extra("sharded", "--fsdp").save(ckpt, step, model, optimizer, state, states)
-    if ckpt.rank == 0:
-        try:
-            ckpt.path.parent.mkdir(parents=True, exist_ok=True)
-            with new_copy(ckpt) as tmp:
-                save_model_atomic(model, tokenizer, tmp / "model")
-                write_state(ckpt, tmp, step, state, states)
-        except Exception as e:  # a full disk, a read-only directory, a file-size limit (OSError or the writer's)
-            if not is_io_error(e):
-                raise  # not an I/O failure: a bug keeps its traceback
-            failed(ckpt, step, e)
-        ckpt.clean_leftovers()
-    if ckpt.dist is not None:
-        ckpt.dist.barrier()
-    return ckpt.path
+    return state, states
 
 
 def new_copy(ckpt) -> _atomic_dir:

@@ -17,14 +17,16 @@ from rlvr_utils import saving
 from rlvr_utils.runtime import extra, usage_error
 
 
-def save(ckpt, step: int, model, optimizer, state: dict, states: list) -> Path:
-    """`ckpt` (a checkpoints.Checkpointer under FSDP, which calls this): every rank writes its shards into the same
-    temporary copy (sharded/), rank 0 the rest (trainer.pt without the optimizer; the ranks' random streams `states`);
-    the copy becomes the checkpoint by one rename once every rank's shards are on disk. Non-finite weights on any rank:
-    none. What a copy is and holds besides the shards is the Checkpointer's (this module does not import it)."""
+def save(ckpt, step: int, model, tokenizer, optimizer, batches, extra: dict | None = None) -> Path:
+    """saving.save under FSDP (`ckpt`, a checkpoints.Checkpointer, calls this instead): every rank writes its shards
+    into the same temporary copy (sharded/), rank 0 the rest (trainer.pt without the optimizer; the ranks' random
+    streams); the copy becomes the checkpoint by one rename once every rank's shards are on disk. Non-finite weights on
+    any rank: none. What a copy is and holds besides the shards is the Checkpointer's (this module does not import
+    it); sharded/ replaces model/, so the tokenizer is not written."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    state, states = saving.run_state(ckpt, step, optimizer, batches, extra)
     dist, main = ckpt.dist, ckpt.rank == 0
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     if dist.sum([float(not all(torch.isfinite(p).all() for p in local))])[0] > 0:

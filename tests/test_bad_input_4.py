@@ -177,7 +177,7 @@ def test_a_metric_named_step_cannot_replace_the_rows_step(tmp_path):
     logger.close()
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row == {"step": 3, "reward": 0.5, "bad": None}  # NaN is not JSON: null
-    assert checkpoints.read_rows(tmp_path / "metrics.jsonl")[0]["step"] == 3
+    assert runtime.metrics_rows(tmp_path / "metrics.jsonl")[0]["step"] == 3
 
 
 # --- 5. a generator reward under --reward-timeout --------------------------------------------------------------------

@@ -59,7 +59,7 @@ def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
 
     sys.path.insert(0, str(ROOT))
     import common
-    from rlvr_utils import models, tasks
+    from rlvr_utils.core import models, tasks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -96,7 +96,7 @@ WRAPPER = r"""
 import json, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import common
-from rlvr_utils import runtime
+from rlvr_utils.core import runtime
 
 def hwm():
     return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 2**20  # GiB

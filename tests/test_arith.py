@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rlvr_utils import tasks
+from rlvr_utils.core import tasks
 
 
 def test_arith_problem_and_solution():

@@ -20,10 +20,11 @@ ABLATIONS = {sc_grpo: "sc_ablations", ep_grpo: "ep_ablations", srpo: "srpo_ablat
 
 
 def defaults(module) -> dict:
-    """The script's flags' defaults, its ablation flags' too (rlvr_utils/<method>_ablations.py: the method's values)."""
+    """The script's flags' defaults, its ablation flags' too (rlvr_utils/methods/<method>_ablations.py: the method's
+    values)."""
     fields = dataclasses.fields(module.Args)
     if module in ABLATIONS:
-        fields += dataclasses.fields(importlib.import_module(f"rlvr_utils.{ABLATIONS[module]}").Ablations)
+        fields += dataclasses.fields(importlib.import_module(f"rlvr_utils.methods.{ABLATIONS[module]}").Ablations)
     return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
 
 

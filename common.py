@@ -387,8 +387,8 @@ def evaluate(
 # 5. The run (TRY NOT TO MODIFY): what every script does around its algorithm, one call each
 # ----------------------------------------------------------------------------------------------
 TASK_FLAGS = (  # what tasks.load_task takes
-    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value "
-    "arith_max_operand code_timeout code_sandbox reward_fn reward_weights reward_timeout success_threshold"
+    "seed num_eval data_path eval_data_path max_prompt_length arith_steps arith_max_value arith_max_operand "
+    "arith_variant code_timeout code_sandbox reward_fn reward_weights reward_timeout success_threshold"
 ).split()
 
 
@@ -455,6 +455,7 @@ class Run:
         if (mixed := getattr(model, "_rlvr_precision", None)) is not None:  # fp32 masters:
             mixed.attach(optimizer)  # bf16 copies refreshed after each step, before vLLM's sync
         models.check_vocab(a.model, model, tokenizer)  # before the run directory exists
+        self.stop = runtime.GracefulStop()  # a stop asked while loading, its StopNow lost: here
         if self.dir is None:  # its own directory, made exclusively on rank 0 (taken: a suffix)
             made = checkpoints.new_run_dir(a.output_dir, self.name) if dist.main else None
             self.dir = Path(dist.broadcast(str(made) if made else None))
@@ -464,7 +465,6 @@ class Run:
             lambda: prompt_batches(task.train, a.prompts_per_step, a.seed)
         )
         self.ckpt = checkpoints.Checkpointer(self.dir, a.save_every, dist)
-        self.stop = runtime.GracefulStop()
         self.first = 1
         if a.resume:  # the checkpoint into the model, optimizer, prompt stream and RNGs just built
             resume = runtime.extra("resume", "--resume")

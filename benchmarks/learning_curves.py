@@ -57,6 +57,7 @@ SETTINGS = {
     "headroom": ["--arith-steps", "6", "--arith-max-value", "150", "--max-new-tokens", "80"],
     "hard": ["--arith-steps", "6", "--arith-max-value", "400", "--max-new-tokens", "80"],
     "long": ["--model", "assets/tiny-arith-long", "--arith-steps", "16", "--max-new-tokens", "180"],
+    "rising": ["--arith-steps", "6", "--arith-variant", "rising", "--max-new-tokens", "80"],  # GRPO-λ's premise (#67)
 }
 METHODS = {
     "grpo": ["grpo.py"],

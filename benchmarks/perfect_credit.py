@@ -49,14 +49,19 @@ def blame_from(tokenizer, example, ids: list[int], text: str) -> int:
     return chains.tokens_before(tokenizer, ids, offsets[k - 1])
 
 
+def failed_rows(ro, success, examples, tokenizer):
+    """Each failed completion: its row, its number of tokens n and blame_from's first blamed token."""
+    for i in torch.nonzero(~success).flatten().tolist():
+        n = int(ro.completion_mask[i].sum())
+        ids = ro.completion_ids[i, :n].tolist()
+        yield i, n, blame_from(tokenizer, examples[int(ro.group_ids[i])], ids, ro.texts[i])
+
+
 def perfect_credit(advantages, ro, success, examples, tokenizer) -> torch.Tensor:
     """[N, T] per-token advantages: GRPO's [N] broadcast, with each failed completion's correct prefix set to 0."""
     T = ro.completion_ids.shape[1]
     token_adv = advantages[:, None].expand(-1, T).clone()
-    for i in torch.nonzero(~success).flatten().tolist():
-        n = int(ro.completion_mask[i].sum())
-        ids = ro.completion_ids[i, :n].tolist()
-        start = blame_from(tokenizer, examples[int(ro.group_ids[i])], ids, ro.texts[i])
+    for i, _, start in failed_rows(ro, success, examples, tokenizer):
         token_adv[i, :start] = 0.0
     return token_adv
 
@@ -70,10 +75,7 @@ def placebo_credit(advantages, ro, success, examples, tokenizer) -> torch.Tensor
     overlaps the correct prefix by at least 2 start - n tokens: mostly the control itself.)"""
     T = ro.completion_ids.shape[1]
     token_adv = advantages[:, None].expand(-1, T).clone()
-    for i in torch.nonzero(~success).flatten().tolist():
-        n = int(ro.completion_mask[i].sum())
-        ids = ro.completion_ids[i, :n].tolist()
-        start = blame_from(tokenizer, examples[int(ro.group_ids[i])], ids, ro.texts[i])
+    for i, n, start in failed_rows(ro, success, examples, tokenizer):
         token_adv[i] *= (n - start) / max(n, 1)
     return token_adv
 

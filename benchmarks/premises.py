@@ -19,8 +19,9 @@ task, and prints per method its figures, its gate and pass or fail:
                (common.token_logprobs' entropy at the sampling temperature) in >= 90% of failed rows. With --reference
                (the starting policy, for a trained one) the process signal's share of ep_advantages' |A| is reported.
   grpo_lambda  early tokens decide the outcome: >= 50% of failed rows' first wrong lines in the first quarter of the
-               solution's lines; the share of a failed row's blame the default trace puts on its correct prefix
-               (trace_diagnostics.trace_multipliers) is reported beside GRPO's uniform share.
+               solution's lines (reported also over the failed rows of groups with a success, the only ones a
+               group-relative advantage blames); the share of a failed row's blame the default trace puts on its
+               correct prefix (trace_diagnostics.trace_multipliers) is reported beside GRPO's uniform share.
   control      blame at the first wrong line is blame where the value drops: the Monte-Carlo value of the prefix before
                the first wrong line minus after it, >= 0.2 (>= 8 continuations from each of >= 40 failed rows).
 
@@ -156,6 +157,13 @@ def first_quarter(true: list[int], solution_lines: list[int]) -> dict:
         "early": sum(p < 0.25 for p in pos) / n if n else None,
         "position": float(np.mean(pos)) if n else None,
     }
+
+
+def in_mixed_groups(picked: list[int], group_ids: list[int], failed: list[bool]) -> list[int]:
+    """The rows of `picked` whose group has a success: the failed rows a group-relative advantage blames (a group that
+    fails throughout has no advantage, so no credit of any method reaches its rows)."""
+    solved = {g for g, f in zip(group_ids, failed) if not f}
+    return [i for i in picked if group_ids[i] in solved]
 
 
 def prefix_blame(c: torch.Tensor, start: list[int], lengths: list[int]) -> tuple[float, float]:
@@ -387,6 +395,9 @@ def measure_grpo_lambda(tok, rows: Rows, a) -> dict:
     """GRPO-λ: where failed rows go wrong, and the blame share its trace puts on their correct prefix."""
     picked = rows.with_wrong_line()
     f = first_quarter([rows.k[i] for i in picked], [len(rows.problems[i].ops) + 1 for i in picked])
+    mixed = in_mixed_groups(picked, rows.ro.group_ids.tolist(), rows.failed.tolist())
+    lines = [len(rows.problems[i].ops) + 1 for i in mixed]
+    f |= {"early_mixed": first_quarter([rows.k[i] for i in mixed], lines)["early"], "mixed_rows": len(mixed)}
     if picked:
         lengths = [len(rows.ids[i]) for i in picked]
         start = [blame_from(tok, rows.examples[i], rows.ids[i], rows.ro.texts[i]) for i in picked]
@@ -532,7 +543,8 @@ def figures_text(r: dict) -> str:
         return f"top 20% {fmt(r.get('top20'))} (above the batch pivot {pivot}); {r['rows']} rows{share}"
     if m == "grpo_lambda":
         return (
-            f"first quarter {fmt(r.get('early'))}; position {fmt(r.get('position'))}; prefix blame: trace "
+            f"first quarter {fmt(r.get('early'))} (in groups with a success {fmt(r.get('early_mixed'))}, "
+            f"{r.get('mixed_rows', '–')} rows); position {fmt(r.get('position'))}; prefix blame: trace "
             f"{fmt(r.get('trace_prefix_share'))}, uniform {fmt(r.get('uniform_prefix_share'))}; {r['rows']} rows"
         )
     return (f"V {fmt(r['v_before'])} → {fmt(r['v_after'])}, drop {fmt(r['drop'])} [{fmt(r['drop_lo'])}, "

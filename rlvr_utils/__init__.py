@@ -32,7 +32,8 @@ extras/, each imported where its flag is handled (runtime.extra names every file
   model_checks     a --model you give, checked before it loads: its config, weight files and tokenizer, or the hub
   trl_eval         --eval-num-generations: TRL's evaluation, samples per prompt and their training metrics under eval/
   unfused          token log-probs from the model's own logits (a model whose logits are not lm_head(h))
-extras/data/, tasks from data and their verifiers:
+extras/data/, the tasks' extras: tasks from data and their verifiers, the arith task's other draws:
+  arith_variants   --arith-variant: other ways to draw the arith task's problems (rising: GRPO-λ's premise)
   data_tasks       --task gsm8k/math/code/custom, --data-path, --reward-fn: datasets, data files, their checks
   datafiles        local data files checked line by line, then read as TRL's users read them (datasets), each row's line
   rewards          GSM8K and MATH answers (math-verify)
@@ -66,7 +67,7 @@ FOLDERS = {  # each module's folder: rlvr_utils/<folder>/<module>.py (the docstr
     "methods": "teacher chains trace_diagnostics ep_diagnostics"  # loaded by their script
     + " sc_ablations ep_ablations srpo_ablations lambda_ablations",  # by a flag
     "extras": "credit lora model_checks trl_eval unfused",
-    "extras/data": "data_tasks datafiles rewards sandbox sandbox_bwrap sandbox_harness",
+    "extras/data": "arith_variants data_tasks datafiles rewards sandbox sandbox_bwrap sandbox_harness",
     "extras/reward_fns": "custom reward_calls reward_isolation reward_logs watchdog",
     "extras/run_io": "config_file trackers",
     "extras/scale": "distributed engines cuda_graphs precision",

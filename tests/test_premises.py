@@ -160,6 +160,7 @@ def test_premises_runs_and_prints_one_object_per_method():
     assert all(isinstance(o["pass"], bool) and o["gate"] == premises.GATES[o["method"]] for o in out)
     by = {o["method"]: o for o in out}
     assert 0 <= by["srpo"]["exact"] <= 1 and by["srpo"]["rows"] > 0
+    assert by["grpo_lambda"]["mixed_rows"] <= by["grpo_lambda"]["rows"]  # failed rows of groups with a success
     assert by["ep_grpo"]["process_share"] == pytest.approx(0.0, abs=1e-6)  # the policy is its own reference: P = 0
     assert by["control"]["rows"] == 3 and by["control"]["continuations"] == 2
     assert not by["control"]["pass"]  # 3 rows x 2 continuations are below the gate's sizes, whatever the drop
@@ -177,3 +178,10 @@ def test_the_table_names_the_setting_and_what_a_measurement_added():
     row = premises.table([{"meta": meta, "methods": [r]}]).splitlines()[-1]
     assert row.startswith("| long + `--arith-steps 12` | x | ep_grpo | yes | top 20% 0.950")
     assert row.endswith(f"| {premises.GATES['ep_grpo']} |")
+
+
+def test_in_mixed_groups_by_hand():
+    # groups 7 (rows 0-2: one success), 8 (rows 3-4: all failed), 9 (row 5: failed, alone)
+    groups, failed = [7, 7, 7, 8, 8, 9], [True, False, True, True, True, True]
+    assert premises.in_mixed_groups([0, 2, 3, 4, 5], groups, failed) == [0, 2]
+    assert premises.in_mixed_groups([3, 5], groups, failed) == []

@@ -117,9 +117,10 @@ def test_the_shared_loop_is_grpo_py_s_but_for_the_method_s_lines(script):
     assert matched == want, f"{script}: documented differences that are gone: {sorted(set(want) - set(matched))}"
 
 
-# a method readable in one sitting (issue #49): at most 500 lines a script (srpo.py 600), and at most 10% of the
-# non-blank lines of each script and of common.py over 100 characters (ruff formats them at 100)
-SIZES = {"grpo.py": 500, "sc_grpo.py": 500, "grpo_lambda.py": 500, "ep_grpo.py": 500, "srpo.py": 600, "common.py": 600}
+# a method readable in one sitting (issue #49): at most 500 lines a script (srpo.py 600; a script is one method and
+# cannot split by topic), and at most 10% of the non-blank lines of each script and of common.py over 100 characters
+# (ruff formats them at 100). common.py has no line cap: it holds the loop's topics (docs/design.md, "Layers")
+SIZES = {"grpo.py": 500, "sc_grpo.py": 500, "grpo_lambda.py": 500, "ep_grpo.py": 500, "srpo.py": 600, "common.py": None}
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
@@ -127,7 +128,7 @@ def test_each_script_stays_readable_in_one_sitting(name):
     lines = (ROOT / name).read_text().splitlines()
     text = [line for line in lines if line.strip()]
     long = [line for line in text if len(line) > 100]
-    assert len(lines) <= SIZES[name], f"{name}: {len(lines)} lines"
+    assert SIZES[name] is None or len(lines) <= SIZES[name], f"{name}: {len(lines)} lines"
     assert len(long) <= 0.10 * len(text), f"{name}: {len(long)} of {len(text)} lines over 100 characters"
 
 

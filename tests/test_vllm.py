@@ -97,7 +97,7 @@ def test_under_lora_the_engine_serves_the_merged_weights():
     flags = cli.BaseArgs(engine="vllm", vllm_gpu_memory_utilization=2.5 * MEM, lora_rank=4, lora_alpha=32.0)
     model = common.with_lora(base, flags)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    engine = engines.attach_run_engine(model, optimizer, flags, type("Dist", (), {"rank": 0})())
+    engine = engines.attach_run_engine(model, optimizer, flags, type("Dist", (), {"rank": 0, "mixed": None})())
     ids = tok("Solve: 23+7-5+9\n23+7=30\n30-5=25\n25+9=34\n#### 34").input_ids
     t = torch.tensor([ids])
     for _ in range(3):  # adapters away from B = 0, where the LoRA model is the base

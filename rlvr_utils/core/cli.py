@@ -102,6 +102,8 @@ class BaseArgs:
     """arith: running values stay in [0, this]"""
     arith_max_operand: int = 9
     """arith: operands are drawn from [1, this]"""
+    arith_variant: Literal["default", "rising"] = "default"
+    """arith: how problems are drawn (rising: tiny-arith goes wrong early, GRPO-λ's premise; arith_variants.py)"""
     code_timeout: float = 5.0
     """code task: wall-clock seconds for one program's whole test run (also its CPU-time limit)"""
     code_sandbox: Literal["bwrap", "audit-hook"] = "bwrap"
@@ -328,9 +330,8 @@ def check_common(args) -> None:
     if any(m == "precision" for m, _ in needed):  # bf16 on this CPU, --pure-bf16, --save-dtype
         extra("precision", "--dtype bfloat16").check(a)
     if a["task"] == "arith":
-        train, evals = arith_problems(
-            a["seed"], 2000, a["num_eval"], a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
-        )
+        sizes = a["arith_steps"], a["arith_max_value"], a["arith_max_operand"]
+        train, evals = arith_problems(a["seed"], 2000, a["num_eval"], *sizes, a["arith_variant"])
         need(
             len(train) >= a["prompts_per_step"] and len(evals) >= 1,
             f"--arith-steps {a['arith_steps']} "

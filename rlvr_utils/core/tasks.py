@@ -14,7 +14,8 @@ the answer line:
     30-5=25
     25+9=34
     #### 34
-Running values stay in [0, max_value]: an operation that would leave the range flips its sign.
+Running values stay in [0, max_value]: an operation that would leave the range flips its sign. `--arith-variant rising`
+draws the problems otherwise (the extra arith_variants.py); the prompt, solution format, verifier and oracle stay.
 """
 
 from __future__ import annotations
@@ -238,6 +239,9 @@ def make_arith_problem(rng: random.Random, steps: int = 4, max_value: int = 99, 
     return ArithProblem(start, tuple(ops))
 
 
+ARITH_VARIANTS = ("default", "rising")  # --arith-variant: make_arith_problem's draws, or arith_variants.<name>
+
+
 def parse_arith_problem(text: str) -> ArithProblem:
     """Inverse of `ArithProblem.text`: "23+7-5+9" -> ArithProblem(23, (("+",7), ("-",5), ("+",9)))."""
     m = re.fullmatch(r"\s*(\d+)((?:\s*[+-]\s*\d+)+)\s*", text)
@@ -295,15 +299,20 @@ ARITH_INSTRUCTION = (
 
 
 def arith_problems(
-    seed: int, num_train: int, num_eval: int, steps: int = 4, max_value: int = 99, max_operand: int = 9
-) -> tuple[list[ArithProblem], list[ArithProblem]]:
+    seed: int, num_train: int, num_eval: int, steps: int = 4, max_value: int = 99, max_operand: int = 9,
+    variant: str = "default",
+) -> tuple[list[ArithProblem], list[ArithProblem]]:  # fmt: skip
     """Seeded train and eval problems, disjoint: eval problems (distinct) come from their own stream, and train
-    draws that equal an eval problem are dropped."""
+    draws that equal an eval problem are dropped. `variant`: the generator, one of ARITH_VARIANTS."""
     rng, eval_rng = random.Random(seed), random.Random(10_000_019 + seed)
     kw = dict(steps=steps, max_value=max_value, max_operand=max_operand)
-    evals = list({p.text: p for p in (make_arith_problem(eval_rng, **kw) for _ in range(num_eval))}.values())
+    make = make_arith_problem
+    if variant != "default":  # another way to draw them (--arith-variant; arith_variants.py)
+        draw = getattr(runtime.extra("arith_variants", f"--arith-variant {variant}"), variant)
+        make = lambda r, **k: ArithProblem(*draw(r, **k))  # noqa: E731
+    evals = list({p.text: p for p in (make(eval_rng, **kw) for _ in range(num_eval))}.values())
     held = {p.text for p in evals}
-    train = [p for p in (make_arith_problem(rng, **kw) for _ in range(num_train)) if p.text not in held]
+    train = [p for p in (make(rng, **kw) for _ in range(num_train)) if p.text not in held]
     return train, evals
 
 
@@ -330,8 +339,8 @@ class TaskBuilder:
         return Example(i, question, gold, prompt, ids, user, meta or {})
 
 
-def _arith_task(b: TaskBuilder, seed: int, steps: int, max_value: int, max_operand: int, num_train: int):
-    train, evals = arith_problems(seed, num_train, b.num_eval, steps, max_value, max_operand)
+def _arith_task(b: TaskBuilder, seed: int, steps: int, max_value: int, max_operand: int, num_train: int, variant: str):
+    train, evals = arith_problems(seed, num_train, b.num_eval, steps, max_value, max_operand, variant)
 
     def build(problems, offset):
         return [
@@ -347,12 +356,13 @@ def load_task(
     eval_data_path: str | None = None, max_prompt_length: int = 1024, arith_steps: int = 4, arith_max_value: int = 99,
     arith_max_operand: int = 9, arith_num_train: int = 20000, code_timeout: float = 5.0, code_sandbox: str = "bwrap",
     reward_fn: Sequence[str] = (), reward_weights: Sequence[float] = (), reward_timeout: float = 0.0,
-    success_threshold: float = 1.0,
+    success_threshold: float = 1.0, arith_variant: str = "default",
 ) -> Task:  # fmt: skip
     """Build a task's train and eval prompts and its reward function (see the module docstring).
 
-    arith: seeded synthetic problems (train and eval disjoint); gsm8k/math: the hub dataset or a local file via
-    `data_path` (eval from `eval_data_path`, else held out from the same source); code: HumanEval or a local
+    arith: seeded synthetic problems (train and eval disjoint), drawn by the `arith_variant` generator (ARITH_VARIANTS);
+    gsm8k/math: the hub dataset or a local file via `data_path` (eval from `eval_data_path`, else held out from the
+    same source); code: HumanEval or a local
     jsonl/jsonl.gz in HumanEval's or an MBPP-like format, each program run in `code_sandbox` (sandbox.py) for
     `code_timeout` seconds;
     custom: `data_path` rows scored by `reward_fn` (custom.py). `reward_fn` given with a built-in task replaces its
@@ -361,12 +371,14 @@ def load_task(
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASKS)}")
+    if arith_variant not in ARITH_VARIANTS:
+        raise ValueError(f"unknown arith variant {arith_variant!r}: choose one of {', '.join(ARITH_VARIANTS)}")
     if not code_timeout > 0:
         raise ValueError(f"--code-timeout must be a positive number of seconds, got {code_timeout}")
     b = TaskBuilder(name, tokenizer, num_eval, data_path, eval_data_path, max_prompt_length)
     if name == "arith":
         train, evals, reward, batch_fn = _arith_task(
-            b, seed, arith_steps, arith_max_value, arith_max_operand, arith_num_train
+            b, seed, arith_steps, arith_max_value, arith_max_operand, arith_num_train, arith_variant
         )
     else:  # the tasks that read data
         data_tasks = runtime.extra("data_tasks", f"--task {name}")

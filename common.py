@@ -27,23 +27,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rlvr_utils import checkpoints, cli, logprob_kernels, models, rollouts, runtime, tasks
-from rlvr_utils.cli import DEFAULT_MODEL as DEFAULT_MODEL
-from rlvr_utils.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
-from rlvr_utils.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
-from rlvr_utils.models import load_model as load_model
-from rlvr_utils.models import load_policy as load_policy
-from rlvr_utils.models import load_tokenizer as load_tokenizer
-from rlvr_utils.rollouts import Rollouts as Rollouts
-from rlvr_utils.rollouts import generate_rollouts as generate_rollouts
-from rlvr_utils.rollouts import make_rollouts as make_rollouts
-from rlvr_utils.rollouts import pad_left as pad_left
-from rlvr_utils.rollouts import stop_token_ids as stop_token_ids
-from rlvr_utils.runtime import UpdateStats as UpdateStats
+from rlvr_utils.core import checkpoints, cli, logprob_kernels, models, rollouts, runtime, tasks
+from rlvr_utils.core.cli import DEFAULT_MODEL as DEFAULT_MODEL
+from rlvr_utils.core.logprob_kernels import MAX_LOG_RATIO as MAX_LOG_RATIO
+from rlvr_utils.core.logprob_kernels import ROWS_PER_FORWARD as ROWS_PER_FORWARD
+from rlvr_utils.core.models import load_model as load_model
+from rlvr_utils.core.models import load_policy as load_policy
+from rlvr_utils.core.models import load_tokenizer as load_tokenizer
+from rlvr_utils.core.rollouts import Rollouts as Rollouts
+from rlvr_utils.core.rollouts import generate_rollouts as generate_rollouts
+from rlvr_utils.core.rollouts import make_rollouts as make_rollouts
+from rlvr_utils.core.rollouts import pad_left as pad_left
+from rlvr_utils.core.rollouts import stop_token_ids as stop_token_ids
+from rlvr_utils.core.runtime import UpdateStats as UpdateStats
 
 if TYPE_CHECKING:
-    from rlvr_utils.runtime import Dist
-    from rlvr_utils.tasks import Example, Task
+    from rlvr_utils.core.runtime import Dist
+    from rlvr_utils.core.tasks import Example, Task
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------
 def with_lora(model, args):
     """--lora-rank: `model` with LoRA adapters on its blocks' linear layers, only they train
-    (rlvr_utils/lora.py, PEFT); full fine-tuning (0): `model` itself."""
+    (rlvr_utils/extras/lora.py, PEFT); full fine-tuning (0): `model` itself."""
     if not args.lora_rank:
         return model
     return runtime.extra("lora", "--lora-rank").wrap(model, args)
@@ -67,8 +67,9 @@ def reference(model, args):
 
 
 def adamw(params, args) -> torch.optim.Optimizer:
-    """torch's AdamW over `params` (fused on CUDA; mixed precision: it steps fp32 masters, its state
-    fp32: rlvr_utils/precision.py), or --pure-bf16 kahan's: optimi's, with Kahan summation."""
+    """torch's AdamW over `params` (fused on CUDA; mixed precision: it steps fp32 masters, its
+    state fp32: rlvr_utils/extras/scale/precision.py), or --pure-bf16 kahan's: optimi's, with Kahan
+    summation."""
     if args.pure_bf16 == "kahan":
         return runtime.extra("precision", "--pure-bf16 kahan").kahan_adamw(params, args)
     lr, decay, fused = args.learning_rate, args.weight_decay, bool(params) and params[0].is_cuda
@@ -157,7 +158,7 @@ def rollouts_with_rewards(model, tokenizer, task: Task, batches, dist: Dist, arg
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. Token log-probs (memory-bounded kernels: rlvr_utils/logprob_kernels.py)
+# 2. Token log-probs (memory-bounded kernels: rlvr_utils/core/logprob_kernels.py)
 # ----------------------------------------------------------------------------------------------
 def token_logprobs(
     model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
@@ -172,8 +173,9 @@ def token_logprobs(
     Memory: rows go `chunk_size` at a time (default: logprob_kernels.rows_per_forward); no [B, T, V]
     log-softmax or fp32 logits exist, forward or backward. `fused` (default: fused_logprobs_ok):
     FusedLinearLogProb applies the lm_head to the final hidden states a few positions at a time, so
-    not even the [b, T, V] logits exist; else (logits that are not lm_head(h)) rlvr_utils/unfused.py
-    takes z[y] - logsumexp(z) from the model's own logits in fp32 a few positions at a time. Both
+    not even the [b, T, V] logits exist; else (logits that are not lm_head(h))
+    rlvr_utils/extras/unfused.py takes z[y] - logsumexp(z) from the model's own logits in fp32 a few
+    positions at a time. Both
     compute the same function (logits over the sampling temperature). `keep`: a list that gets each
     row chunk's final hidden states (unfused: its logits), with their gradient (SC-GRPO's D)."""
     T = num_completion_tokens
@@ -196,7 +198,7 @@ def token_logprobs(
             )
             logps.append(lp.view(ids.shape[0], T))
             ents += [ent.view(ids.shape[0], T)] if with_entropy else []
-        else:  # logits that are not lm_head(h): the model's own (rlvr_utils/unfused.py)
+        else:  # logits that are not lm_head(h): the model's own (rlvr_utils/extras/unfused.py)
             unfused = runtime.extra("unfused", "a model whose logits are not lm_head(h)")
             out = unfused.logprobs(
                 model, ids, mask, T, temperature, with_entropy, entropy_chunk, keep
@@ -362,7 +364,7 @@ def evaluate(
     `success_threshold`, "eval/reward": the mean reward, "eval/mean_length"}. Under torchrun each
     rank evaluates an equal slice (the last one padded with repeats that are not counted) and the
     sums are all-reduced, so every rank returns the same figures. num_generations > 0: TRL's
-    evaluation, samples and their training metrics (rlvr_utils/trl_eval.py)."""
+    evaluation, samples and their training metrics (rlvr_utils/extras/trl_eval.py)."""
     ex, rank, world = task.eval, (dist.rank if dist else 0), (dist.world if dist else 1)
     n = -(-len(ex) // world)
     mine = ex[rank * n : (rank + 1) * n]
@@ -445,7 +447,7 @@ class Run:
         self.dtype = "float32" if self.dist.mixed else args.dtype  # the policy's weights load so
         seed_everything((args.seed + self.dist.rank) % 2**32)  # per-rank sampling, the same batches
         self.dir = Path(args.resume).absolute() if args.resume else None  # a reward may chdir
-        self.credit = None  # --log-credit's record (rlvr_utils/credit.py)
+        self.credit = None  # --log-credit's record (rlvr_utils/extras/credit.py)
         name = f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"  # its own directory
         self.name = self.dir.name if self.dir else name  # made in start(), once the task loads
         where = self.dir or Path(args.output_dir).absolute() / name

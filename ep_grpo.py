@@ -14,8 +14,8 @@ Differences from grpo.py:
      a moving anchor, --process-anchor);
   2. defaults: --beta 1e-3, --loss-agg token-mean, --outcome-std population (std + 1e-6; grpo.py:
      unbiased + 1e-4);
-  3. the ep/* diagnostics (rlvr_utils/ep_diagnostics.py); the ablation flags' other forms are in
-     rlvr_utils/ep_ablations.py (an extra, loaded when one is asked for).
+  3. the ep/* diagnostics (rlvr_utils/methods/ep_diagnostics.py); the ablation flags' other forms
+     are in rlvr_utils/methods/ep_ablations.py (an extra, loaded when one is asked for).
 With --gate-alpha 0 --process-coef 0 --outcome-std unbiased it is grpo.py --beta 0.001
 --loss-agg token-mean.
 """
@@ -27,7 +27,8 @@ from typing import Literal
 import torch
 
 import common
-from rlvr_utils import cli, ep_diagnostics
+from rlvr_utils.core import cli
+from rlvr_utils.methods import ep_diagnostics
 
 GateNorm = Literal["response", "none"]  # the flags with choices, by name
 Polarity = Literal["outcome", "none"]
@@ -117,7 +118,7 @@ def ep_advantages(entropy, logp_old, logp_ref, mask, rewards, group_size, group_
     group_ids (default: blocks of group_size). cfg: what it reads (EPConfig; default: the flags'
     defaults), checked when parsed. scores: d's verifier scores [B] (the rewards before any
     overlong shaping; default: rewards). return_parts: EPCredit(A, the pieces: outcome, gate,
-    process, windows, ...). Its ablations' other forms wrap it (rlvr_utils/ep_ablations.py).
+    process, windows, ...). Its ablations' other forms wrap it (rlvr_utils/methods/ep_ablations.py).
 
     >>> H, zero, on = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.zeros(2, 2), torch.ones(2, 2)
     >>> rewards = torch.tensor([1.0, 0.0])  # one group: A_out = +1, -1; delta = 0, so P = 0
@@ -250,7 +251,7 @@ if __name__ == "__main__":
     task = common.load_task(args, tokenizer)  # before the model: an empty task stops at once
     model = common.load_model(args.model, run.device, run.dtype, args.gradient_checkpointing)
     model = common.with_lora(model, args)  # --lora-rank: LoRA adapters train, the base is frozen
-    ablation = args.ablation_module  # its flags given: rlvr_utils/ep_ablations.py (docs/ep_grpo.md)
+    ablation = args.ablation_module  # its flags given: methods/ep_ablations.py (docs/ep_grpo.md)
     anchor = ablation.moving_anchor(args, model) if ablation else None  # ablation: a moving anchor
     need_ref = anchor is None or args.beta > 0  # ALGO LOGIC: delta needs it
     ref_model = common.reference(model, args) if need_ref else None  # LoRA: adapters off

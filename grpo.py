@@ -18,12 +18,12 @@ import dataclasses
 import torch
 
 import common
-from rlvr_utils import cli
+from rlvr_utils.core import cli
 
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """GRPO: the shared flags only (rlvr_utils/cli.py: run, model, task, sampling, optimizer,
+    """GRPO: the shared flags only (rlvr_utils/core/cli.py: run, model, task, sampling, optimizer,
     evaluation, engine, torchrun)."""
 
 

@@ -12,9 +12,10 @@ log-ratio clamp, token-mean) the defaults are this project's, marked "(project d
 
 Differences from grpo.py:
   1. step 3 clamps negative advantages (--adv-clamp −0.1); step 5's clipped ratio is the traced
-     one (ϵ-trace; the ϵ-weight variant, an ablation: rlvr_utils/lambda_ablations.py).
-  2. the trace/* metrics (rlvr_utils/trace_diagnostics.py: one extra autograd.grad of the loss
-     with respect to the log-probs, not of the model; and c_k's closed form, trace_multipliers).
+     one (ϵ-trace; the ϵ-weight variant, an ablation: rlvr_utils/methods/lambda_ablations.py).
+  2. the trace/* metrics (rlvr_utils/methods/trace_diagnostics.py: one extra autograd.grad of the
+     loss with respect to the log-probs, not of the model; and c_k's closed form,
+     trace_multipliers).
   3. default --loss-agg token-mean (grpo.py: seq-mean-token-mean).
 
     python grpo_lambda.py                                   # tiny model, built-in task, CPU
@@ -29,13 +30,13 @@ import torch
 import torch.nn.functional as F
 
 import common
-from rlvr_utils import cli
-from rlvr_utils.trace_diagnostics import TraceStats
+from rlvr_utils.core import cli
+from rlvr_utils.methods.trace_diagnostics import TraceStats
 
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """GRPO-λ: the shared flags (rlvr_utils/cli.py), the trace's flags, and token-mean."""
+    """GRPO-λ: the shared flags (rlvr_utils/core/cli.py), the trace's flags, and token-mean."""
 
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean (DAPO; default here, project default: the co-author's verl port),
@@ -117,7 +118,7 @@ def grpo_lambda_token_loss(
     (the critic-free TD error). ρ̃_t = exp(clamp(trace_log_ratio(logp − old_logp), ±max_log_ratio)),
     loss_t = −min(ρ̃_t·A, clip(ρ̃_t, 1−ε, 1+ε_high)·A). Returns LambdaLoss(loss [B, T], the ratio the
     clip acts on [B, T], the traced log-ratio z [B, T]). cfg: λ, γ, the style, ε (LambdaConfig).
-    The ϵ-weight variant: rlvr_utils/lambda_ablations.py.
+    The ϵ-weight variant: rlvr_utils/methods/lambda_ablations.py.
 
     >>> logp, A = torch.zeros(1, 3, requires_grad=True), torch.ones(1, 3)  # on-policy; mask = A = 1
     >>> out = grpo_lambda_token_loss(logp, logp.detach(), A, A, LambdaConfig(0.5, style="recent"))
@@ -207,9 +208,7 @@ if __name__ == "__main__":
     G = args.num_generations
     cfg = LambdaConfig.of(args)  # ALGO LOGIC: Eq. 2's flags and the clamp's floor
     token_loss = grpo_lambda_token_loss  # ALGO LOGIC: ϵ-trace
-    ablation = (
-        args.ablation_module
-    )  # its flag given: rlvr_utils/lambda_ablations.py (--trace-apply)
+    ablation = args.ablation_module  # its flag given: methods/lambda_ablations.py (--trace-apply)
     if ablation is not None:
         token_loss = ablation.token_loss(args, grpo_lambda_token_loss, trace_log_ratio)
 

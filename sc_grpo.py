@@ -8,7 +8,7 @@ c = max(P75 of D, 1e-4), multiplies each token's clipped surrogate (the reward s
 f the magnitude). Solve-none groups (n_c = 0): one rollout is everyone's reference, the others add
 alpha * zscore(mean f) to their advantage.
 Paper: Shan et al. 2026, Learning from Own Solutions (arXiv 2606.18810; no official code).
-Docs: docs/sc_grpo.md. The teacher's memory-bounded forward: rlvr_utils/teacher.py.
+Docs: docs/sc_grpo.md. The teacher's memory-bounded forward: rlvr_utils/methods/teacher.py.
 
 Differences from grpo.py:
 1. step 3 routes the groups and builds each routed row's teacher prompt (teacher_prompt)
@@ -16,7 +16,7 @@ Differences from grpo.py:
    forward also gives the student's side of D (teacher_kl adds the teacher's), then f and the
    solve-none bonus per micro-batch; the clipped surrogate times f
 3. the advantage's std: population + 1e-6 (--outcome-std; grpo.py's: unbiased + 1e-4)
-Ablations of ours (other D, other groups, c over the batch): rlvr_utils/sc_ablations.py.
+Ablations of ours (other D, other groups, c over the batch): rlvr_utils/methods/sc_ablations.py.
 
     python sc_grpo.py                                            # tiny model, built-in task, CPU
     python sc_grpo.py --weight-mode none --outcome-std unbiased  # exactly grpo.py
@@ -32,13 +32,14 @@ from typing import Literal
 import torch
 
 import common
-from rlvr_utils import cli, tasks, teacher
+from rlvr_utils.core import cli, tasks
+from rlvr_utils.methods import teacher
 
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """SC-GRPO: the shared flags (rlvr_utils/cli.py) and the method's own, at the paper's values
-    (docs/sc_grpo.md). Its ablation flags (ours): docs/sc_grpo.md, Ablations."""
+    """SC-GRPO: the shared flags (rlvr_utils/core/cli.py) and the method's own, at the paper's
+    values (docs/sc_grpo.md). Its ablation flags (ours): docs/sc_grpo.md, Ablations."""
 
     weight_mode: Literal["multiply", "none"] = "multiply"
     """multiply: the clipped surrogate times f(D); none: f = 1, no teacher (with --outcome-std
@@ -318,7 +319,7 @@ if __name__ == "__main__":
     teach = dict(temperature=args.temperature, pad_id=tokenizer.pad_token_id, kl_grad=kl_grad)
     teacher_kl = functools.partial(teacher.teacher_kl, **teach, dist=dist)  # D, fused (§5.1)
     weighted, f_per_batch = ("partial", "none"), False  # the groups with a teacher (§5.1)
-    ablation = args.ablation_module  # its flags given: rlvr_utils/sc_ablations.py (docs/sc_grpo.md)
+    ablation = args.ablation_module  # its flags given: methods/sc_ablations.py (docs/sc_grpo.md)
     if ablation is not None:
         f_and_bonus, teacher_kl, weighted, f_per_batch = ablation.set_up(
             args, f_and_bonus, teacher_kl

@@ -5,7 +5,8 @@ Of each prompt's 8 trajectories, 4 are fresh chains (the base group); the other 
 thought was first wrong (`--reset self`), RRPO picks it uniformly (`--reset random`), and
 `--reset oracle` uses the task's exact first wrong step (the built-in arith task has one). Each
 group is z-scored on its own; the loss is REINFORCE on suffix tokens only (the prefix is masked).
-Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md. Generate calls: rlvr_utils/chains.py.
+Paper: Samanta et al. 2026, arXiv 2605.25507. Docs: docs/srpo.md. Generate calls:
+rlvr_utils/methods/chains.py.
 
 Differences from grpo.py:
   1. Rollouts: fresh chains, a parent search, reset points (self / random / oracle) and
@@ -18,7 +19,8 @@ Differences from grpo.py:
   5. Defaults: the shared ones but --learning-rate 3e-5 (grpo.py: 1e-4), where the tiny long-chain
      model does not collapse (docs/srpo.md, "Defaults: paper versus this project").
 
-Ablations (--split, --no-mask, --clip): rlvr_utils/srpo_ablations.py (docs/srpo.md, Ablations).
+Ablations (--split, --no-mask, --clip): rlvr_utils/methods/srpo_ablations.py (docs/srpo.md,
+Ablations).
 
     python srpo.py                  # SRPO on the bundled tiny model and the built-in task
     python srpo.py --reset random   # RRPO
@@ -34,13 +36,14 @@ from typing import Literal
 import torch
 
 import common
-from rlvr_utils import chains, cli, tasks
+from rlvr_utils.core import cli, tasks
+from rlvr_utils.methods import chains
 
 
 @dataclasses.dataclass
 class Args(cli.BaseArgs):
-    """SRPO / RRPO: the shared flags (rlvr_utils/cli.py) and the resets'. --num-generations is the
-    paper's budget of 8 trained trajectories per prompt, half fresh chains and half one parent's
+    """SRPO / RRPO: the shared flags (rlvr_utils/core/cli.py) and the resets'. --num-generations is
+    the paper's budget of 8 trained trajectories per prompt, half fresh chains and half one parent's
     continuations; --max-new-tokens caps a continuation's response, its kept prefix included;
     --epsilon and --epsilon-high act only with the ablation --clip (docs/srpo.md, Ablations)."""
 
@@ -500,7 +503,7 @@ if __name__ == "__main__":
     run.start(model, tokenizer, optimizer, task, state={"resets": rng})
     dist = run.dist
     dist.uneven = True  # torchrun: a rank's rows are its prompts' resets (FSDP evens the passes)
-    ablation = args.ablation_module  # its flags given: rlvr_utils/srpo_ablations.py (docs/srpo.md)
+    ablation = args.ablation_module  # its flags given: methods/srpo_ablations.py (docs/srpo.md)
 
     for step in run.steps():
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization,

@@ -25,14 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-from rlvr_utils import sandbox
+from rlvr_utils.extras.data import sandbox
 
 ALONE = 20  # programs timed one at a time each round
 
 
 def baseline_runner(directory: str):
-    """run_code_tests of another checkout's rlvr_utils/sandbox.py (its own harness beside it)."""
-    spec = importlib.util.spec_from_file_location("baseline_sandbox", Path(directory) / "rlvr_utils" / "sandbox.py")
+    """run_code_tests of another checkout's rlvr_utils/extras/data/sandbox.py (its own harness beside it; a checkout
+    with the package in folders, as this one: its imports are this checkout's modules)."""
+    path = Path(directory) / "rlvr_utils" / "extras" / "data" / "sandbox.py"
+    spec = importlib.util.spec_from_file_location("baseline_sandbox", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.run_code_tests

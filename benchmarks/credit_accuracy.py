@@ -2,8 +2,8 @@
 
 Every method here claims a better token-level credit than GRPO's uniform one. The built-in arith task knows where a
 failed completion went wrong (`arith_first_error`: its first wrong line), and `--log-credit` records each token's
-effective credit as the loss's own gradient gives it (rlvr_utils/credit.py). This script measures the one against the
-other:
+effective credit as the loss's own gradient gives it (rlvr_utils/extras/credit.py). This script measures the one against
+the other:
 
     python benchmarks/credit_accuracy.py run --setting long --seeds 1 2 3 4 5     # the runs (learning_curves.py's)
     python benchmarks/credit_accuracy.py report RUN_DIR_OR_FILE ...               # one JSON line per run
@@ -49,9 +49,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own directory)
 from credit_view import BadInput, read_records  # noqa: E402  (tools/: the one reader and check of credit records)
 
-from rlvr_utils.checkpoints import read_rows  # noqa: E402  (a damaged metrics line is an error)
-from rlvr_utils.credit import first_wrong_line, token_lines  # noqa: E402  (the definition's rules)
-from rlvr_utils.runtime import usage_error  # noqa: E402
+from rlvr_utils.core.runtime import metrics_rows, usage_error  # noqa: E402  (a damaged metrics line: an error)
+from rlvr_utils.extras.credit import first_wrong_line, token_lines  # noqa: E402  (the definition's rules)
 
 MEASURED = ("step", "prompt", "reward", "tokens", "credit")  # the keys of a credit record the measure reads
 
@@ -106,10 +105,11 @@ METRICS_USED += ("reset/oracle_exact", "reset/oracle_after")
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """A run's metrics rows (rlvr_utils.checkpoints.read_rows: each a JSON object with an integer step; [] for no file),
-    each metric `table` and `calibrate` read a number: a damaged file is a BadInput naming it, not a traceback."""
+    """A run's metrics rows (rlvr_utils.core.runtime.metrics_rows: each a JSON object with an integer step; [] for no
+    file), each metric `table` and `calibrate` read a number: a damaged file is a BadInput naming it, not a
+    traceback."""
     try:
-        rows = read_rows(path)
+        rows = metrics_rows(path)
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"{path}: cannot read it as metrics ({getattr(e, 'strerror', None) or e})") from None
     for r in rows:

@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from rlvr_utils import engines, runtime, tasks  # noqa: E402
+from rlvr_utils.core import runtime, tasks  # noqa: E402
+from rlvr_utils.extras.scale import engines  # noqa: E402
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

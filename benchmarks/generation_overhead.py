@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import tasks  # noqa: E402
+from rlvr_utils.core import tasks  # noqa: E402
 
 PROMPTS, G, MAX_NEW = 8, 8, 48
 

@@ -52,7 +52,7 @@ def build_model(shape: str, out: Path, vocab: int) -> Path:
 
     sys.path.insert(0, str(ROOT))
     import common
-    from rlvr_utils import models
+    from rlvr_utils.core import models
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
@@ -80,7 +80,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from rlvr_utils import models, tasks
+from rlvr_utils.core import models, tasks
 
 cuda = torch.cuda.is_available()
 tok = models.load_tokenizer({model!r})

@@ -231,7 +231,7 @@ def seed_files(setting: str, results: Path, quiet: bool | None = False) -> dict:
 
 def seed_rows(f: Path, quiet: bool | None = False) -> list[dict] | None:
     """A seed's rows, or None (said, in one line) when the report cannot use them: a line that is not JSON (a cut last
-    line is dropped with a warning, as checkpoints.read_rows does), a row that is not an object with an integer step, a
+    line is dropped with a warning, as runtime.metrics_rows does), a row that is not an object with an integer step, a
     value it computes with that is not a number, an evaluation that is NaN, or no evaluation at the end."""
     try:
         lines = [line for line in f.read_text().splitlines() if line.strip()]

@@ -53,8 +53,8 @@ import learning_curves as lc  # noqa: E402  (benchmarks/ is the script's own dir
 
 import common  # noqa: E402
 import grpo  # noqa: E402
-from rlvr_utils import cli, rollouts, tasks  # noqa: E402
-from rlvr_utils.credit import token_lines  # noqa: E402
+from rlvr_utils.core import cli, rollouts, tasks  # noqa: E402
+from rlvr_utils.extras.credit import token_lines  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ from rlvr_utils.credit import token_lines  # noqa: E402
 # ----------------------------------------------------------------------------------------------
 def line_rates(logp: list[float], lines: list[int], n_lines: int) -> list[float]:
     """h_k = 1 - exp(sum of the log-probs of line k's tokens), k = 1..n_lines. logp, lines: per token of the solution
-    (lines: 1-based, rlvr_utils.credit.token_lines)."""
+    (lines: 1-based, rlvr_utils.extras.credit.token_lines)."""
     total = [0.0] * n_lines
     for lp, k in zip(logp, lines):
         total[k - 1] += lp

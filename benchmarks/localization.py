@@ -43,8 +43,8 @@ import credit_accuracy as ca  # noqa: E402  (benchmarks/ is the script's own dir
 import learning_curves as lc  # noqa: E402
 from harness import read_metrics  # noqa: E402
 
-from rlvr_utils import tasks  # noqa: E402
-from rlvr_utils.credit import ARITH_PROMPT, SPECIAL  # noqa: E402  (how a recorded row's problem and text are read)
+from rlvr_utils.core import tasks  # noqa: E402
+from rlvr_utils.extras.credit import ARITH_PROMPT, SPECIAL  # noqa: E402  (how a recorded row is read)
 
 CLASSES = ("slip", "wrong_value", "skipped_or_reordered", "foreign", "other")
 RANDOM = "rrpo"  # the control: resets at a uniformly random line
@@ -124,8 +124,8 @@ def first_error_class(problem: tasks.ArithProblem | str, completion: str) -> tup
 
 def classify_row(row: dict) -> tuple[int, str, str] | None:
     """first_error_class of a recorded row: its problem from the prompt, its text as the verifier saw it (the recorded
-    tokens without special tokens, as rlvr_utils.credit.first_wrong_line reads them). None: not an arith prompt, or
-    no wrong line."""
+    tokens without special tokens, as rlvr_utils.extras.credit.first_wrong_line reads them). None: not an arith prompt,
+    or no wrong line."""
     m = ARITH_PROMPT.search(row["prompt"])
     if m is None:
         return None

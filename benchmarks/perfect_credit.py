@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py and rlvr_utils/ beside benchmarks/
 import common  # noqa: E402
-from rlvr_utils import chains, cli, tasks  # noqa: E402
+from rlvr_utils.core import cli, tasks  # noqa: E402
+from rlvr_utils.methods import chains  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -3,8 +3,8 @@ generation (the static decoder) under the ways to train with bf16 compute, side 
 alternating the variants:
 
   bf16 weights       AdamW on the bf16 weights themselves (the code before mixed precision; --pure-bf16 plain)
-  bf16 copies        fp32 masters, the model computing on bf16 copies of them (rlvr_utils/precision.py: what
-                     --dtype bfloat16 runs)
+  bf16 copies        fp32 masters, the model computing on bf16 copies of them (rlvr_utils/extras/scale/precision.py:
+                     what --dtype bfloat16 runs)
   fp32 + autocast    fp32 weights, every forward under torch.autocast(bf16) (TRL's way); the fused lm_head kernel gets
                      its hidden states and weight cast to bf16, as an autocast-aware kernel would
   fp32               float32 throughout (--dtype float32, the CPU default)
@@ -36,7 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import logprob_kernels, models, precision, rollouts  # noqa: E402
+from rlvr_utils.core import logprob_kernels, models, rollouts  # noqa: E402
+from rlvr_utils.extras.scale import precision  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, vocab_size=99),

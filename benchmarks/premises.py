@@ -67,9 +67,10 @@ import ep_grpo  # noqa: E402
 import grpo_lambda  # noqa: E402
 import sc_grpo  # noqa: E402
 import srpo  # noqa: E402
-from rlvr_utils import chains, cli, rollouts, tasks, teacher  # noqa: E402
-from rlvr_utils.credit import token_lines  # noqa: E402
-from rlvr_utils.trace_diagnostics import trace_multipliers  # noqa: E402
+from rlvr_utils.core import cli, rollouts, tasks  # noqa: E402
+from rlvr_utils.extras.credit import token_lines  # noqa: E402
+from rlvr_utils.methods import chains, teacher  # noqa: E402
+from rlvr_utils.methods.trace_diagnostics import trace_multipliers  # noqa: E402
 
 METHODS = ("srpo", "sc_grpo", "ep_grpo", "grpo_lambda", "control")
 GATES = {  # the thresholds of issue #67; change one only with a measured reason written beside it
@@ -123,7 +124,7 @@ def line_auc(D: np.ndarray, lines: np.ndarray, k: int, departure: int | None = N
     """For one failed row: (AUC of D on line k's tokens over the tokens of lines 1..k-1, ties 1/2; whether D's maximum
     over lines 1..k is on line k; line k's share of those tokens, the chance of the latter; the AUC of D at the
     `departure` token alone over the same tokens, None without one). None when line k has no token or no line precedes
-    it (k < 2). D, lines [T]: the row's tokens (lines: rlvr_utils.credit.token_lines)."""
+    it (k < 2). D, lines [T]: the row's tokens (lines: rlvr_utils.extras.credit.token_lines)."""
     wrong, before = lines == k, (lines >= 1) & (lines < k)
     if k < 2 or not wrong.any() or not before.any():
         return None

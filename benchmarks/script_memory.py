@@ -26,9 +26,10 @@ step). Prints a markdown table and writes benchmarks/out/script_memory_<device>.
 the KL term and EP-GRPO's delta is the same model with its adapters off, no copy); a LoRA row's "x grpo.py" is against
 grpo.py under LoRA.
 
---engines (default: both): every script at the default engine (the static decoder, rlvr_utils/rollouts.py; vLLM where
-it is installed on a GPU) and again with `--engine hf` (transformers' generate); a row's "x grpo.py" is against grpo.py
-under the same engine, and a default-engine row's "x hf" is its peak over the same script's under `--engine hf`.
+--engines (default: both): every script at the default engine (the static decoder, rlvr_utils/core/rollouts.py; vLLM
+where it is installed on a GPU) and again with `--engine hf` (transformers' generate); a row's "x grpo.py" is against
+grpo.py under the same engine, and a default-engine row's "x hf" is its peak over the same script's under
+`--engine hf`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def grow_vocab(src: Path, out: Path, vocab: int, margin: float = 40.0) -> Path:
 
     sys.path.insert(0, str(ROOT))
     import common
-    from rlvr_utils import models, tasks
+    from rlvr_utils.core import models, tasks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -101,7 +102,7 @@ WRAPPER = r"""
 import json, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import common
-from rlvr_utils import runtime
+from rlvr_utils.core import runtime
 
 def hwm():
     return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 2**20  # GiB

@@ -31,7 +31,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 import common
-from rlvr_utils import models, tasks
+from rlvr_utils.core import models, tasks
 
 torch.manual_seed({seed})
 tok = models.load_tokenizer(common.DEFAULT_MODEL)

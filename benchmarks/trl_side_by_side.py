@@ -107,7 +107,7 @@ def recomputed(seen: list[dict], G: int, eos: int) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from rlvr_utils import trl_eval
+    from rlvr_utils.extras import trl_eval
 
     ids = [i for call in seen for i in call["ids"]]
     rewards = [r for call in seen for r in call["rewards"]]
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=4)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from rlvr_utils import models, tasks
+    from rlvr_utils.core import models, tasks
 
     tok = models.load_tokenizer(str(ROOT / "assets" / "tiny-arith"))
     problems = tasks.load_task("arith", tok, seed=7, num_eval=a.prompts, arith_num_train=10).eval

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rlvr_utils import rewards  # noqa: E402
+from rlvr_utils.extras.data import rewards  # noqa: E402
 
 
 def main() -> None:

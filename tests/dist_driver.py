@@ -17,7 +17,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import checkpoints, distributed, logprob_kernels, tasks  # noqa: E402
+from rlvr_utils.core import checkpoints, logprob_kernels, tasks  # noqa: E402
+from rlvr_utils.extras.scale import distributed  # noqa: E402
 
 
 def fixed_rollouts(model, tokenizer, prompts, group_ids, num_generations, max_new_tokens, *args, **kwargs):

@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from rlvr_utils import runtime  # noqa: E402
+from rlvr_utils.core import runtime  # noqa: E402
 
 if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from rlvr_utils import arith_variants, tasks
+from rlvr_utils.core import tasks
+from rlvr_utils.extras.data import arith_variants
 
 
 def rising(rng, *a, **kw):
@@ -148,7 +149,7 @@ def test_arith_variant_flag_reaches_the_task(monkeypatch, capsys):
 
     import common
     import grpo
-    from rlvr_utils import cli
+    from rlvr_utils.core import cli
 
     tok = common.load_tokenizer(TINY_MODEL)
     made = {}

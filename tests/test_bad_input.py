@@ -19,7 +19,8 @@ import torch
 from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir, run_inprocess
 
-from rlvr_utils import checkpoints, saving
+from rlvr_utils.core import checkpoints
+from rlvr_utils.extras.save import saving
 
 TINY = ["--num-eval", "4", "--eval-every", "0", "--prompts-per-step", "2", "--num-generations", "2"]
 TINY += ["--max-new-tokens", "16", "--threads", "1"]

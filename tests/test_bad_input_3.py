@@ -150,7 +150,7 @@ def test_damaged_compressed_data_is_a_data_file_error_naming_the_file(tmp_path):
     file (the scripts print it as one line), not a traceback."""
     import gzip
 
-    from rlvr_utils import datafiles
+    from rlvr_utils.extras.data import datafiles
 
     data = bytearray(gzip.compress("".join(json.dumps({"prompt": "p", "i": i}) + "\n" for i in range(500)).encode()))
     data[12] ^= 0xFF  # inside the deflate stream, just past gzip's 10-byte header
@@ -199,7 +199,7 @@ def test_two_writers_of_one_run_directory_are_refused(saved, tmp_path):
     and writes nothing."""
     d = _copy_run(saved, tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils import checkpoints; "
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils.core import checkpoints; "
          f"checkpoints.lock_run_dir('{d}'); print('held', flush=True); time.sleep(60)"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -241,7 +241,7 @@ def test_two_ctrl_c_while_loading_are_one_line(tmp_path):
 def test_a_byte_order_mark_at_the_start_of_a_json_file_is_read_past(tmp_path):
     """Windows tools write UTF-8 with a BOM: a .jsonl and a .json array read as without it (it was refused, and a
     BOM'd array was read as JSON lines)."""
-    from rlvr_utils import datafiles
+    from rlvr_utils.extras.data import datafiles
 
     rows = [{"prompt": "p", "i": i} for i in range(3)]
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
@@ -252,7 +252,7 @@ def test_a_byte_order_mark_at_the_start_of_a_json_file_is_read_past(tmp_path):
 
 def test_an_mbpp_test_list_given_as_one_string_is_refused_naming_the_field():
     """A CSV/TSV cell makes test_list one string, which became a list of its characters (every row then scored 0)."""
-    from rlvr_utils import data_tasks
+    from rlvr_utils.extras.data import data_tasks
 
     row = {"text": "write f", "test_list": "['assert f(1) == 1']"}
     assert "test_list must be a list of assert lines" in data_tasks.row_problem("code", row)
@@ -263,7 +263,7 @@ def test_a_stop_while_loading_whose_exception_was_swallowed_stops_where_loading_
     """The loading-time handler raises StopNow; run while Python is inside a __del__ or a callback, that exception is
     printed as ignored and the loading goes on (a suite run under load then trained to the end). GracefulStop, built
     where loading ends, stops the run there; a later run in the same process starts afresh."""
-    from rlvr_utils import runtime
+    from rlvr_utils.core import runtime
 
     saved = {sig: signal.getsignal(sig) for sig in runtime.SIGNALS}
     try:

@@ -20,7 +20,9 @@ from conftest import ROOT, TINY_MODEL
 from test_bad_input import TINY, _one_line, _run
 from test_trl_rewards import _examples
 
-from rlvr_utils import checkpoints, cli, custom, data_tasks, datafiles, reward_calls, runtime
+from rlvr_utils.core import checkpoints, cli, runtime
+from rlvr_utils.extras.data import data_tasks, datafiles
+from rlvr_utils.extras.reward_fns import custom, reward_calls
 
 
 def _lock_in_process(path, capsys):
@@ -108,7 +110,7 @@ def test_deleting_the_lock_file_of_a_live_run_does_not_let_a_second_writer_in(tm
     """The lock is on the run directory itself: a user who deletes `.lock` (the message named a process they thought
     dead) is still refused, and the message names the live holder."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils import checkpoints; "
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); from rlvr_utils.core import checkpoints; "
          f"checkpoints.lock_run_dir({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -177,7 +179,7 @@ def test_a_metric_named_step_cannot_replace_the_rows_step(tmp_path):
     logger.close()
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row == {"step": 3, "reward": 0.5, "bad": None}  # NaN is not JSON: null
-    assert checkpoints.read_rows(tmp_path / "metrics.jsonl")[0]["step"] == 3
+    assert runtime.metrics_rows(tmp_path / "metrics.jsonl")[0]["step"] == 3
 
 
 # --- 5. a generator reward under --reward-timeout --------------------------------------------------------------------
@@ -455,7 +457,7 @@ def test_sigusr1_stops_after_the_step_as_sigterm_does_also_beside_the_watchdog()
     after the step (as SIGTERM), also while a --reward-timeout watchdog, which uses SIGUSR1 itself, is installed."""
     import signal
 
-    from rlvr_utils import watchdog
+    from rlvr_utils.extras.reward_fns import watchdog
 
     saved = {s: signal.getsignal(s) for s in runtime.SIGNALS}
     previous = watchdog.Watchdog._previous
@@ -475,7 +477,7 @@ def test_sigusr1_stops_after_the_step_as_sigterm_does_also_beside_the_watchdog()
 
 
 def test_a_prompt_of_megabytes_is_skipped_without_being_tokenized(tiny):
-    from rlvr_utils import tasks
+    from rlvr_utils.core import tasks
 
     b = tasks.TaskBuilder("custom", tiny[1], 1, None, None, 64)
     t0 = time.time()

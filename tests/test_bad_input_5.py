@@ -27,7 +27,10 @@ from test_bad_input import TINY, _one_line, _run
 from test_trl_rewards import _examples
 
 import common
-from rlvr_utils import cli, custom, data_tasks, resume, reward_calls, runtime, saving, tasks
+from rlvr_utils.core import cli, runtime, tasks
+from rlvr_utils.extras.data import data_tasks
+from rlvr_utils.extras.reward_fns import custom, reward_calls
+from rlvr_utils.extras.save import resume, saving
 
 
 class _Planted:
@@ -112,7 +115,7 @@ def _dcp_checkpoint(path: Path, optimizer_value=None):
 
 @pytest.mark.filterwarnings("ignore")  # DCP warns that no process group is initialized
 def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, capsys):
-    from rlvr_utils import sharded
+    from rlvr_utils.extras.save import sharded
 
     marker = tmp_path / "ran"
     model, _ = _dcp_checkpoint(tmp_path / "good")
@@ -284,7 +287,7 @@ def test_a_forked_child_that_returns_into_the_run_ends_there(tmp_path):
     beside the run (in a child process: before the fix the forked copy would run the rest of the caller)."""
     code = (
         "import os, sys\n"
-        "from rlvr_utils import reward_calls, tasks\n"
+        "from rlvr_utils.core import tasks; from rlvr_utils.extras.reward_fns import reward_calls\n"
         "ex = [tasks.Example(0, 'q', '', 'p', [1], meta={'prompt': 'p', 'columns': {}, 'where': 'f.jsonl:1'})]\n"
         "def forks(prompts, completions, **kw):\n"
         "    os.environ['CHILD'] = str(os.fork())\n"
@@ -348,7 +351,7 @@ def test_a_local_path_that_starts_with_a_tilde_is_read_once_and_absolute(monkeyp
 # --- 10. a LoRA rank beyond the layers -------------------------------------------------------------------------------
 def test_a_lora_rank_above_the_layers_is_one_line_before_and_after_the_model_loads(monkeypatch, capsys):
     import grpo
-    from rlvr_utils import lora
+    from rlvr_utils.extras import lora
 
     for rank in ("129", str(2**40)):  # the bundled model's smallest layer dimension is 128 (hidden_size)
         monkeypatch.setattr(sys, "argv", ["grpo.py", "--lora-rank", rank])
@@ -371,7 +374,7 @@ def test_a_lora_rank_above_the_layers_is_one_line_before_and_after_the_model_loa
 
 # --- minor: the model card, config.json that is not a file, the eval file's name, tensorboard's line ------------------
 def test_the_cards_title_escapes_html_and_its_example_runs_outside_the_bmp(tmp_path, monkeypatch):
-    from rlvr_utils import model_card
+    from rlvr_utils.extras.save import model_card
 
     base = tmp_path / "<img src=x onerror=alert(1)>"
     base.mkdir()
@@ -390,7 +393,7 @@ def test_the_cards_title_escapes_html_and_its_example_runs_outside_the_bmp(tmp_p
 
 @pytest.mark.parametrize("what", ["fifo", "directory"])
 def test_a_config_json_that_is_not_a_file_is_not_called_missing(tmp_path, monkeypatch, capsys, what):
-    from rlvr_utils import model_checks
+    from rlvr_utils.extras import model_checks
 
     model = tmp_path / "model"
     shutil.copytree(TINY_MODEL, model)

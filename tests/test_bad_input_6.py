@@ -13,7 +13,9 @@ import pytest
 import torch
 from test_bad_input import _gsm8k, _one_line, _run
 
-from rlvr_utils import checkpoints, datafiles, saving
+from rlvr_utils.core import checkpoints
+from rlvr_utils.extras.data import datafiles
+from rlvr_utils.extras.save import saving
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (a device whose every write is ENOSPC)")

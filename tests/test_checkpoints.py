@@ -14,7 +14,7 @@ from conftest import ROOT
 from helpers import run_dir, run_script
 
 import common
-from rlvr_utils import checkpoints, runtime
+from rlvr_utils.core import checkpoints, runtime
 
 FAST = ["--num-eval", "8", "--eval-every", "2", "--prompts-per-step", "2", "--num-generations", "4", "--threads", "1"]
 SCRIPTS = [

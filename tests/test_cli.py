@@ -10,7 +10,8 @@ import time
 import pytest
 from helpers import run_script
 
-from rlvr_utils import data_tasks, models
+from rlvr_utils.core import models
+from rlvr_utils.extras.data import data_tasks
 
 CASES = [  # (script, flags, words the one line must hold)
     ("grpo.py", ["--num-generations", "1"], ["--num-generations", ">= 2"]),
@@ -38,7 +39,7 @@ CASES = [  # (script, flags, words the one line must hold)
     ),
     ("grpo.py", ["--device", "tpu"], ["--device tpu", "cuda:N"]),
     ("grpo.py", ["--resume", "no/such/run"], ["--resume no/such/run", "not a run directory"]),
-    # the ablation flags (rlvr_utils/<method>_ablations.py): checked as the method's, once given
+    # the ablation flags (rlvr_utils/methods/<method>_ablations.py): checked as the method's, once given
     ("srpo.py", ["--split", "2x4", "--num-generations", "6"], ["--num-generations", "multiple of 4", "--split 2x4"]),
     (
         "sc_grpo.py",
@@ -148,7 +149,7 @@ def test_looks_like_path(name, local):
     assert models.looks_like_path(name) is local
 
 
-ABLATION_FLAGS = {  # each method's ablation flags (rlvr_utils/<method>_ablations.py), one given to list them all
+ABLATION_FLAGS = {  # each method's ablation flags (rlvr_utils/methods/<method>_ablations.py), one lists them all
     "sc_grpo.py": ["--divergence", "--weighted-groups", "--kl-threshold-scope"],
     "ep_grpo.py": ["--gate", "--pivot-scope", "--process-granularity", "--anchor-form", "--advantage-form"],
     "srpo.py": ["--split", "--no-mask", "--clip"],
@@ -179,7 +180,8 @@ def test_a_run_started_with_an_ablation_flag_resumes_with_it(tmp_path, monkeypat
     import sys
 
     import grpo_lambda
-    from rlvr_utils import cli, lambda_ablations
+    from rlvr_utils.core import cli
+    from rlvr_utils.methods import lambda_ablations
 
     tiny = ["--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "8", "--num-eval", "2"]
     tiny += ["--eval-every", "0", "--threads", "1", "--output-dir", str(tmp_path)]

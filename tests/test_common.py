@@ -8,7 +8,8 @@ import torch
 from helpers import padded_batch, random_model
 
 import common
-from rlvr_utils import logprob_kernels, rollouts, runtime, saving
+from rlvr_utils.core import logprob_kernels, rollouts, runtime
+from rlvr_utils.extras.save import saving
 
 
 def _reference(model64, prompt, completion, temperature):
@@ -271,7 +272,7 @@ def test_no_attention_query_row_is_fully_masked_on_a_left_padded_batch(monkeypat
     """Regression (GPU NaN, issue 17): left-pad positions used to be query rows with no key to attend to, which
     cuDNN's bf16 attention backward turns into NaN. Every forward of token_logprobs (and the teacher forward of
     SC-GRPO, through completion_logits) must hand attention a mask in which every query row sees a key."""
-    from rlvr_utils import teacher
+    from rlvr_utils.methods import teacher
 
     g = torch.Generator().manual_seed(3)
     model = random_model()
@@ -394,7 +395,7 @@ class _Args:
 
 def _scripted_task(tok, scores_by_id):
     """A task whose reward is looked up by the example id and the completion's index in its group."""
-    from rlvr_utils import tasks
+    from rlvr_utils.core import tasks
 
     task = tasks.load_task("arith", tok, seed=0, num_eval=2, arith_num_train=50)
     seen = {}
@@ -514,7 +515,8 @@ def test_engine_correction_truncates_the_engine_ratio_at_the_default_cap():
     practice); no engine log-probs (HF generate) or cap 0: exactly 1."""
     import types
 
-    from rlvr_utils import cli, engines
+    from rlvr_utils.core import cli
+    from rlvr_utils.extras.scale import engines
 
     assert cli.BaseArgs().vllm_is_cap == 2.0
     old = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
@@ -536,7 +538,7 @@ def test_engine_correction_modes_by_hand():
     whose product exceeds the cap, and a lower bound (mask modes) zeroes ratios under it."""
     import types
 
-    from rlvr_utils import engines
+    from rlvr_utils.extras.scale import engines
 
     old = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.3, 0.3, 0.3]]))
     ro = types.SimpleNamespace(engine_logp=torch.log(torch.tensor([[0.1, 0.9, 0.4], [0.3, 0.3, 0.3]])))

@@ -1,7 +1,7 @@
-"""--config FILE (rlvr_utils/config_file.py): a YAML, TOML or JSON file whose keys are the flags' names, the command
-line overriding it, parsed by tyro as the command line is; a run directory's config.json starts the same run again
-(the same metrics, bit for bit on CPU); an unknown key, a value of the wrong type, a missing or unreadable file: one
-line naming the file and the key, exit code 2, before anything loads."""
+"""--config FILE (rlvr_utils/extras/run_io/config_file.py): a YAML, TOML or JSON file whose keys are the flags' names,
+the command line overriding it, parsed by tyro as the command line is; a run directory's config.json starts the same run
+again (the same metrics, bit for bit on CPU); an unknown key, a value of the wrong type, a missing or unreadable file:
+one line naming the file and the key, exit code 2, before anything loads."""
 
 import json
 import sys
@@ -11,7 +11,8 @@ from helpers import read_metrics, run_dir, run_inprocess
 
 import grpo
 import sc_grpo
-from rlvr_utils import cli, config_file, flag_groups
+from rlvr_utils.core import cli, flag_groups
+from rlvr_utils.extras.run_io import config_file
 
 TINY = ["--eval-every", "1", "--num-eval", "4", "--prompts-per-step", "2", "--num-generations", "4"]
 TINY += ["--max-new-tokens", "16", "--threads", "1"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_MODEL
 
-from rlvr_utils import sandbox
+import rlvr_utils
+from rlvr_utils.extras.data import sandbox
 
 QUICK = [
     "--total-steps",
@@ -239,7 +240,19 @@ FOLLOW = [  # (script, flags, the files the line names)
     ("srpo.py", ["--clip"], ["srpo_ablations"]),
     ("grpo_lambda.py", ["--trace-apply", "weight"], ["lambda_ablations"]),
 ]  # fmt: skip
-NAMED = re.compile(r"needs ((?:rlvr_utils/\w+\.py(?:, )?)+), which this copy does not have")
+NAMED = re.compile(r"needs ((?:rlvr_utils/[\w/]+\.py(?:, )?)+), which this copy does not have")
+
+
+def path_of(module: str) -> str:
+    """rlvr_utils/<folder>/<module>.py (rlvr_utils.WHERE)."""
+    return f"rlvr_utils/{rlvr_utils.WHERE[module]}/{module}.py"
+
+
+def copy_in(name: str, here: Path) -> None:
+    """The repository's file `name` into the copy `here`, at the same path (its folder made: a minimal copy has no
+    extras/)."""
+    (here / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / name, here / name)
 
 
 def in_copy(script: str, flags: list[str], here: Path) -> subprocess.CompletedProcess:
@@ -250,11 +263,12 @@ def in_copy(script: str, flags: list[str], here: Path) -> subprocess.CompletedPr
     (here / "r.py").write_text(REWARD)
     if flags == ["--resume", "RUN"]:
         if not (here / "runs").exists():  # a checkpointed run, written with saving.py, which the copy then lacks
-            lent = not (here / "rlvr_utils" / "saving.py").exists()
-            shutil.copy(ROOT / "rlvr_utils" / "saving.py", here / "rlvr_utils" / "saving.py")
+            saving = path_of("saving")
+            lent = not (here / saving).exists()
+            copy_in(saving, here)
             assert run([script, *QUICK, "--save-every", "1"], cwd=here).returncode == 0
             if lent:
-                (here / "rlvr_utils" / "saving.py").unlink()
+                (here / saving).unlink()
         return run([script, "--resume", str(next((here / "runs").iterdir())), "--total-steps", "3"], cwd=here)
     return run([script, *QUICK, *flags], cwd=here)
 
@@ -272,7 +286,7 @@ def test_a_flag_whose_extra_is_missing_names_every_file_it_needs_in_one_line(scr
     here = copy_minimal(script, tmp_path / "myproj")
     line = one_line(in_copy(script, flags, here))
     named = NAMED.search(line)
-    assert named and named.group(1).split(", ") == [f"rlvr_utils/{f}.py" for f in files], line
+    assert named and named.group(1).split(", ") == [path_of(f) for f in files], line
     assert "RUN" in flags or not (here / "runs").exists()  # stopped before anything was made
 
 
@@ -283,7 +297,7 @@ def test_copying_what_the_line_names_makes_the_flag_train(script, flags, files, 
     flag). --engine vllm: the next line is about vLLM itself where it is not installed (no file is missing)."""
     here = copy_minimal(script, tmp_path / "myproj")
     for name in NAMED.search(one_line(in_copy(script, flags, here))).group(1).split(", "):
-        shutil.copy(ROOT / name, here / name)
+        copy_in(name, here)
     out = in_copy(script, flags, here)
     if "vllm" in flags and importlib.util.find_spec("vllm") is None:
         assert "which this copy does not have" not in one_line(out) and "vLLM is not installed" in out.stderr
@@ -300,9 +314,9 @@ def test_under_torchrun_the_line_names_every_file_and_torchruns_variables_come_a
     monkeypatch.setenv("WORLD_SIZE", "2")
     named = NAMED.search(one_line(run(["grpo.py", *QUICK, "--fsdp"], cwd=here)))
     files = ["distributed", "sharded", "saving"]
-    assert named and named.group(1).split(", ") == [f"rlvr_utils/{f}.py" for f in files], named
+    assert named and named.group(1).split(", ") == [path_of(f) for f in files], named
     for f in files:
-        shutil.copy(ROOT / "rlvr_utils" / f"{f}.py", here / "rlvr_utils" / f"{f}.py")
+        copy_in(path_of(f), here)
     assert "WORLD_SIZE=2 is set without RANK" in one_line(run(["grpo.py", *QUICK, "--fsdp"], cwd=here))
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert "WORLD_SIZE='two': not a number of processes" in one_line(run(["grpo.py", *QUICK], cwd=here))

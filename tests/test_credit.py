@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT
 from helpers import run_dir, run_script
 
-from rlvr_utils.trace_diagnostics import trace_multipliers
+from rlvr_utils.methods.trace_diagnostics import trace_multipliers
 from sc_grpo import Role
 
 FLAGS = [

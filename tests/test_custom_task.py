@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir
 
-from rlvr_utils import custom, tasks
+from rlvr_utils.core import tasks
+from rlvr_utils.extras.reward_fns import custom
 
 SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"]
 SHORT = [
@@ -391,7 +392,7 @@ def test_a_run_with_data_files_resumes_and_warns_when_a_file_changed(user, tmp_p
 
 def test_a_data_path_under_home_written_with_a_tilde_is_read(tmp_path, monkeypatch):
     """bash leaves `--data-path=~/rows.jsonl` unexpanded; the checks read it as the loader does (not "no such file")."""
-    from rlvr_utils import data_tasks
+    from rlvr_utils.extras.data import data_tasks
 
     monkeypatch.setenv("HOME", str(tmp_path))
     rows = [{"prompt": f"say {i}", "x": i} for i in range(20)]
@@ -410,7 +411,7 @@ def test_the_data_digest_streams_and_stays_the_digest_runs_recorded(tmp_path):
     does not warn of a change that did not happen."""
     import hashlib
 
-    from rlvr_utils import data_tasks
+    from rlvr_utils.extras.data import data_tasks
 
     (tmp_path / "a.jsonl").write_text('{"prompt": "x"}\n')
     (tmp_path / "b.jsonl").write_bytes(b'{"prompt": "y"}\n' * 1_200_000)  # 19 MB: more than one chunk

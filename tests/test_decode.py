@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import common
-from rlvr_utils import models, rollouts, tasks
+from rlvr_utils.core import models, rollouts, tasks
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -311,7 +311,7 @@ def test_lora_decodes_merged_copies_and_never_writes_the_base(tiny):
     follow the adapters after an optimizer step, and the base weights stay bitwise what they were."""
     from types import SimpleNamespace
 
-    from rlvr_utils import lora
+    from rlvr_utils.extras import lora
 
     model = common.load_model(common.DEFAULT_MODEL, torch.device("cpu"))
     tok = common.load_tokenizer(common.DEFAULT_MODEL)

@@ -1,8 +1,9 @@
-"""Every name the README and the docs pages give in backticks exists: a project file (`srpo.py`, `rlvr_utils/chains.py`)
-is in the repository, and a project module's attribute (`common.token_logprobs`, `teacher.FusedLinearKL`,
-`runtime.Dist.shard`) is defined where it is named. Names of files the reader makes (`my_rm.py`) and of other
-libraries (`datasets.load_dataset`) are not the project's and are left alone; the project's modules include the ones
-it has removed (REMOVED), so `rlvr_utils/arith.py` or `arith.arith_first_error` in a page is an error."""
+"""Every name the README and the docs pages give in backticks exists: a project file (`srpo.py`,
+`rlvr_utils/methods/chains.py`) is in the repository, and a project module's attribute (`common.token_logprobs`,
+`teacher.FusedLinearKL`, `runtime.Dist.shard`) is defined where it is named. Names of files the reader makes
+(`my_rm.py`) and of other libraries (`datasets.load_dataset`) are not the project's and are left alone; the project's
+modules include the ones it has removed (REMOVED), so `rlvr_utils/arith.py` or `arith.arith_first_error` in a page is an
+error."""
 
 import ast
 import re
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+import rlvr_utils
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FOLDERS = ("", "rlvr_utils", "tools", "benchmarks", "tests")
+PACKAGE_FOLDERS = set(rlvr_utils.FOLDERS)  # core, methods, extras, extras/data, ...
 # modules this repository had and removed (from its git history): a page naming one names something gone
 REMOVED = {
     "arith", "checks", "errors", "masked_stats", "model_files", "reward_guard", "run_lock", "stopping", "tracking",
@@ -25,10 +29,10 @@ FILE_SUFFIXES = {"py", "md", "json", "jsonl", "JSONL", "txt", "toml", "gz", "csv
 
 
 def modules() -> dict[str, Path]:
-    """The project's modules by name (a script, common, rlvr_utils/*, tools/*, benchmarks/*): their files."""
+    """The project's modules by name (a script, common, rlvr_utils/**, tools/*, benchmarks/*): their files."""
     out = {}
     for folder in FOLDERS[:-1]:
-        for f in sorted((ROOT / folder).glob("*.py")):
+        for f in sorted((ROOT / folder).rglob("*.py") if folder == "rlvr_utils" else (ROOT / folder).glob("*.py")):
             out.setdefault(f.stem, f)
     return out
 
@@ -92,12 +96,17 @@ def problems_in(text: str) -> list[str]:
         if parts[-1] in FILE_SUFFIXES:
             continue  # a file name
         if parts[0] == "rlvr_utils":
-            parts = parts[1:]
+            parts, folder = parts[1:], []
+            while parts and "/".join([*folder, parts[0]]) in PACKAGE_FOLDERS:  # rlvr_utils.extras.data.sandbox
+                folder, parts = [*folder, parts[0]], parts[1:]
             if not parts or parts[0] in REMOVED:
                 out += [f"{dotted}: a module the project removed"] if parts else []
                 continue
             if parts[0] not in mods:
-                out.append(f"{dotted}: no module rlvr_utils.{parts[0]}")
+                out.append(f"{dotted}: no module rlvr_utils.{'.'.join([*folder, parts[0]])}")
+                continue
+            if mods[parts[0]].parent != ROOT.joinpath("rlvr_utils", *folder):
+                out.append(f"{dotted}: {parts[0]} is in {mods[parts[0]].parent.relative_to(ROOT)}/")
                 continue
         if parts[0] in REMOVED:
             out.append(f"{dotted}: {parts[0]} is a module the project removed")
@@ -121,7 +130,8 @@ def test_every_backticked_project_name_exists(page):
 def test_the_check_finds_gone_modules_names_and_files():
     assert problems_in("`rlvr_utils/arith.py`") and problems_in("`arith.arith_first_error`")
     assert problems_in("`teacher.kl_of_every_row`") and problems_in("`rlvr_utils/nosuch.py`")
-    assert problems_in("`runtime.Dist.no_such_method`")
+    assert problems_in("`runtime.Dist.no_such_method`") and problems_in("`rlvr_utils.core.sandbox.run_code_tests`")
+    assert not problems_in("`rlvr_utils.extras.data.sandbox.run_code_tests`") and not problems_in("`rlvr_utils.core`")
     assert not problems_in("`tasks.arith_first_error`") and not problems_in("`runtime.Dist.shard`")
     assert not problems_in("`my_rm.py`") and not problems_in("`datasets.load_dataset`") and not problems_in("`a.b`")
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 PAGES = ["sc_grpo.md", "grpo_lambda.md", "ep_grpo.md", "srpo.md", "grpo_variants.md"]
-CODE = [ROOT / "common.py", *ROOT.glob("*.py"), *(ROOT / "rlvr_utils").glob("*.py")]
+CODE = [ROOT / "common.py", *ROOT.glob("*.py"), *(ROOT / "rlvr_utils").rglob("*.py")]
 
 
 def _normalized(line: str) -> str:
@@ -77,14 +77,14 @@ def test_the_places_rule_follows_calls_and_skips_logs_and_plumbing(tmp_path, mon
     """On a hand-made script: a method line's call is followed into its callee's callees; a LOGS line, the plumbing
     module and a name bound on a LOGS line are not; a name bound in the block stands for what its value names; a task
     helper is counted (a reader opens it) but not followed; what grpo.py's list holds is not counted again."""
-    (tmp_path / "rlvr_utils").mkdir()
-    (tmp_path / "rlvr_utils" / "runtime.py").write_text("def plumbing():\n    pass\n")
-    (tmp_path / "rlvr_utils" / "tasks.py").write_text(
+    (tmp_path / "rlvr_utils" / "core").mkdir(parents=True)
+    (tmp_path / "rlvr_utils" / "core" / "runtime.py").write_text("def plumbing():\n    pass\n")
+    (tmp_path / "rlvr_utils" / "core" / "tasks.py").write_text(
         "def prompt():\n    return inside()\n\n\ndef inside():\n    pass\n"
     )
     (tmp_path / "common.py").write_text("def group_advantages():\n    return helper()\n\n\ndef helper():\n    pass\n")
     (tmp_path / "sc_grpo.py").write_text(
-        "import common\nfrom rlvr_utils import runtime, tasks\n\n\n"
+        "import common\nfrom rlvr_utils.core import runtime, tasks\n\n\n"
         "def credit():\n    runtime.plumbing()\n    tasks.prompt()\n    return inner()\n\n\n"
         "def inner():\n    pass\n\n\ndef diagnostic():\n    pass\n\n\ndef unused():\n    pass\n\n\n"
         'if __name__ == "__main__":\n    f = credit  # ALGO LOGIC\n    log = diagnostic  # LOGS\n'

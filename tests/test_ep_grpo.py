@@ -15,8 +15,9 @@ from helpers import read_metrics, run_inprocess, run_script
 import common
 import ep_grpo
 from ep_grpo import cell_zscore, entropy_gate, ep_advantages, progress_windows, row_quantile
-from rlvr_utils import cli, ep_ablations, runtime, tasks
-from rlvr_utils.ep_diagnostics import ep_metrics
+from rlvr_utils.core import cli, runtime, tasks
+from rlvr_utils.methods import ep_ablations
+from rlvr_utils.methods.ep_diagnostics import ep_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -307,7 +308,7 @@ def test_every_method_flag_reaches_ep_advantages():
     """ep_advantages reads a small record (EPConfig), by name: every name it reads is a field of it, every field is
     read, and the fields are the method's own flags (Args, but the loss's beta and loss_agg) and the two shared ones it
     needs, so a flag cannot silently keep a default; the ablations' flags are not among them
-    (rlvr_utils/ep_ablations.py)."""
+    (rlvr_utils/methods/ep_ablations.py)."""
     import ast
     import inspect
 

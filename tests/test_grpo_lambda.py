@@ -11,8 +11,9 @@ from conftest import ROOT
 from helpers import read_metrics, run_dir, run_inprocess, run_script
 
 import common
-from rlvr_utils import lambda_ablations, runtime
-from rlvr_utils.trace_diagnostics import trace_multipliers
+from rlvr_utils.core import runtime
+from rlvr_utils.methods import lambda_ablations
+from rlvr_utils.methods.trace_diagnostics import trace_multipliers
 
 _spec = importlib.util.spec_from_file_location("grpo_lambda", ROOT / "grpo_lambda.py")
 gl = importlib.util.module_from_spec(_spec)
@@ -218,7 +219,7 @@ def test_adv_clamp_only_touches_negative_advantages():
 
 # ------------------------------------------------------------------------------------ ϵ-weight variant
 def weight_variant():
-    """--trace-apply weight's loss (rlvr_utils/lambda_ablations.py), with grpo_lambda_token_loss's arguments."""
+    """--trace-apply weight's loss (rlvr_utils/methods/lambda_ablations.py), with grpo_lambda_token_loss's arguments."""
     args = runtime.ablated(gl.Args, "lambda_ablations", "trace_apply")(trace_apply="weight")
     return lambda_ablations.token_loss(args, gl.grpo_lambda_token_loss, gl.trace_log_ratio)
 

@@ -1,6 +1,6 @@
-"""--help starts with the method (rlvr_utils/flag_groups.py): the flags in titled groups, the method's own first (within
-the first 40 lines), then run, model, task, sampling, optimizer, evaluation, engine and torchrun, every flag once under
-its own name; and the grouped command line parses exactly as the flat Args does."""
+"""--help starts with the method (rlvr_utils/core/flag_groups.py): the flags in titled groups, the method's own first
+(within the first 40 lines), then run, model, task, sampling, optimizer, evaluation, engine and torchrun, every flag
+once under its own name; and the grouped command line parses exactly as the flat Args does."""
 
 import dataclasses
 import os
@@ -17,7 +17,7 @@ import grpo
 import grpo_lambda
 import sc_grpo
 import srpo
-from rlvr_utils import cli, flag_groups
+from rlvr_utils.core import cli, flag_groups
 
 SCRIPTS = {
     "grpo.py": grpo,

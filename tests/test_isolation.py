@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from rlvr_utils import sandbox
+from rlvr_utils.extras.data import sandbox
 
 PROBLEM = sandbox.isolation_problem("bwrap")
 needs_bwrap = pytest.mark.skipif(PROBLEM is not None, reason=f"bubblewrap cannot start here: {PROBLEM}")
@@ -241,7 +241,8 @@ def test_a_process_left_behind_in_a_session_of_its_own_ends_before_the_run_retur
 def test_the_sandbox_dies_with_the_trainer(token):
     """--die-with-parent: a trainer killed by SIGKILL (no clean-up of its own runs) takes every sandbox with it."""
     program = unhooked("import time\nreport('x')\ntime.sleep(60)\n", token) + "time.sleep(60)\n"
-    run = "import sys\nfrom rlvr_utils import sandbox\nsandbox.run_code_tests(sys.stdin.read(), ['1'], None, 120)"
+    run = "import sys\nfrom rlvr_utils.extras.data import sandbox\n"
+    run += "sandbox.run_code_tests(sys.stdin.read(), ['1'], None, 120)"
     trainer = subprocess.Popen([sys.executable, "-c", run], cwd=ROOT, stdin=subprocess.PIPE, text=True)
     trainer.stdin.write(program)  # not in its argv: only the sandbox's child has the token there
     trainer.stdin.close()
@@ -269,7 +270,7 @@ def test_a_missing_bubblewrap_is_one_line_naming_it_and_how_to_install_it(tmp_pa
         "non-privileged user namespaces.' >&2\nexit 1\n"
     )
     (fake / "bwrap").chmod(0o755)
-    ask = "from rlvr_utils import sandbox\nprint(sandbox.isolation_problem('bwrap'))"
+    ask = "from rlvr_utils.extras.data import sandbox\nprint(sandbox.isolation_problem('bwrap'))"
     for path, want in [(str(tmp_path), "not installed: apt-get install bubblewrap"), (str(fake), "No permissions")]:
         out = subprocess.run(
             [sys.executable, "-c", ask], cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PATH=path)
@@ -310,10 +311,10 @@ def nobody_python() -> str | None:
 
 AS_USER = """\
 import json, sys, types
-runtime = types.ModuleType("rlvr_utils.runtime")  # the runner without torch (the system's Python may not have it)
+runtime = types.ModuleType("rlvr_utils.core.runtime")  # the runner without torch (the system's Python may not have it)
 runtime.usage_error = sys.exit
-sys.modules["rlvr_utils.runtime"] = runtime
-from rlvr_utils import sandbox, sandbox_bwrap
+sys.modules["rlvr_utils.core.runtime"] = runtime
+from rlvr_utils.extras.data import sandbox, sandbox_bwrap
 runs = json.load(sys.stdin)
 results = [sandbox.run_code_tests(p, t, e, timeout=6) for p, t, e in runs]
 print(json.dumps([sandbox_bwrap.command(), [(r.reward, r.status, r.uid) for r in results]]))

@@ -13,7 +13,7 @@ from conftest import TINY_MODEL
 from helpers import ROOT, run_script
 
 import common
-from rlvr_utils import tasks
+from rlvr_utils.core import tasks
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import line_hazards as lh  # noqa: E402

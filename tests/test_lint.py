@@ -34,7 +34,7 @@ def test_no_undefined_names_or_unused_imports():
 
 
 def test_sandbox_harness_is_lint_clean():
-    out = _ruff("--select", "E,F,W", "--line-length", "130", "rlvr_utils/sandbox_harness.py")
+    out = _ruff("--select", "E,F,W", "--line-length", "130", "rlvr_utils/extras/data/sandbox_harness.py")
     assert out.returncode == 0, out.stdout[-3000:]
 
 
@@ -44,11 +44,11 @@ def test_every_project_module_attribute_used_exists():
     import ast
     import importlib
 
-    package = {p.stem for p in (ROOT / "rlvr_utils").glob("*.py")}
+    package = {p.stem for p in (ROOT / "rlvr_utils").rglob("*.py")}
     missing = []
     for path in [
         *ROOT.glob("*.py"),
-        *ROOT.glob("rlvr_utils/*.py"),
+        *ROOT.glob("rlvr_utils/**/*.py"),
         *ROOT.glob("tests/*.py"),
         *ROOT.glob("benchmarks/*.py"),
         *ROOT.glob("tools/*.py"),
@@ -61,10 +61,10 @@ def test_every_project_module_attribute_used_exists():
             for a in n.names
             if a.name in {"common", "grpo", "sc_grpo", "grpo_lambda", "ep_grpo", "srpo"}
         }
-        imported |= {
-            a.asname or a.name: f"rlvr_utils.{a.name}"
+        imported |= {  # from rlvr_utils.<folder> import <module>
+            a.asname or a.name: f"{n.module}.{a.name}"
             for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module == "rlvr_utils"
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("rlvr_utils")
             for a in n.names
             if a.name in package
         }

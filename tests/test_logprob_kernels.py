@@ -5,7 +5,9 @@ import torch
 from helpers import padded_batch, random_model
 
 import common
-from rlvr_utils import logprob_kernels, teacher, unfused
+from rlvr_utils.core import logprob_kernels
+from rlvr_utils.extras import unfused
+from rlvr_utils.methods import teacher
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])

@@ -1,7 +1,7 @@
-"""--lora-rank (rlvr_utils/lora.py, PEFT): only the adapters train; the reference is the same model with its adapters
-off (no copy); checkpoints hold the adapters and a resumed run ends as an uninterrupted one; --save-model writes a
-merged model or (--save-adapter) an adapter that load the standard way; the vLLM engine's weights are the merged ones;
-the flags' bad values and --fsdp are one line."""
+"""--lora-rank (rlvr_utils/extras/lora.py, PEFT): only the adapters train; the reference is the same model with its
+adapters off (no copy); checkpoints hold the adapters and a resumed run ends as an uninterrupted one; --save-model
+writes a merged model or (--save-adapter) an adapter that load the standard way; the vLLM engine's weights are the
+merged ones; the flags' bad values and --fsdp are one line."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from conftest import ROOT, TINY_MODEL
 from helpers import run_dir, run_script
 
 import common
-from rlvr_utils import lora
+from rlvr_utils.extras import lora
 
 pytest.importorskip("peft")
 
@@ -233,7 +233,7 @@ def test_lora_with_fsdp_is_refused_before_anything_loads():
 def test_missing_peft_is_one_line(monkeypatch, capsys):
     import importlib.util
 
-    from rlvr_utils import cli
+    from rlvr_utils.core import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
@@ -272,7 +272,7 @@ def test_a_lora_run_starts_without_a_warning():
 def test_an_adapter_names_its_base_as_the_user_gave_it(tmp_path):
     """adapter_config.json's base_model_name_or_path: the bundled model by its path in a clone (assets/tiny-arith), not
     this machine's absolute path; a hub id as such."""
-    from rlvr_utils import model_card
+    from rlvr_utils.extras.save import model_card
 
     assert model_card.base_as_given(str(TINY_MODEL)) == "assets/tiny-arith"
     assert model_card.base_as_given("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"

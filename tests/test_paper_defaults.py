@@ -16,16 +16,17 @@ import grpo
 import grpo_lambda
 import sc_grpo
 import srpo
-from rlvr_utils import cli
+from rlvr_utils.core import cli
 
 ABLATIONS = {sc_grpo: "sc_ablations", ep_grpo: "ep_ablations", srpo: "srpo_ablations", grpo_lambda: "lambda_ablations"}
 
 
 def defaults(module) -> dict:
-    """The script's flags' defaults, its ablation flags' too (rlvr_utils/<method>_ablations.py: the method's values)."""
+    """The script's flags' defaults, its ablation flags' too (rlvr_utils/methods/<method>_ablations.py: the method's
+    values)."""
     fields = dataclasses.fields(module.Args)
     if module in ABLATIONS:
-        fields += dataclasses.fields(importlib.import_module(f"rlvr_utils.{ABLATIONS[module]}").Ablations)
+        fields += dataclasses.fields(importlib.import_module(f"rlvr_utils.methods.{ABLATIONS[module]}").Ablations)
     return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in fields}
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import ROOT, run_script
 
 import common
-from rlvr_utils import tasks
+from rlvr_utils.core import tasks
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import perfect_credit  # noqa: E402

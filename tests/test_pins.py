@@ -12,7 +12,7 @@ from helpers import read_metrics, run_inprocess
 import ep_grpo
 import sc_grpo
 import srpo
-from rlvr_utils import engines
+from rlvr_utils.extras.scale import engines
 from sc_grpo import Role
 
 

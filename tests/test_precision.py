@@ -1,6 +1,6 @@
-"""Mixed precision (rlvr_utils/precision.py): under bf16 compute the weights train as fp32 masters with fp32 AdamW
-state, so an update below bf16's resolution is not rounded away; --pure-bf16 keeps the bf16 weights themselves (plain:
-the behaviour before, shown here). The flags' bad input gets one line before anything loads."""
+"""Mixed precision (rlvr_utils/extras/scale/precision.py): under bf16 compute the weights train as fp32 masters with
+fp32 AdamW state, so an update below bf16's resolution is not rounded away; --pure-bf16 keeps the bf16 weights
+themselves (plain: the behaviour before, shown here). The flags' bad input gets one line before anything loads."""
 
 import copy
 import json
@@ -12,7 +12,8 @@ from helpers import random_model, run_dir, run_script
 from safetensors.torch import load_file
 
 import common
-from rlvr_utils import checkpoints, cli, models, precision
+from rlvr_utils.core import checkpoints, cli, models
+from rlvr_utils.extras.scale import precision
 
 
 def model_with_random_norms(seed=0, vocab=61):
@@ -110,7 +111,7 @@ def test_a_sharded_checkpoint_loads_into_the_fp32_masters(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from rlvr_utils import sharded
+    from rlvr_utils.extras.save import sharded
 
     src = model_with_random_norms(5)
     trained = torch.optim.AdamW(src.parameters(), lr=1e-3)

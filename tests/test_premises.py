@@ -10,8 +10,8 @@ import torch
 from helpers import ROOT, run_script
 
 import common
-from rlvr_utils import rollouts, tasks
-from rlvr_utils.trace_diagnostics import trace_multipliers
+from rlvr_utils.core import rollouts, tasks
+from rlvr_utils.methods.trace_diagnostics import trace_multipliers
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import premises  # noqa: E402

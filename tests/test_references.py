@@ -11,7 +11,7 @@ from helpers import read_metrics, run_inprocess
 
 import common
 import ep_grpo
-from rlvr_utils import tasks
+from rlvr_utils.core import tasks
 
 FAST = [
     "--num-eval",
@@ -161,7 +161,8 @@ def test_ep_grpo_gate_and_process_signal_together_against_a_hand_value():
     delta sums 0 and 0.6 -> P = -1, +1 (population z-score); rewards 1, 0 -> A_out = +-1 / (1 + 2e-6);
     A = gate * (A_out + 0.5 P)."""
     from ep_grpo import EPConfig, ep_advantages
-    from rlvr_utils import ep_ablations, runtime
+    from rlvr_utils.core import runtime
+    from rlvr_utils.methods import ep_ablations
 
     H = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     logp_old = torch.tensor([[0.1, -0.1], [0.2, 0.4]])

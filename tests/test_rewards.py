@@ -7,7 +7,7 @@ import threading
 import pytest
 from conftest import shared_file
 
-from rlvr_utils import rewards
+from rlvr_utils.extras.data import rewards
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import shared_file
 
-from rlvr_utils import sandbox, sandbox_harness
+from rlvr_utils.extras.data import sandbox, sandbox_harness
 
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"

@@ -1,5 +1,5 @@
-"""sc_grpo.py: its pure functions (weights, routing, credit), its teacher (rlvr_utils/teacher.py: prompts, KL, bad
-inputs) and its real entry point."""
+"""sc_grpo.py: its pure functions (weights, routing, credit), its teacher (rlvr_utils/methods/teacher.py: prompts, KL,
+bad inputs) and its real entry point."""
 
 import copy
 import dataclasses
@@ -11,7 +11,8 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import sc_grpo
-from rlvr_utils import logprob_kernels, sc_ablations, tasks, teacher
+from rlvr_utils.core import logprob_kernels, tasks
+from rlvr_utils.methods import sc_ablations, teacher
 from sc_grpo import Role
 
 
@@ -23,7 +24,7 @@ def reference_prompt(problem: tasks.ArithProblem, reference: str) -> str:
 def logprobs_and_kl(model, ids, attn, T, temperature=1.0, teach=None, pad_id=0, with_entropy=False, kl_grad=False,
                     chunk_size=None, fused=None, divergence=None):  # fmt: skip
     """As sc_grpo.py's step 5: common.token_logprobs keeps its forward's output (`keep`), teacher.teacher_kl adds the
-    teacher's. fused=False: as on a model whose logits are not lm_head(h) (rlvr_utils/unfused.py), for both."""
+    teacher's. fused=False: as on a model whose logits are not lm_head(h) (rlvr_utils/extras/unfused.py), for both."""
     fused_ok = logprob_kernels.fused_logprobs_ok
     student, teach = [], teach if teach is not None else [None] * len(ids)
     try:
@@ -491,7 +492,7 @@ def test_the_fused_update_learns_as_the_unfused_one(tmp_path, monkeypatch):
     """sc_grpo.py at its defaults, 3 steps of the built-in task on the tiny model: the memory-bounded path (hidden
     states through the fused kernels) and the [b, T, V] logits path (forced everywhere) log the same metrics to float
     error, so the fused update changed nothing SC-GRPO learns."""
-    from rlvr_utils import logprob_kernels
+    from rlvr_utils.core import logprob_kernels
 
     flags = (
         "--total-steps",

@@ -1,6 +1,6 @@
-"""srpo.py, its chain protocol and its generate calls (rlvr_utils/chains.py): thought splitting, localization parsing,
-reset indices, suffix masking through the real training step, the oracle, the fallback path, and subprocess runs of
-each reset mode."""
+"""srpo.py, its chain protocol and its generate calls (rlvr_utils/methods/chains.py): thought splitting, localization
+parsing, reset indices, suffix masking through the real training step, the oracle, the fallback path, and subprocess
+runs of each reset mode."""
 
 import collections
 import random
@@ -13,7 +13,7 @@ from helpers import read_metrics, run_inprocess, run_script
 
 import common
 import srpo
-from rlvr_utils import rollouts, runtime, tasks
+from rlvr_utils.core import rollouts, runtime, tasks
 
 FAST = ["--num-eval", "16", "--eval-every", "0", "--prompts-per-step", "3"]
 

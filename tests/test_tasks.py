@@ -8,7 +8,8 @@ import pytest
 from conftest import shared_file
 from helpers import read_metrics, run_script
 
-from rlvr_utils import data_tasks, sandbox, tasks
+from rlvr_utils.core import tasks
+from rlvr_utils.extras.data import data_tasks, sandbox
 
 
 # --- task loading ---------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from rlvr_utils import rewards, tasks
+from rlvr_utils.core import tasks
+from rlvr_utils.extras.data import rewards
 
 sys.path.insert(0, str(ROOT / "tools"))
 import train_tiny_model as ttm  # noqa: E402

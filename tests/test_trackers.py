@@ -1,7 +1,8 @@
-"""--report-to (TRL's name, rlvr_utils/trackers.py): a run logged to a local trackio store and to a local MLflow store,
-its values read back through each library's own reader and compared with metrics.jsonl's; a resumed run goes on in the
-same MLflow run; the flags' mistakes are one line before anything loads. trackio is a dev requirement; MLflow's local
-store needs the full mlflow (slow to install), which .ci/run's TRL environment has: here its tests skip, saying so."""
+"""--report-to (TRL's name, rlvr_utils/extras/run_io/trackers.py): a run logged to a local trackio store and to a local
+MLflow store, its values read back through each library's own reader and compared with metrics.jsonl's; a resumed run
+goes on in the same MLflow run; the flags' mistakes are one line before anything loads. trackio is a dev requirement;
+MLflow's local store needs the full mlflow (slow to install), which .ci/run's TRL environment has: here its tests skip,
+saying so."""
 
 import importlib.machinery
 import importlib.util
@@ -12,7 +13,7 @@ import sys
 import pytest
 from helpers import ROOT, run_dir, run_script
 
-from rlvr_utils import trackers
+from rlvr_utils.extras.run_io import trackers
 
 TINY = ["--total-steps", "2", "--eval-every", "1", "--num-eval", "4", "--prompts-per-step", "2"]
 TINY += ["--num-generations", "4", "--max-new-tokens", "16", "--threads", "1"]

@@ -19,7 +19,8 @@ pytest.importorskip(
 import common  # noqa: E402
 from ep_grpo import ep_advantages  # noqa: E402
 from grpo_lambda import clamp_negative_advantages  # noqa: E402
-from rlvr_utils import tasks, trace_diagnostics  # noqa: E402
+from rlvr_utils.core import tasks  # noqa: E402
+from rlvr_utils.methods import trace_diagnostics  # noqa: E402
 from sc_grpo import build_teachers, route_groups, token_kl, weighted_tokens, weights_and_advantages  # noqa: E402
 
 G = 8  # completions per prompt; two prompts per step

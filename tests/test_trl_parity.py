@@ -20,7 +20,9 @@ import common
 import ep_grpo
 import sc_grpo
 import srpo
-from rlvr_utils import model_card, reward_calls, runtime, tasks
+from rlvr_utils.core import runtime, tasks
+from rlvr_utils.extras.reward_fns import reward_calls
+from rlvr_utils.extras.save import model_card
 
 NAN = math.nan
 

@@ -21,7 +21,9 @@ from conftest import ROOT, TINY_MODEL
 from helpers import read_metrics, run_dir
 
 import common
-from rlvr_utils import custom, data_tasks, datafiles, reward_calls, reward_logs, runtime, tasks
+from rlvr_utils.core import runtime, tasks
+from rlvr_utils.extras.data import data_tasks, datafiles
+from rlvr_utils.extras.reward_fns import custom, reward_calls, reward_logs
 
 SCRIPTS = ["grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py"]
 SHORT = "--total-steps 2 --eval-every 0 --prompts-per-step 4 --num-generations 4 --threads 1 --max-new-tokens 32"
@@ -401,7 +403,7 @@ def test_reward_timeout_still_fires_after_a_later_run_took_sigusr1():
     process, since the old behaviour ends whatever process it runs in."""
     code = (
         "import time, sys\n"
-        "from rlvr_utils import reward_calls, runtime, tasks\n"
+        "from rlvr_utils.core import runtime, tasks; from rlvr_utils.extras.reward_fns import reward_calls\n"
         "ex = [tasks.Example(0, 'q', '', 'p', [1], meta={'prompt': 'p', 'columns': {}, 'where': 'f.jsonl:1'})]\n"
         "ok = lambda prompts, completions, **k: [1.0]\n"
         "reward_calls.RewardFunctions([('ok', ok)], timeout=5.0)(['x'], ex)  # installs the watchdog\n"
@@ -474,7 +476,7 @@ def test_reward_model_wrapper_scores_as_trl(tmp_path):
     Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
     AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(tmp_path / "rm")
     (tmp_path / "my_rm.py").write_text(
-        f"from rlvr_utils.custom import RewardModel\nscore = RewardModel({str(tmp_path / 'rm')!r})\n"
+        f"from rlvr_utils.extras.reward_fns.custom import RewardModel\nscore = RewardModel({str(tmp_path / 'rm')!r})\n"
     )
     score = custom.load_reward_fn(f"{tmp_path / 'my_rm.py'}:score")
     got = reward_calls.RewardFunctions([("rm", score)])(["1+1=2", "1+1=3 and more"], _examples(2))

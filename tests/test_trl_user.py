@@ -18,7 +18,11 @@ from helpers import read_metrics, run_dir, run_inprocess
 
 import common
 import grpo
-from rlvr_utils import checkpoints, cli, datafiles, model_card, resume, reward_calls, tasks, trl_eval
+from rlvr_utils.core import checkpoints, cli, tasks
+from rlvr_utils.extras import trl_eval
+from rlvr_utils.extras.data import datafiles
+from rlvr_utils.extras.reward_fns import reward_calls
+from rlvr_utils.extras.save import model_card, resume
 
 NAN = math.nan
 
@@ -57,7 +61,7 @@ def test_lora_dropout_acts_in_every_forward_of_the_adapted_policy_but_generation
     """--lora-dropout's help: PEFT leaves the policy in train mode, so the dropout acts in the update and in the
     no-grad passes that score its rollouts (not only with --gradient-checkpointing, as the help said); generation runs
     in eval mode."""
-    from rlvr_utils import lora
+    from rlvr_utils.extras import lora
 
     flags = types.SimpleNamespace(lora_rank=4, lora_alpha=None, lora_dropout=0.5, lora_target_modules=())
     model, tok = common.load_policy(str(TINY_MODEL), torch.device("cpu"))

@@ -9,7 +9,8 @@ import torch
 from helpers import read_metrics, run_script
 
 import common
-from rlvr_utils import cli, engines, tasks
+from rlvr_utils.core import cli, tasks
+from rlvr_utils.extras.scale import engines
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MEM = 0.1  # of host memory on CPU

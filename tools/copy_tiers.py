@@ -16,13 +16,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("grpo.py", "sc_grpo.py", "grpo_lambda.py", "ep_grpo.py", "srpo.py")
-CORE = ["common.py"] + [f"rlvr_utils/{m}.py" for m in ("__init__", "cli", "runtime", "models", "tasks", "rollouts")]
-CORE += ["rlvr_utils/flag_groups.py", "rlvr_utils/logprob_kernels.py", "rlvr_utils/checkpoints.py"]
+CORE = ["common.py", "rlvr_utils/__init__.py"]  # and the folder rlvr_utils/core/, all of it
+CORE += sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "rlvr_utils" / "core").glob("*.py"))
 OWN = {  # the module a method's default run loads besides the core
-    "sc_grpo.py": "rlvr_utils/teacher.py",
-    "srpo.py": "rlvr_utils/chains.py",
-    "grpo_lambda.py": "rlvr_utils/trace_diagnostics.py",
-    "ep_grpo.py": "rlvr_utils/ep_diagnostics.py",
+    "sc_grpo.py": "rlvr_utils/methods/teacher.py",
+    "srpo.py": "rlvr_utils/methods/chains.py",
+    "grpo_lambda.py": "rlvr_utils/methods/trace_diagnostics.py",
+    "ep_grpo.py": "rlvr_utils/methods/ep_diagnostics.py",
 }
 BEGIN, END = "<!-- copy tiers: python tools/copy_tiers.py --write -->", "<!-- /copy tiers -->"
 LAYOUT = "<!-- layout: python tools/copy_tiers.py --write -->", "<!-- /layout -->"
@@ -30,8 +30,9 @@ TOP = """grpo.py            the baseline; every other script is a diff of it (GR
 sc_grpo.py         SC-GRPO          grpo_lambda.py   GRPO-λ          ep_grpo.py   EP-GRPO
 srpo.py            SRPO / RRPO / oracle resets
 common.py          what every script uses, in the order a step uses it, and `Run`: the plumbing around the loop
-rlvr_utils/        the support package (its __init__.py lists the modules, below); it imports neither common.py nor
-                   a script, and has no import cycle (tests/test_layout.py)"""
+rlvr_utils/        the support package in folders by role (its __init__.py lists them, below); it imports neither
+                   common.py nor a script, its imports point down the roles, and no import cycle runs through it
+                   (tests/test_layout.py)"""
 BOTTOM = """assets/            tiny-arith/ (the default --model), tiny-arith-long/ (the long setting)
 benchmarks/        learning curves, speed, memory, verifiers, the positive control; raw results in benchmarks/results/
 docs/              one page per method, and running.md, tasks.md, lora.md, conventions.md, trl.md, benchmarks.md, ...
@@ -50,7 +51,7 @@ def lines(paths) -> int:
 
 
 def table() -> str:
-    package = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "rlvr_utils").glob("*.py"))
+    package = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "rlvr_utils").rglob("*.py"))
     rows = [
         "| script | the minimal copy: besides the script and `assets/tiny-arith/` | files | lines | the full copy: "
         "files | lines |",
@@ -64,10 +65,11 @@ def table() -> str:
             f"| `{script}` ({lines([script])} lines) | the core{own} | {len(mine)} | {lines(mine)} | {len(full)} | "
             f"{lines(full)} |"
         )
-    core = ", ".join(f"`{Path(p).name}`" for p in CORE[1:])
+    core = ", ".join(f"`{Path(p).name}`" for p in CORE[2:])
     note = (
-        f"The core: `common.py` and `rlvr_utils/` {core} ({len(CORE)} files, {lines(CORE)} lines). A default run (its "
-        "defaults, and `--help`) loads exactly its minimal copy (`tests/test_copy.py`)."
+        f"The core: `common.py`, `rlvr_utils/__init__.py` and the folder `rlvr_utils/core/` ({core}): {len(CORE)} "
+        f"files, {lines(CORE)} lines. A default run (its defaults, and `--help`) loads exactly its minimal copy "
+        "(`tests/test_copy.py`)."
     )
     return "\n".join([BEGIN, *rows, "", note, END])
 
@@ -75,7 +77,7 @@ def table() -> str:
 def layout() -> str:
     """The README's Layout block: the top level, then rlvr_utils/__init__.py's module list as it stands."""
     doc = (ROOT / "rlvr_utils" / "__init__.py").read_text().split('"""')[1]
-    modules = doc[doc.index("\nThe core") :].strip("\n")
+    modules = doc[doc.index("\ncore/") :].strip("\n")
     body = "\n".join("  " + line if line.strip() else "" for line in modules.splitlines())
     return "\n".join([LAYOUT[0], "```", TOP, body, BOTTOM, "```", LAYOUT[1]])
 

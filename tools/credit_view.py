@@ -34,8 +34,8 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rlvr_utils import credit  # noqa: E402
-from rlvr_utils.runtime import usage_error  # noqa: E402
+from rlvr_utils.core.runtime import usage_error  # noqa: E402
+from rlvr_utils.extras import credit  # noqa: E402
 from sc_grpo import Role  # noqa: E402  (SC-GRPO's row roles, shown by name)
 
 

@@ -65,19 +65,25 @@ class Module:
                     self.aliases[a.asname or a.name] = module_key(a.name)
             elif isinstance(node, ast.ImportFrom) and node.module:
                 for a in node.names:
-                    if node.module == "rlvr_utils":
+                    if is_folder(node.module):  # from rlvr_utils.<folder> import <module>
                         self.aliases[a.asname or a.name] = a.name
                     else:
                         self.imported[a.asname or a.name] = (module_key(node.module), a.name)
 
 
+def is_folder(dotted: str) -> bool:
+    """rlvr_utils or one of its folders (rlvr_utils.core, rlvr_utils.extras.data), not a module."""
+    return dotted.split(".")[0] == "rlvr_utils" and (ROOT / dotted.replace(".", "/")).is_dir()
+
+
 def module_key(name: str) -> str:
-    return name.split(".", 1)[1] if name.startswith("rlvr_utils.") else name
+    """A module's key: its name (module names are unique across the package's folders)."""
+    return name.rsplit(".", 1)[-1] if name.startswith("rlvr_utils.") else name
 
 
 def load_modules() -> dict[str, Module]:
     out = {p.stem: Module(p.stem, p) for p in ROOT.glob("*.py")}
-    out |= {p.stem: Module(p.stem, p) for p in (ROOT / "rlvr_utils").glob("*.py") if p.stem != "__init__"}
+    out |= {p.stem: Module(p.stem, p) for p in (ROOT / "rlvr_utils").rglob("*.py") if p.stem != "__init__"}
     return out
 
 
@@ -197,15 +203,15 @@ def places(script: str, mods: dict[str, Module]) -> list[tuple[str, str]]:
     return sorted(seen, key=order)
 
 
-def file_of(key: str) -> str:
-    return f"{key}.py" if key in SCRIPTS or key == "common" else f"rlvr_utils/{key}.py"
+def file_of(key: str, mods: dict[str, Module]) -> str:
+    return mods[key].path.relative_to(ROOT).as_posix()
 
 
-def markdown(script: str, found: list[tuple[str, str]]) -> str:
+def markdown(script: str, found: list[tuple[str, str]], mods: dict[str, Module]) -> str:
     """The docs page's list: one line per file, its definitions in reading order."""
     files = list(dict.fromkeys(key for key, _ in found))
     head = f"{len(found)} definitions in {len(files)} files (`python tools/places_to_open.py {script} --md`):"
-    rows = [f"- `{file_of(key)}`: " + ", ".join(f"`{n}`" for k, n in found if k == key) for key in files]
+    rows = [f"- `{file_of(key, mods)}`: " + ", ".join(f"`{n}`" for k, n in found if k == key) for key in files]
     return "\n".join([head, *rows])
 
 
@@ -215,7 +221,7 @@ BEGIN, END = "<!-- places to open: python tools/places_to_open.py --write -->", 
 
 
 def block(script: str, mods: dict[str, Module]) -> str:
-    return f"{BEGIN}\n{markdown(script, places(script, mods))}\n{END}"
+    return f"{BEGIN}\n{markdown(script, places(script, mods), mods)}\n{END}"
 
 
 def write_pages(mods: dict[str, Module]) -> None:
@@ -243,9 +249,9 @@ def main() -> None:
     for script in a.scripts or SCRIPTS:
         found = places(script, mods)
         if a.md:
-            print(markdown(script, found))
+            print(markdown(script, found, mods))
             continue
-        files = sorted({file_of(k) for k, _ in found})
+        files = sorted({file_of(k, mods) for k, _ in found})
         print(f"{script}: {len(found)} definitions in {len(files)} files ({', '.join(files)})")
         print("    " + ", ".join(f"{k}.{n}" for k, n in found))
 

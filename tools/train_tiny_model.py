@@ -50,7 +50,9 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
-from rlvr_utils import rewards, saving, tasks  # noqa: E402
+from rlvr_utils.core import tasks  # noqa: E402
+from rlvr_utils.extras.data import rewards  # noqa: E402
+from rlvr_utils.extras.save import saving  # noqa: E402
 from srpo import ARITH_LOCALIZATION, parse_reply  # noqa: E402  (format (b): what SRPO's self-localization asks)
 
 

@@ -24,6 +24,7 @@ Ablations of ours (other D, other groups, c over the batch): rlvr_utils/methods/
         --max-new-tokens 512 --gradient-checkpointing
 """
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -107,28 +108,41 @@ class Role(enum.IntEnum):
     REFERENCE = 3  # solve-none's reference o_r: no loss (weight 0, advantage 0)
 
 
-def weights_and_advantages(
-    kl, active, role, group_ids, adv, percentile=75.0, c_min=1e-4, alpha=0.1, unbiased=False
-):
+@dataclasses.dataclass(frozen=True)
+class SCConfig:
+    """SC-GRPO's credit settings (paper §5.1) at the flags' defaults: Args repeats them as flags
+    (their --help), SCConfig.of(args) takes a run's."""
+
+    percentile: float = 75.0  # c = max(this percentile of D over the weighted tokens, c_min)
+    c_min: float = 1e-4
+    alpha: float = 0.1  # the solve-none bonus alpha * zscore(mean f)
+    unbiased: bool = False  # the std of A and the z-score: population + 1e-6, or unbiased + 1e-4
+
+    @classmethod
+    def of(cls, args) -> "SCConfig":
+        return cls(args.percentile, args.c_min, args.alpha, args.outcome_std == "unbiased")
+
+
+def weights_and_advantages(kl, active, role, group_ids, adv, cfg: SCConfig = SCConfig()):
     """SC-GRPO's credit (paper §5.1) over a micro-batch (the paper's scope of c) or the batch.
     kl, active, adv [n, T]: D, the weighted tokens, the rows' token advantages; role [n] (Role);
     group_ids [n]. Returns the weights [n, T] (1 on PLAIN rows, else f = kl_weights(kl, active)),
     the advantages [n, T] (DIVERSITY rows + alpha * zscore of s_i = mean f over their weighted
-    tokens; REFERENCE rows: 0) and f; `unbiased`: the GRPO advantage's std convention.
+    tokens; REFERENCE rows: 0) and f. cfg: c's percentile and floor, alpha, the std (SCConfig).
 
     >>> D, on = torch.tensor([[0.0, 1.0, 3.0]]), torch.ones(1, 3)  # D per token; c = P75 of D = 2
     >>> role, group = torch.tensor([Role.WEIGHTED]), torch.tensor([0])
     >>> weights_and_advantages(D, on, role, group, on)[0]  # the weights f = D / (D + c)
     tensor([[0.0000, 0.3333, 0.6000]])
     """
-    f = kl_weights(kl, active, percentile, c_min)  # c from these rows' weighted tokens
+    f = kl_weights(kl, active, cfg.percentile, cfg.c_min)  # c from these rows' weighted tokens
     weights = torch.where((role == Role.PLAIN)[:, None], 1.0, f)  # [n, T]
     adv = adv.clone()
     div = role == Role.DIVERSITY
     if div.any():
         s = (f * active).sum(-1) / active.sum(-1).clamp(min=1)  # [n] mean f over weighted tokens
-        eps = 1e-4 if unbiased else 1e-6
-        bonus = diversity_advantage(s[div], group_ids[div.cpu()], alpha, eps, unbiased)
+        eps = 1e-4 if cfg.unbiased else 1e-6
+        bonus = diversity_advantage(s[div], group_ids[div.cpu()], cfg.alpha, eps, cfg.unbiased)
         adv[div] = adv[div] + bonus[:, None]
     adv[role == Role.REFERENCE] = 0.0
     return weights, adv, f
@@ -249,28 +263,33 @@ def fit_reference(tokenizer, make_prompt, taus: list[str], limit: int, max_ref_t
     )
 
 
-def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, max_ref_tokens: int,
-                   generator):  # fmt: skip
-    """Each row's teacher prompt ids (None: no teacher), Role, weighted length wlen [N] and the
-    bad-input counts (paper §5.1). examples: each group's Example by group id; tau_row [N]: each
-    row's tau / o_r (route_groups). A tau whose prompt exceeds `limit` tokens (the context minus
-    the completions) or `max_ref_tokens` is replaced by another correct sibling (never the row
-    itself), drawn uniformly, else its middle is cut, else the row is PLAIN (fit_reference).
-    wlen: |o_i|, or min(|o_i|, |o_r|) in solve-none groups. role, wlen on the rows' device."""
-    lengths, gids = ro.completion_mask.sum(1).cpu(), ro.group_ids.cpu()
+Teachers = collections.namedtuple("Teachers", "prompts role wlen bad")  # build_teachers' record
+
+
+def build_teachers(tokenizer, make_prompt, texts: list[str], completion_mask, group_ids, correct,
+                   tau_row, limit: int, max_ref_tokens: int, generator) -> Teachers:  # fmt: skip
+    """Teachers(prompts: each row's teacher prompt ids or None (no teacher), role [N] (Role),
+    wlen [N] the weighted length, bad: the bad-input counts) (paper §5.1). make_prompt(i, tau):
+    row i's teacher prompt ids given the reference text tau (the script: teacher_prompt); texts
+    [N] the completions; tau_row [N]: each row's tau / o_r (route_groups). A tau whose prompt
+    exceeds `limit` tokens (the context minus the completions) or `max_ref_tokens` is replaced by
+    another correct sibling (never the row itself), drawn uniformly, else its middle is cut, else
+    the row is PLAIN (fit_reference). wlen: |o_i|, or min(|o_i|, |o_r|) in solve-none groups.
+    role, wlen on completion_mask's device."""
+    lengths, gids = completion_mask.sum(1).cpu(), group_ids.cpu()
     counts = {"sc/tau_resampled": 0, "sc/tau_truncated": 0, "sc/no_reference": 0}
-    prompts = [None] * len(ro)
-    role = torch.zeros(len(ro), dtype=torch.long)
+    prompts = [None] * len(texts)
+    role = torch.zeros(len(texts), dtype=torch.long)
     wlen = lengths.clone()
-    is_reference = (tau_row < 0) & ~correct & torch.isin(torch.arange(len(ro)), tau_row)
+    is_reference = (tau_row < 0) & ~correct & torch.isin(torch.arange(len(texts)), tau_row)
     role[is_reference] = Role.REFERENCE  # solve-none's o_r
     for i in (tau_row >= 0).nonzero().flatten().tolist():
         j = int(tau_row[i])
         same = (gids == gids[i]).nonzero().flatten().tolist()
         sibs = [k for k in same if correct[j] and correct[k] and k not in (i, j)]  # other taus
         order = torch.randperm(len(sibs), generator=generator).tolist()
-        taus = [ro.texts[k] for k in [j] + [sibs[p] for p in order]]
-        make = functools.partial(teacher_prompt, tokenizer, task, examples[int(gids[i])])
+        taus = [texts[k] for k in [j] + [sibs[p] for p in order]]
+        make = functools.partial(make_prompt, i)  # row i's prompt for a tau
         prompts[i], how = fit_reference(tokenizer, make, taus, limit, max_ref_tokens)
         if how != "drawn":  # resampled, truncated or none fits
             counts[f"sc/{how}"] += 1
@@ -279,8 +298,8 @@ def build_teachers(tokenizer, task, ro, examples, correct, tau_row, limit: int, 
         elif prompts[i] is not None:  # solve-none: weighted over its first min(|o_i|, |o_r|)
             role[i] = Role.DIVERSITY
             wlen[i] = min(lengths[i], lengths[j])
-    device = ro.completion_mask.device
-    return prompts, role.to(device), wlen.to(device), counts
+    device = completion_mask.device
+    return Teachers(prompts, role.to(device), wlen.to(device), counts)
 
 
 def validate(args: Args) -> Args:
@@ -312,10 +331,10 @@ if __name__ == "__main__":
     #   --weight-mode none          never (f = 1), unless --kl-loss-coef
     f_per_micro_batch = args.weight_mode == "multiply"
     kl_grad = args.kl_loss_coef > 0
-    unbiased = args.outcome_std == "unbiased"
+    cfg = SCConfig.of(args)  # c's percentile and floor, alpha, the std (--outcome-std)
+    unbiased = cfg.unbiased
     eps = 1e-4 if unbiased else 1e-6  # the std of A and of the solve-none z-score (--outcome-std)
-    flags = dict(percentile=args.percentile, c_min=args.c_min, alpha=args.alpha, unbiased=unbiased)
-    f_and_bonus = functools.partial(weights_and_advantages, **flags)  # f and the solve-none bonus
+    f_and_bonus = functools.partial(weights_and_advantages, cfg=cfg)  # f and the solve-none bonus
     teach = dict(temperature=args.temperature, pad_id=tokenizer.pad_token_id, kl_grad=kl_grad)
     teacher_kl = functools.partial(teacher.teacher_kl, **teach, dist=dist)  # D, fused (§5.1)
     weighted, f_per_batch = ("partial", "none"), False  # the groups with a teacher (§5.1)
@@ -355,10 +374,12 @@ if __name__ == "__main__":
         modes, tau_row = route_groups(correct, G, routing, gid, weighted, ro.scores)
         limit = context - T  # the teacher prompt's room beside the completion
         max_ref = args.max_reference_tokens
-        teachers, role, wlen, bad = build_teachers(
-            tokenizer, args.task, ro, examples, correct, tau_row, limit, max_ref, routing
+        make = lambda i, tau: teacher_prompt(  # noqa: E731  row i's teacher prompt for a reference
+            tokenizer, args.task, examples[int(gid[i])], tau
         )
-        active = weighted_tokens(mask, role, wlen)  # [N, T] the tokens f weighs (c's percentile)
+        refs = (correct, tau_row, limit, max_ref, routing)
+        teachers = build_teachers(tokenizer, make, ro.texts, ro.completion_mask, gid, *refs)
+        active = weighted_tokens(mask, teachers.role, teachers.wlen)  # [N, T] the tokens f weighs
         weights = torch.ones_like(mask, dtype=torch.float)  # [N, T] f, 1 on plain rows
         sc_log = teacher.TeacherLog()  # LOGS: D, f and the teacher's cost, the sc/* metrics
 
@@ -374,7 +395,7 @@ if __name__ == "__main__":
             if ref_model is not None:
                 ref_logp = common.token_logprobs(ref_model, input_ids, attn, T, args.temperature)[0]
             if f_per_batch:  # ablation: D of every row, then f with c over the whole batch
-                step3 = (ro, T, teachers, active, role, token_adv)
+                step3 = (ro, T, teachers, active, token_adv)
                 fns = (common.token_logprobs, teacher_kl, f_and_bonus, micro_batches_of_groups)
                 weights, token_adv = ablation.f_over_batch(args, model, *step3, *fns, dist, sc_log)
         run.lap("logprobs")
@@ -400,12 +421,12 @@ if __name__ == "__main__":
                     f_here = it == 0 and f_per_micro_batch  # f from pass 1 (the current policy)
                     D = cost = None
                     if f_here or kl_grad:  # ALGO LOGIC: D = KL(teacher || student) per token (§5.1)
-                        prompts = [teachers[i] for i in mb.tolist()]
+                        prompts = [teachers.prompts[i] for i in mb.tolist()]
                         D, cost = teacher_kl(train_model, student, *batch[:3], prompts)
                     if f_here:  # f with c from this micro-batch's weighted tokens; the bonus
                         A0 = token_adv[mb]
                         weights[mb], token_adv[mb], f = f_and_bonus(
-                            D, active[mb], role[mb], gid[mb.cpu()], A0
+                            D, active[mb], teachers.role[mb], gid[mb.cpu()], A0
                         )
                     logged = it == 0 and (f_here or kl_grad) and not f_per_batch  # LOGS: D once
                     sc_log.add(
@@ -440,8 +461,8 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C
-        run.credit_signals(f=weights, role=role)  # LOGS: --log-credit's weight f and row role
-        sc_metrics = sc_log.metrics(modes, bad, ro.texts, run.device)  # LOGS: the sc/* metrics
+        run.credit_signals(f=weights, role=teachers.role)  # LOGS: --log-credit's weight f, row role
+        sc_metrics = sc_log.metrics(modes, teachers.bad, ro.texts, run.device)  # LOGS: sc/* metrics
         run.end_step(step, ro, rewards, stats, sampling | sc_metrics)
 
     run.finish()

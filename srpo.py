@@ -252,6 +252,11 @@ Reset = collections.namedtuple("Reset", "example parent prefix k n oracle reply 
 # would have filled the context (then k = 1)
 Row = collections.namedtuple("Row", "example ids suffix_start kind parent reward")  # a trained row
 # a Row's kind: reset (a parent's continuation), base (a fresh chain), fresh (the fallback group)
+ResetRollouts = collections.namedtuple(
+    "ResetRollouts", "rollouts rewards suffix_start prompt_of_row info"
+)  # a step's trained rows, from settle to the loss: common.Rollouts (group_ids: normalization
+# groups, never a parent), rewards [N], suffix_start [N] (response tokens kept from the parent; 0:
+# a fresh chain), prompt_of_row [N] (example ids: mini-batches hold whole prompts), info (reset/*)
 
 
 @dataclasses.dataclass
@@ -378,8 +383,7 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
     budget, trained from suffix_start on), then per prompt its base chains, or, with no parents
     found, the official fallback group (1x4: the base chains, 2x4: the failures found, 1x8: the
     chains sampled so far; topped up with spare fresh chains). One group id per normalization
-    group; each prompt's rows together. Returns the Rollouts, rewards, suffix_start, prompt_of_row
-    and the Rows."""
+    group; each prompt's rows together. Returns the ResetRollouts (info empty) and the Rows."""
     tok, max_new = sampler.tokenizer, args.max_new_tokens
     n_parents, K, n_base = split_sizes(args)
     new = []  # the continuations: kept prefix + suffix, in their parent's reset group
@@ -410,13 +414,8 @@ def settle(model, sampler, task, examples, search: dict[int, Search], cuts: list
                               group_ids, stops, device)  # fmt: skip
     rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
     suffix_start = torch.tensor([r.suffix_start for r in rows], device=device)
-    return (
-        ro,
-        rewards,
-        suffix_start,
-        torch.tensor([r.example.id for r in rows], device=device),
-        rows,
-    )
+    prompt_of_row = torch.tensor([r.example.id for r in rows], device=device)
+    return ResetRollouts(ro, rewards, suffix_start, prompt_of_row, {}), rows
 
 
 def collect_rollouts(model, tokenizer, task, batches, dist, args, rng: random.Random):
@@ -424,9 +423,8 @@ def collect_rollouts(model, tokenizer, task, batches, dist, args, rng: random.Ra
     most four generate calls, each batched over the step's prompts (docs/srpo.md, "Batched
     stages"): (1) the first fresh chains; (2) the remaining search with (random, oracle: reset
     points need no model call) the continuations of the parents found so far; (3) SRPO's
-    localization; (4) the other continuations. Returns common.Rollouts of the trained rows
-    (group_ids: normalization groups; never a parent), rewards [N], suffix_start [N] (response
-    tokens), prompt_of_row [N] (example ids) and the reset/* metrics (a dict). FSDP: on the full
+    localization; (4) the other continuations. Returns the trained rows as ResetRollouts
+    (rollouts, rewards, suffix_start, prompt_of_row, info: the reset/* metrics). FSDP: on the full
     weights, so ranks may make different numbers of generate calls."""
     examples = dist.shard(next(batches))
     delim, max_new = args.thought_delimiter, args.max_new_tokens
@@ -453,10 +451,10 @@ def collect_rollouts(model, tokenizer, task, batches, dist, args, rng: random.Ra
         rest = [e for e in examples if all(e is not c.example for c in early)]
         later = reset_points(sampler, task, search, rest, args, rng, max_pos)  # (3) --reset self
         sfx += sampler.sample(*suffixes(sampler, later, K, args))  # (4)
-        *out, rows = settle(model, sampler, task, examples, search, early + later, sfx, args)
+        resets, rows = settle(model, sampler, task, examples, search, early + later, sfx, args)
     tried, cuts = sum(st.tried for st in search.values()), early + later  # LOGS: reset/*
     logs = chains.reset_metrics(cuts, rows, examples, tried, args.success_threshold)  # LOGS
-    return (*out, sampler.info | logs)
+    return resets._replace(info=sampler.info | logs)
 
 
 def validate(args: Args) -> Args:
@@ -508,9 +506,8 @@ if __name__ == "__main__":
     for step in run.steps():
         # 1-2. ALGO LOGIC: rollouts with resets (fresh chains, parent search, localization,
         #      suffixes) and their rewards
-        ro, rewards, suffix_start, prompt_of_row, info = collect_rollouts(
-            model, tokenizer, task, run.batches, dist, args, rng
-        )
+        resets = collect_rollouts(model, tokenizer, task, run.batches, dist, args, rng)
+        ro, rewards = resets.rollouts, resets.rewards  # ResetRollouts: the rest by name below
         mask = ro.completion_mask  # [N, T]
         if args.mask_truncated_completions:  # DAPO's overlong filtering
             mask = mask * ~ro.truncated[:, None]
@@ -521,9 +518,9 @@ if __name__ == "__main__":
         #    std); the kept prefixes masked (only the resampled suffix trains).
         advantages = srpo_advantages(rewards, ro.group_ids.cpu())  # [N]
         token_adv = advantages.to(run.device)[:, None].expand(-1, T)  # [N, T]
-        suffix = suffix_mask(mask, suffix_start)  # [N, T]
+        suffix = suffix_mask(mask, resets.suffix_start)  # [N, T]
         mask = suffix if ablation is None else ablation.trained(args, mask, suffix)  # --no-mask
-        run.credit_signals(reset_at=suffix_start, prompt_ids=prompt_of_row)  # LOGS: --log-credit
+        run.credit_signals(reset_at=resets.suffix_start, prompt_ids=resets.prompt_of_row)  # LOGS
 
         # 4. old and reference log-probs (no gradient). On-policy (one pass, one mini-batch) the
         #    old log-probs are the current ones, detached; otherwise this pass makes them.
@@ -542,7 +539,7 @@ if __name__ == "__main__":
         #    optimizer step each, in micro-batches (the loss is normalized over the mini-batch)
         stats = common.UpdateStats(mask, args.num_iterations)
         for it in range(args.num_iterations):
-            for rows in common.minibatches(prompt_of_row, args.num_minibatches):  # whole prompts
+            for rows in common.minibatches(resets.prompt_of_row, args.num_minibatches):  # prompts
                 optimizer.zero_grad(set_to_none=True)
                 num_tokens, num_seqs = dist.loss_counts(mask[rows])  # global counts / world size
                 agg = (args.loss_agg, args.max_new_tokens, num_tokens, num_seqs)
@@ -579,6 +576,7 @@ if __name__ == "__main__":
         run.lap("update")
 
         # 6. TRY NOT TO MODIFY: metrics, evaluation, logging, checkpoint, Ctrl-C; LOGS: reset/*
+        info = resets.info
         extra = {f"reset/{k}": v for k, v in info.items() if k != "time_localization"}
         extra["time/localization"] = info["time_localization"]
         extra["sampling/generated_tokens"] = info["generated_tokens"]

@@ -334,8 +334,9 @@ def measure_sc_grpo(model, tok, task, rows: Rows, evals, a, seed: int) -> dict:
     context = getattr(model.config, "max_position_embeddings", None) or 10**9
     T = ro.completion_ids.shape[1]
     by_id = {e.id: e for e in rows.examples}
-    teachers, role, _, _ = sc_grpo.build_teachers(tok, a.task, ro, by_id, correct, tau_row, context - T,
-                                                  a.max_reference_tokens, gen)  # fmt: skip
+    make = lambda i, tau: sc_grpo.teacher_prompt(tok, a.task, by_id[int(ro.group_ids[i])], tau)  # noqa: E731
+    refs = (correct, tau_row, context - T, a.max_reference_tokens, gen)
+    teachers, role, _, _ = sc_grpo.build_teachers(tok, make, ro.texts, ro.completion_mask, ro.group_ids, *refs)
     scored = [i for i in rows.with_wrong_line() if role[i] == sc_grpo.Role.WEIGHTED and rows.k[i] >= 2]
     aucs, tops, chance, at_departure = [], [], [], []
     if scored:

@@ -4,7 +4,7 @@ the credit function comes from the method's file, imported from the minimal copy
 project's loop (common.Run, rollouts, UpdateStats) runs. Two optimizer steps, then one RESULT line (JSON): the losses,
 the parameters' change, the method module's file and the project files it loaded. tests/test_copier.py runs it.
 
-    python copier_loop.py grpo_lambda    # or ep_grpo, in a folder holding that script's minimal copy and the model
+    python copier_loop.py sc_grpo    # or grpo_lambda, ep_grpo: in a folder holding that script's minimal copy
 """
 
 import json
@@ -42,7 +42,11 @@ def logprobs(logits: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
 
 
-if METHOD == "grpo_lambda":
+if METHOD == "sc_grpo":
+    from sc_grpo import Role, SCConfig, build_teachers, route_groups, token_kl, weighted_tokens, weights_and_advantages
+
+    cfg = SCConfig()
+elif METHOD == "grpo_lambda":
     from grpo_lambda import LambdaConfig, clamp_negative_advantages, grpo_lambda_token_loss
 
     cfg = LambdaConfig()
@@ -51,9 +55,32 @@ elif METHOD == "ep_grpo":
 
     cfg = EPConfig()
 else:
-    raise SystemExit(f"unknown method {METHOD!r}: grpo_lambda or ep_grpo")
+    raise SystemExit(f"unknown method {METHOD!r}: sc_grpo, grpo_lambda or ep_grpo")
 
-losses = []
+
+def sc_credit(step, logits, completion, mask, texts, rewards, adv):
+    """SC-GRPO's weights f and advantages [N, T]: the copier's own teacher prompt (a correct sibling's text before
+    its problem), D = KL(teacher || student) per token from the policy's logits with and without it (no gradient)."""
+    gid, correct = torch.arange(len(texts)) // G, rewards >= 1.0
+    modes, tau_row = route_groups(correct, G, torch.Generator().manual_seed(step), gid)
+    make = lambda i, tau: tok(f"Reference solution:\n{tau}\n{PROMPTS[i // G][0]}").input_ids  # noqa: E731
+    limit = policy.config.max_position_embeddings - T
+    teachers = build_teachers(tok, make, texts, mask, gid, correct, tau_row, limit, 8192, torch.Generator())
+    D = torch.zeros_like(mask)
+    with torch.no_grad():
+        for i, prompt in enumerate(teachers.prompts):
+            if prompt is not None:
+                teacher_ids = torch.cat([torch.tensor([prompt]), completion[i : i + 1]], 1)
+                D[i] = token_kl(token_logits(policy, teacher_ids, len(prompt))[0], logits[i].detach())
+    active = weighted_tokens(mask, teachers.role, teachers.wlen)
+    weights, A, f = weights_and_advantages(D, active, teachers.role, gid, adv[:, None].expand(-1, T).clone(), cfg)
+    on, plain = active.bool(), teachers.role == Role.PLAIN
+    f_range = [f[on].min().item(), f[on].max().item()] if on.any() else None
+    sc.append(dict(partial=modes.count("partial"), f=f_range, plain_weights_one=bool((weights[plain] == 1).all())))
+    return weights, A
+
+
+sc, losses = [], []
 for step in range(STEPS):
     prompts = tok([p for p, _ in PROMPTS], return_tensors="pt").input_ids  # [4, P], no padding
     P = prompts.shape[1]
@@ -70,7 +97,11 @@ for step in range(STEPS):
 
     logits = token_logits(policy, ids, P)
     logp = logprobs(logits, completion)  # [N, T], with the gradient
-    if METHOD == "grpo_lambda":  # the traced ratio inside the clipped surrogate (the method's loss)
+    if METHOD == "sc_grpo":  # the copier's clipped surrogate of SC-GRPO's advantages, times the weight f
+        weights, A = sc_credit(step, logits, completion, mask, texts, rewards, adv)
+        ratio = torch.exp(logp - logp.detach())
+        per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - EPS, 1 + EPS) * A) * weights
+    elif METHOD == "grpo_lambda":  # the traced ratio inside the clipped surrogate (the method's loss)
         A = clamp_negative_advantages(adv, cfg.adv_floor)[:, None].expand(-1, T)
         per_token = grpo_lambda_token_loss(logp, logp.detach(), A, mask, cfg).loss
     else:  # per-token advantages from the entropy and the reference, then the copier's clipped surrogate
@@ -90,6 +121,6 @@ for step in range(STEPS):
 here = os.path.abspath(".")
 files = {os.path.abspath(f) for m in list(sys.modules.values()) if (f := getattr(m, "__file__", None))}
 change = torch.sqrt(sum(((p.detach() - s) ** 2).sum() for p, s in zip(policy.parameters(), start)))
-result = dict(losses=losses, change=change.item(), module=os.path.abspath(sys.modules[METHOD].__file__))
+result = dict(losses=losses, change=change.item(), module=os.path.abspath(sys.modules[METHOD].__file__), sc=sc)
 result["loaded"] = sorted(os.path.relpath(f, here) for f in files if f.startswith(here + os.sep) and os.path.isfile(f))
 print("RESULT " + json.dumps(result))

@@ -60,7 +60,9 @@ def test_nothing_cites_a_document_outside_the_repository():
 sys.path.insert(0, str(ROOT / "tools"))
 import places_to_open  # noqa: E402
 
-BOUNDS = {"sc_grpo": (20, 4), "srpo": (30, 4), "grpo_lambda": (10, 4), "ep_grpo": (10, 4)}  # (definitions, files)
+# (definitions, files); SC-GRPO's 22: SCConfig and Teachers, records read once by name (they replaced four
+# positional settings and a 4-tuple)
+BOUNDS = {"sc_grpo": (22, 4), "srpo": (30, 4), "grpo_lambda": (10, 4), "ep_grpo": (10, 4)}
 
 
 @pytest.mark.parametrize("script", sorted(BOUNDS))

@@ -62,7 +62,7 @@ def test_grpo_baseline_defaults():
     )
 
 
-def test_sc_grpo_paper_defaults():
+def test_sc_grpo_paper_defaults(monkeypatch):
     """SC-GRPO (arXiv 2606.18810): f = D/(D + c), c = max(P75 of D, c_min = 1e-4) (§5.1 and ablation A2); alpha 0.1 for
     the solve-none diversity advantage (ablation A3); weighted groups: partial-solve and solve-none (§5); a
     multiplicative weight, not an additive KL loss (Table 2); G 8, 8 prompts per update (§6); seq-mean-token-mean; no
@@ -74,12 +74,10 @@ def test_sc_grpo_paper_defaults():
     assert (d["num_generations"], d["prompts_per_step"], d["loss_agg"], d["beta"]) == (8, 8, "seq-mean-token-mean", 0.0)
     assert signature_defaults(sc_grpo.kl_weights) == {"percentile": 75.0, "c_min": 1e-4}
     assert signature_defaults(sc_grpo.diversity_advantage)["alpha"] == 0.1
-    assert {k: v for k, v in signature_defaults(sc_grpo.weights_and_advantages).items()} == {
-        "percentile": 75.0,
-        "c_min": 1e-4,
-        "alpha": 0.1,
-        "unbiased": False,
-    }
+    # a copier's SCConfig() (weights_and_advantages' default) is the command line's
+    assert sc_grpo.SCConfig() == sc_grpo.SCConfig.of(parsed_defaults(sc_grpo, monkeypatch))
+    assert sc_grpo.SCConfig() == sc_grpo.SCConfig(75.0, 1e-4, 0.1, unbiased=False)
+    assert signature_defaults(sc_grpo.weights_and_advantages)["cfg"] == sc_grpo.SCConfig()
     # one std convention for A and the solve-none z-score: population + 1e-6 (this project's choice, docs/sc_grpo.md)
     assert d["outcome_std"] == "population" and signature_defaults(sc_grpo.diversity_advantage)["eps"] == 1e-6
 

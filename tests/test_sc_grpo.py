@@ -351,6 +351,16 @@ def _rollouts(tok, texts, group_size):
     return common.Rollouts(None, None, ids, mask, torch.zeros(len(texts), dtype=torch.bool), gids, list(texts))
 
 
+def _teacher_of(tok, example):
+    """build_teachers' make_prompt(i, tau) for rows that all share one example (the script's, per group)."""
+    return lambda i, tau: sc_grpo.teacher_prompt(tok, "arith", example, tau)
+
+
+def _plain(ro):
+    """build_teachers' plain inputs from a Rollouts: the texts, the completion mask, the group ids."""
+    return ro.texts, ro.completion_mask, ro.group_ids
+
+
 def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     _, tok = tiny
     ex = tasks.Example(0, "12+3-4", "11", "Solve: 12+3-4\n", [])
@@ -361,7 +371,7 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     room = len(sc_grpo.teacher_prompt(tok, "arith", ex, short))  # the short reference fits, the long one does not
     ref = torch.tensor([1, 0, 1, 1])  # as if every row drew the long reference (row 1 cannot draw itself)
     prompts, role, wlen, counts = sc_grpo.build_teachers(
-        tok, "arith", ro, {0: ex}, correct, ref, room, 8192, torch.Generator()
+        tok, _teacher_of(tok, ex), *_plain(ro), correct, ref, room, 8192, torch.Generator()
     )
     assert prompts[2] == prompts[3] == sc_grpo.teacher_prompt(tok, "arith", ex, short)  # resampled to the short one
     assert prompts[1] == prompts[2]  # row 1 drew row 0, which fits
@@ -372,7 +382,7 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
     ro = _rollouts(tok, ["ab", "abcdef", "", "x"], 4)
     wrong = torch.zeros(4, dtype=torch.bool)
     prompts, role, wlen, counts = sc_grpo.build_teachers(
-        tok, "arith", ro, {0: ex}, wrong, torch.tensor([-1, 0, 0, 0]), 10**6, 8192, torch.Generator()
+        tok, _teacher_of(tok, ex), *_plain(ro), wrong, torch.tensor([-1, 0, 0, 0]), 10**6, 8192, torch.Generator()
     )
     assert (
         role.tolist() == [Role.REFERENCE] + [Role.DIVERSITY] * 3
@@ -380,13 +390,44 @@ def test_build_teachers_roles_resampling_truncation_and_no_reference(tiny):
         and prompts[0] is None
     )
     prompts, role, _, counts = sc_grpo.build_teachers(
-        tok, "arith", ro, {0: ex}, wrong, torch.tensor([-1, 0, 0, 0]), 5, 8192, torch.Generator()
+        tok, _teacher_of(tok, ex), *_plain(ro), wrong, torch.tensor([-1, 0, 0, 0]), 5, 8192, torch.Generator()
     )
     assert (
         prompts == [None] * 4
         and role.tolist() == [Role.REFERENCE] + [Role.PLAIN] * 3
         and counts["sc/no_reference"] == 3
     )
+
+
+def test_build_teachers_takes_plain_inputs_and_asks_make_prompt_for_each_row_and_its_taus(tiny):
+    """build_teachers calls make_prompt(i, tau) for the row i being taught with its reference texts (a tau that does
+    not fit is swapped for a correct sibling drawn from `generator`) and returns Teachers by name: two groups with
+    their own examples, wlen from the mask (not the texts), the same draws for the same generator state."""
+    _, tok = tiny
+    exs = [tasks.Example(g, q, "0", f"Solve: {q}\n", []) for g, q in enumerate(["1+2", "7-3"])]
+    texts = ["a1", "a22", "bad", "a333", "b1", "b22", "bad", "b333"]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]] * 2)
+    gid, correct = torch.tensor([0] * 4 + [1] * 4), torch.tensor([True, True, False, True] * 2)
+    tau_row = torch.tensor([1, 0, 3, 0, 5, 4, 7, 4])  # rows 2 and 6 drew a tau too long to fit
+    asked = []
+
+    def make(i, tau):
+        asked.append((i, tau))
+        return sc_grpo.teacher_prompt(tok, "arith", exs[int(gid[i])], tau)
+
+    fits = len(make(0, "a22"))  # room for a 3-character reference, not for "a333" / "b333"
+    asked.clear()
+    out = sc_grpo.build_teachers(tok, make, texts, mask, gid, correct, tau_row, fits, 8192, torch.Generator())
+    assert isinstance(out, sc_grpo.Teachers) and out.role.tolist() == [Role.WEIGHTED] * 8
+    assert out.bad == {"sc/tau_resampled": 2, "sc/tau_truncated": 0, "sc/no_reference": 0}
+    for i, p in enumerate(out.prompts):  # the row's own example; tau a correct sibling's text, never its own
+        _, tau, *rest = tok.decode(p).split("\n")
+        g = int(gid[i])
+        assert exs[g].prompt.strip() in rest and tau != texts[i] and tau in texts[4 * g : 4 * g + 4] and tau != "bad"
+    assert [i for i, _ in asked if i in (2, 6)] == [2, 2, 6, 6]  # the drawn tau, then the resampled one
+    assert {i for i, _ in asked} == {0, 1, 2, 3, 4, 5, 6, 7} and out.wlen.tolist() == mask.sum(1).tolist()
+    again = sc_grpo.build_teachers(tok, make, texts, mask, gid, correct, tau_row, fits, 8192, torch.Generator())
+    assert again.prompts == out.prompts and again.bad == out.bad
 
 
 # --- the script ----------------------------------------------------------------------------------
@@ -645,7 +686,7 @@ def test_an_unscored_rollout_gets_no_role_and_advantage_zero_in_a_solve_none_gro
     for seed in range(8):
         _, tau = sc_grpo.route_groups(correct, 4, torch.Generator().manual_seed(seed), gid, scores=scores)
         _, role, wlen, _ = sc_grpo.build_teachers(
-            tok, "arith", ro, {0: ex}, correct, tau, 10**6, 8192, torch.Generator()
+            tok, _teacher_of(tok, ex), *_plain(ro), correct, tau, 10**6, 8192, torch.Generator()
         )
         assert role[1] == Role.PLAIN and sorted(role.tolist()) == [Role.PLAIN, Role.DIVERSITY, Role.DIVERSITY, 3]
         active = sc_grpo.weighted_tokens(ro.completion_mask, role, wlen)

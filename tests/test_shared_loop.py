@@ -66,6 +66,7 @@ REPLACED = {
         ("G = args.num_generations", "--num-generations is the budget the resets split"),
         ("ro, rewards, sampling = common.rollouts_with_rewards(", "rollouts with resets (collect_rollouts)"),
         ("model, tokenizer, task, run.batches, dist, args", "(collect_rollouts: + its reset draws)"),
+        (")", "(collect_rollouts: one line, a ResetRollouts)"),
         ("gid = ro.group_ids.cpu()", "normalization groups (srpo_advantages)"),
         ("advantages = dist.over_global_batch(", "each group alone, population std, no eps"),
         ("common.group_advantages, rewards, G, args.scale_rewards, group_ids=gid", "(srpo_advantages)"),

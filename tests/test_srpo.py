@@ -128,9 +128,11 @@ def test_collect_rollouts_oracle_batch(tiny):
     model, tok = tiny
     torch.manual_seed(0)
     task, examples = _task(tok, 4)
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+    out = srpo.collect_rollouts(
         model, tok, task, iter([examples]), runtime.Dist(), _args(reset="oracle"), random.Random(0)
     )
+    assert isinstance(out, srpo.ResetRollouts)  # the step's rows by name, from settle to the loss
+    ro, suffix_start, info = out.rollouts, out.suffix_start, out.info
     assert len(ro) == 8 * len(examples)  # the budget: 8 trained trajectories per prompt
     prompts = [tuple(ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()) for i in range(len(ro))]
     assert all(prompts.count(tuple(e.prompt_ids)) == 8 for e in examples)
@@ -156,9 +158,10 @@ def test_collect_rollouts_fallback_when_nothing_fails(tiny):
     model, tok = tiny
     task, examples = _task(tok, 2)
     task.reward_fn = lambda completion, ex: 1.0
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+    out = srpo.collect_rollouts(
         model, tok, task, iter([examples]), runtime.Dist(), _args(max_fresh_attempts=6), random.Random(0)
     )
+    ro, suffix_start, prompt_of_row, info = out.rollouts, out.suffix_start, out.prompt_of_row, out.info
     assert info["num_parents"] == 0 and info["fallback_share"] == 1.0
     assert info["fresh_chains"] == 6 * 2  # searched up to max_fresh_attempts, then topped up to 8 below
     assert len(ro) == 16 and (suffix_start == 0).all()
@@ -180,9 +183,10 @@ def test_easy_prompt_fallback_samples_fresh_chains_official(tiny):
         return 1.0 if calls[ex.id] <= 6 else 0.0  # 6 = max_fresh_attempts: the search, then the top-ups
 
     task.reward_fn = reward
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+    out = srpo.collect_rollouts(
         model, tok, task, iter([examples]), runtime.Dist(), _args(max_fresh_attempts=6), random.Random(0)
     )
+    rewards, prompt_of_row, info = out.rewards, out.prompt_of_row, out.info
     assert info["num_parents"] == 0 and info["fresh_chains"] == 12 and all(n == 6 + 4 for n in calls.values())
     for e in examples:
         r = rewards[prompt_of_row == e.id]
@@ -202,9 +206,10 @@ def test_parent_never_enters_the_batch(tiny):
         return 0.0 if seen[ex.id] == 1 else 1.0
 
     task.reward_fn = reward
-    ro, rewards, suffix_start, prompt_of_row, info = srpo.collect_rollouts(
+    out = srpo.collect_rollouts(
         model, tok, task, iter([examples]), runtime.Dist(), _args(reset="random"), random.Random(0)
     )
+    ro, rewards, info = out.rollouts, out.rewards, out.info
     assert info["num_parents"] == 2
     assert len(ro) == 16 and (rewards == 1.0).all()
 
@@ -395,9 +400,10 @@ def test_continuation_counts_the_prefix_thoughts_in_the_twenty_thought_budget(ti
         return 0.0 if seen[ex.id] == 1 else 1.0
 
     task.reward_fn = reward
-    ro, _, suffix_start, _, info = srpo.collect_rollouts(
+    out = srpo.collect_rollouts(
         model, tok, task, iter([examples]), runtime.Dist(), _args(reset="random", max_new_tokens=400), random.Random(3)
     )
+    ro, suffix_start, info = out.rollouts, out.suffix_start, out.info
     assert info["num_parents"] == 3
     counts = []
     for i in range(len(ro)):

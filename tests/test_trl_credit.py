@@ -21,7 +21,15 @@ from ep_grpo import ep_advantages  # noqa: E402
 from grpo_lambda import clamp_negative_advantages  # noqa: E402
 from rlvr_utils.core import tasks  # noqa: E402
 from rlvr_utils.methods import trace_diagnostics  # noqa: E402
-from sc_grpo import build_teachers, route_groups, token_kl, weighted_tokens, weights_and_advantages  # noqa: E402
+from sc_grpo import (  # noqa: E402
+    SCConfig,
+    build_teachers,
+    route_groups,
+    teacher_prompt,
+    token_kl,
+    weighted_tokens,
+    weights_and_advantages,
+)
 
 G = 8  # completions per prompt; two prompts per step
 
@@ -180,11 +188,10 @@ def test_sc_grpo_in_trl_gives_its_weighted_advantages(tmp_path):
         routing.set_state(state)  # the draws the hook made
         _, tau_row = route_groups(correct, G, routing, gid, scores=rewards)
         texts = tok.batch_decode([c[m.bool()] for c, m in zip(out["completion_ids"], mask)], skip_special_tokens=True)
-        ro = common.Rollouts(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], mask,
-                             torch.zeros(N, dtype=torch.bool), gid, texts)  # fmt: skip
         examples = {g: tasks.Example(g, "", "", inputs[g * G]["prompt"], [], meta={"chat": False}) for g in range(2)}
         limit = trainer.model.config.max_position_embeddings - T
-        teachers, role, wlen, _ = build_teachers(tok, "custom", ro, examples, correct, tau_row, limit, 8192, routing)
+        make = lambda i, tau: teacher_prompt(tok, "custom", examples[int(gid[i])], tau)  # noqa: E731
+        teachers, role, wlen, _ = build_teachers(tok, make, texts, mask, gid, correct, tau_row, limit, 8192, routing)
         assert (role == 1).any()  # some rollouts have a teacher
         D = torch.zeros(N, T)
         for i in [i for i, p in enumerate(teachers) if p is not None]:  # the unfused D, one unpadded row at a time
@@ -195,7 +202,7 @@ def test_sc_grpo_in_trl_gives_its_weighted_advantages(tmp_path):
                 _logits(trainer.model, prompt, completion),
             )
         active = weighted_tokens(mask, role, wlen)
-        w, adv, _ = weights_and_advantages(D, active, role, gid, A[:, None].expand(-1, T).clone(), unbiased=False)
+        w, adv, _ = weights_and_advantages(D, active, role, gid, A[:, None].expand(-1, T).clone(), SCConfig())
         return adv * w
 
     made, seen = _spy_hook(trainer, reference), _spy_loss(trainer)

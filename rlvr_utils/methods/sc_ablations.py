@@ -59,13 +59,13 @@ def set_up(args, f_and_bonus, teacher_kl):
     return f_and_bonus, teacher_kl, args.weighted_groups, per_batch
 
 
-def f_over_batch(args, model, ro, T, teachers, active, role, adv, logprobs, teacher_kl, f_and_bonus, micro_batches,
-                 dist, log):  # fmt: skip
+def f_over_batch(args, model, ro, T, teachers, active, adv, logprobs, teacher_kl, f_and_bonus, micro_batches, dist,
+                 log):  # fmt: skip
     """--kl-threshold-scope batch, in sc_grpo.py's step 4 (no gradient): D of every routed row, a micro-batch of whole
     groups at a time, then f and the solve-none bonus with c over the whole batch (every rank's rows). Returns the
     weights [N, T] and the advantages [N, T]. logprobs: common.token_logprobs; teacher_kl, f_and_bonus,
-    micro_batches (of whole groups): sc_grpo.py's; active, role, adv: its step 3's; log: its TeacherLog. FSDP: the
-    passes run on the full weights (their number varies by rank)."""
+    micro_batches (of whole groups): sc_grpo.py's; teachers (its Teachers: prompts, role), active, adv: its step 3's;
+    log: its TeacherLog. FSDP: the passes run on the full weights (their number varies by rank)."""
     gid, D = ro.group_ids.cpu(), torch.zeros(len(ro), T, device=active.device)  # [N, T]
     every_row = torch.arange(len(ro), device=active.device)
     with dist.gathered(model):
@@ -73,9 +73,9 @@ def f_over_batch(args, model, ro, T, teachers, active, role, adv, logprobs, teac
             student = []  # this pass's final hidden states: the student's side of D
             batch = (ro.input_ids[mb], ro.attention_mask[mb], T, args.temperature)
             logprobs(model, *batch, keep=student)
-            D[mb], cost = teacher_kl(model, student, *batch[:3], [teachers[i] for i in mb.tolist()])
+            D[mb], cost = teacher_kl(model, student, *batch[:3], [teachers.prompts[i] for i in mb.tolist()])
             log.add(cost=cost)  # LOGS: the teacher's time
-    weights, adv, f = dist.over_global_batch(f_and_bonus, D, active, role, gid, adv)  # [N, T] each
+    weights, adv, f = dist.over_global_batch(f_and_bonus, D, active, teachers.role, gid, adv)  # [N, T] each
     log.add(D, f, active)  # LOGS
     return weights, adv
 

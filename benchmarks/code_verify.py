@@ -5,10 +5,12 @@ python benchmarks/code_verify.py [--data ../shared/data/HumanEval.jsonl.gz] [--w
 
 Each round verifies every solution once in each sandbox, in turn (so a machine's load falls on all of them alike):
 `bwrap` (the default: bubblewrap's namespaces), `audit-hook` (--code-sandbox audit-hook: the same two processes
-without OS isolation) and, with `--baseline DIR`, the sandbox of another checkout of this repository (for instance
-`git worktree add /tmp/base 86719d2`, the in-process harness before bubblewrap). Reports, per sandbox, the median over
-rounds of the wall time per program with `--workers` in parallel and of one program alone (the first 20 run one at a
-time), and checks that every canonical solution passes. Writes benchmarks/out/code_verify.json.
+without OS isolation) and, with `--baseline DIR`, the sandbox of another checkout of this repository (for instance a
+worktree of a commit with the package in folders; docs/code_task.md's baseline row, 86719d2's in-process harness
+before bubblewrap, was measured before the folders, when this benchmark read the flat layout's sandbox module). Reports,
+per sandbox, the median over rounds of the wall time per program with `--workers` in parallel and of one program alone
+(the first 20 run one at a time), and checks that every canonical solution passes. Writes
+benchmarks/out/code_verify.json.
 """
 
 from __future__ import annotations

@@ -646,6 +646,8 @@ def cmd_report(a) -> None:
     out = Path(a.results) / a.setting
     where = "" if default else f" --results {os.path.relpath(Path(a.results).resolve(), ROOT)}"
     where += " --pool-commits" if a.pool_commits else ""
+    where += f" --last {a.last}" if a.last != 1 else ""
+    where += f" --contrast {' '.join(a.contrast)}" if a.contrast else ""
     command = f"python benchmarks/learning_curves.py report --setting {a.setting}{where}"
     (out / "report.md").write_text(f"`{command}`\n\n{table}\n")
     main = {m: c for m, c in means.items() if "@" not in m}  # the methods at their defaults

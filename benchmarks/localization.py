@@ -11,10 +11,11 @@ keep under benchmarks/results/<setting>/<method>/ (seed<k>.jsonl and seed<k>.cre
 
 (a) Localization (`localization_share`): over a run's training steps, the share of reset points placed at or before
     the parent's first wrong line, i.e. whose kept prefix holds no error: 1 - reset/oracle_after, each step weighted
-    by its reset/num_parents (srpo.py logs both for every step, from arith's oracle: rlvr_utils/chains.reset_metrics;
-    the oracle line is clipped to the parent's lines). `exact` is the same weighting of reset/oracle_exact. Per seed,
-    then the mean over seeds with a 95% Student-t interval, and each self-localizing method minus RRPO, paired by seed
-    (the seeds both finished), with the t-interval of the per-seed differences.
+    by its reset/num_parents (srpo.py logs both for every step, from arith's oracle:
+    rlvr_utils/methods/chains.reset_metrics; the oracle line is clipped to the parent's lines). `exact` is the same
+    weighting of reset/oracle_exact. Per seed, then the mean over seeds with a 95% Student-t interval, and each
+    self-localizing method minus RRPO, paired by seed (the seeds both finished), with the t-interval of the per-seed
+    differences.
 (b) Reset-row credit AUC (`reset_row_auc`): credit_accuracy.py's AUC (the probability that a token of the first wrong
     line gets more blame than a token of an earlier line; its definition, `completion_scores`) over the recorded
     rows whose trained suffix starts after the first response token (signals.reset_at > 0), every recorded step

@@ -102,7 +102,10 @@ WRAPPER = r"""
 import json, os, runpy, sys
 sys.path.insert(0, os.getcwd())
 import common
-from rlvr_utils.core import runtime
+try:
+    from rlvr_utils.core import runtime
+except ImportError:  # a --root checkout from before the package's folders (86719d2)
+    from rlvr_utils import runtime
 
 def hwm():
     return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) / 2**20  # GiB

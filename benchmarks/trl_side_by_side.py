@@ -10,7 +10,7 @@ process of this Python (the same torch, transformers and datasets).
 - `--temperature 1e-4` (the default; near greedy): both sides decode the same completions, so every metric must be the
   same to float precision: the script exits 1 where one differs.
 - `--temperature 1.0`: the two samplers draw different completions; TRL's figures are also recomputed with ours
-  (rlvr_utils/trl_eval.metrics) on TRL's own completions, which must match TRL's exactly (the same definitions).
+  (rlvr_utils/extras/trl_eval.metrics) on TRL's own completions, which must match TRL's exactly (the same definitions).
 The row types: the list of type names and values of the `code` column each side's reward saw, which must be equal.
 
     pip install -r benchmarks/requirements.txt   # trl
@@ -101,7 +101,7 @@ def side(kind: str, data: Path, work: Path, n: int, G: int, temperature: float) 
 
 
 def recomputed(seen: list[dict], G: int, eos: int) -> dict:
-    """Our evaluation's metrics (rlvr_utils/trl_eval.metrics) of the completions a side's reward was given."""
+    """Our evaluation's metrics (rlvr_utils/extras/trl_eval.metrics) of the completions a side's reward was given."""
     import types
 
     import torch

@@ -195,3 +195,24 @@ def test_a_run_started_with_an_ablation_flag_resumes_with_it(tmp_path, monkeypat
     monkeypatch.setattr(sys, "argv", ["grpo_lambda.py", "--resume", str(run), "--total-steps", "3"])
     args = cli.parse(grpo_lambda.Args, grpo_lambda.validate, "lambda_ablations")  # what the resume ran with
     assert args.trace_apply == "weight" and args.ablation_module is lambda_ablations
+
+
+def test_a_gpu_run_names_the_extras_it_loads_before_anything_loads(monkeypatch):
+    """On a GPU a default run computes in bf16 over fp32 masters (precision.py) and its static decoder captures CUDA
+    graphs (cuda_graphs.py), and --engine auto takes vLLM where it is installed (engines.py): a minimal copy without
+    them stops at parsing with their names, not after the model has loaded. --engine hf needs no graphs; a CPU run
+    none of them."""
+    import torch
+
+    from rlvr_utils.core import cli
+
+    flags = vars(cli.BaseArgs())
+    assert not {m for m, _ in cli.needed_extras(flags)} & {"precision", "cuda_graphs", "engines"}
+    monkeypatch.setattr(cli, "pick_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(models, "pick_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
+    assert {"precision", "cuda_graphs"} <= {m for m, _ in cli.needed_extras(flags)}
+    assert "engines" not in {m for m, _ in cli.needed_extras(flags)}
+    assert "cuda_graphs" not in {m for m, _ in cli.needed_extras(flags | {"engine": "hf"})}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert ("engines", "--engine auto on a GPU with vLLM installed") in cli.needed_extras(flags)

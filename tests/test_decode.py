@@ -1,9 +1,9 @@
-"""The static decoder (rlvr_utils/rollouts.StaticDecoder, the default engine) against transformers' `generate`: the same
-tokens bitwise (greedy and sampled from one seed, fp32 and bf16, eight Llama-family configurations with random norms
-and biases, two stop ids), the same distribution from independent seeds, log-probs equal to a fresh forward's, the
-CUDA graph's whole-cache arithmetic, LoRA decoded from merged copies without touching the base, a sliding window the
-sequence outgrows sampled with `generate`, `--engine hf` sampling with the run's flags alone whatever the checkpoint's
-generation_config.json sets, and a run identical under --engine hf."""
+"""The static decoder (rlvr_utils/core/rollouts.StaticDecoder, the default engine) against transformers' `generate`: the
+same tokens bitwise (greedy and sampled from one seed, fp32 and bf16, eight Llama-family configurations with random
+norms and biases, two stop ids), the same distribution from independent seeds, log-probs equal to a fresh forward's,
+the CUDA graph's whole-cache arithmetic, LoRA decoded from merged copies without touching the base, a sliding window
+the sequence outgrows sampled with `generate`, `--engine hf` sampling with the run's flags alone whatever the
+checkpoint's generation_config.json sets, and a run identical under --engine hf."""
 
 import json
 import math

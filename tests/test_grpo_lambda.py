@@ -1,5 +1,5 @@
-"""GRPO-λ (grpo_lambda.py): the O(T) trace against its O(T²) definition, the GRPO limit, the on-policy
-c_k identity (docs/grpo_lambda.md; c_k's closed form is rlvr_utils/trace_diagnostics.trace_multipliers), the advantage
+"""GRPO-λ (grpo_lambda.py): the O(T) trace against its O(T²) definition, the GRPO limit, the on-policy c_k identity
+(docs/grpo_lambda.md; c_k's closed form is rlvr_utils/methods/trace_diagnostics.trace_multipliers), the advantage
 clamp, bad input, and a few steps of the script."""
 
 import importlib.util

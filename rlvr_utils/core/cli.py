@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import tyro
 
 from rlvr_utils.core import checkpoints, flag_groups
-from rlvr_utils.core.models import check_default, mixed_precision
+from rlvr_utils.core.models import check_default, mixed_precision, pick_device
 from rlvr_utils.core.runtime import ablated, world_size
 from rlvr_utils.core.runtime import extra as extra
 from rlvr_utils.core.runtime import need as need
@@ -353,7 +353,15 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [(m, f"--task {a['task']}") for m in ["data_tasks", *own[a["task"]]]] if a["task"] != "arith" else []
     out += [(m, "--data-path") for m in ("data_tasks", "datafiles")] if a["data_path"] or a["eval_data_path"] else []
     out += [(m, "--reward-fn") for m in ("data_tasks", "datafiles", "custom")] if a["reward_fn"] else []
+    gpu = pick_device(a["device"]).type == "cuda"  # where the static decoder captures CUDA graphs
+    vllm = a["engine"] == "auto" and gpu and importlib.util.find_spec("vllm") is not None  # auto: vLLM where it can
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
+    out += [("engines", "--engine auto on a GPU with vLLM installed")] if vllm else []
+    out += (
+        [("cuda_graphs", "a run on a GPU (the static decoder's CUDA graphs; --engine hf does not)")]
+        if gpu and a["engine"] in ("auto", "static")
+        else []
+    )
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("trackers", "--report-to")] if a["track"] or set(a["report_to"]) - {"tensorboard", "none"} else []
     out += [("model_card", "--save-model")] if a["save_model"] else []

@@ -507,7 +507,7 @@ def main(args: Args) -> None:
     t0, history, report, first = time.time(), [], None, 1
     state_path = Path(f"{args.out_dir}.resume.pt")
     if args.resume and state_path.exists():  # --resume: the run continues exactly where its state was written
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=True)  # tensors, numbers, strings: no code
         theirs, ours = (dict(x, **dict.fromkeys(UNCHECKED)) for x in (state["args"], dataclasses.asdict(args)))
         if theirs != ours:
             differ = sorted(k for k in ours if theirs.get(k) != ours[k])

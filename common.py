@@ -13,7 +13,6 @@ Sections: 1. prompt batches, rollouts, rewards  2. token log-probs  3. advantage
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import random
@@ -481,10 +480,7 @@ class Run:
         if a.log_credit and dist.main:  # --log-credit: each token's credit, from the gradient
             credit = runtime.extra("credit", "--log-credit")
             self.credit = credit.CreditLog(self.dir / "credit.jsonl", a.log_credit)
-        found = (
-            a.engine == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")
-        )
-        if a.engine == "vllm" or found:  # --engine vllm (auto: vLLM importable and a GPU present)
+        if a.engine == "vllm" or cli.auto_vllm(vars(a)):  # auto: vLLM importable and a GPU present
             runtime.extra("engines", "--engine vllm").attach_run_engine(model, optimizer, a, dist)
         model._rlvr_hf_generate = a.engine == "hf"  # else rollouts.StaticDecoder
         hashes = {}

@@ -209,7 +209,7 @@ def test_a_gpu_run_names_the_extras_it_loads_before_anything_loads(monkeypatch):
     flags = vars(cli.BaseArgs())
     assert not {m for m, _ in cli.needed_extras(flags)} & {"precision", "cuda_graphs", "engines"}
     monkeypatch.setattr(cli, "pick_device", lambda device: torch.device("cuda"))
-    monkeypatch.setattr(models, "pick_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --engine auto's vLLM check (cli.auto_vllm)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
     assert {"precision", "cuda_graphs"} <= {m for m, _ in cli.needed_extras(flags)}
     assert "engines" not in {m for m, _ in cli.needed_extras(flags)}

@@ -346,6 +346,13 @@ def check_common(args) -> None:
     check_run_flags(a)
 
 
+def auto_vllm(a: dict) -> bool:
+    """Whether --engine auto runs vLLM (Run.start attaches it): vLLM importable and a GPU present."""
+    import torch
+
+    return a["engine"] == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
 def needed_extras(a: dict) -> list[tuple[str, str]]:
     """(module, flag) of each extra the flags ask for, never loaded by a default run (README: Copy one method)."""
     out = [("model_checks", "--model")] if a["model"] != DEFAULT_MODEL else []  # its directory or hub id, checked
@@ -353,10 +360,10 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [(m, f"--task {a['task']}") for m in ["data_tasks", *own[a["task"]]]] if a["task"] != "arith" else []
     out += [(m, "--data-path") for m in ("data_tasks", "datafiles")] if a["data_path"] or a["eval_data_path"] else []
     out += [(m, "--reward-fn") for m in ("data_tasks", "datafiles", "custom")] if a["reward_fn"] else []
-    gpu = pick_device(a["device"]).type == "cuda"  # where the static decoder captures CUDA graphs
-    vllm = a["engine"] == "auto" and gpu and importlib.util.find_spec("vllm") is not None  # auto: vLLM where it can
+    device = pick_device(a["device"])
+    gpu = device.type == "cuda"  # where the static decoder captures CUDA graphs
     out += [("engines", "--engine vllm")] if a["engine"] == "vllm" else []
-    out += [("engines", "--engine auto on a GPU with vLLM installed")] if vllm else []
+    out += [("engines", "--engine auto on a GPU with vLLM installed")] if auto_vllm(a) else []
     out += (
         [("cuda_graphs", "a run on a GPU (the static decoder's CUDA graphs; --engine hf does not)")]
         if gpu and a["engine"] in ("auto", "static")
@@ -365,7 +372,9 @@ def needed_extras(a: dict) -> list[tuple[str, str]]:
     out += [("credit", "--log-credit")] if a["log_credit"] else []
     out += [("trackers", "--report-to")] if a["track"] or set(a["report_to"]) - {"tensorboard", "none"} else []
     out += [("model_card", "--save-model")] if a["save_model"] else []
-    bf16 = a["dtype"] == "bfloat16" or mixed_precision(a) or a["pure_bf16"] != "off" or a["save_dtype"] != "auto"
+    bf16 = (
+        a["dtype"] == "bfloat16" or mixed_precision(a, device) or a["pure_bf16"] != "off" or a["save_dtype"] != "auto"
+    )
     out += [("precision", "--dtype bfloat16 (auto on a GPU), --pure-bf16 or --save-dtype")] if bf16 else []
     out += [("saving", "--save-every")] if a.get("save_every") else []
     out += [("trl_eval", "--eval-num-generations")] if a.get("eval_num_generations") else []
